@@ -1,0 +1,279 @@
+// What tch does not expose, as a small C ABI over libtorch. The Rust side is
+// accel-core/src/shim/: every function here has exactly one safe wrapper there.
+//
+// Conventions:
+// - A tensor argument is `at::Tensor*`, the same pointer tch's `Tensor` holds.
+// - Functions that can fail return a malloc'd error message (the caller frees it
+//   with free()) or NULL on success. No C++ exception crosses this boundary.
+// - Hook callbacks are Rust functions that never unwind (they catch panics) and
+//   return a malloc'd message on failure; the hook then throws, so autograd
+//   reports the failure from backward() on the thread that called it.
+
+#include <torch/torch.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/version.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+char* dup_message(const char* message) {
+  size_t n = std::strlen(message);
+  char* out = static_cast<char*>(std::malloc(n + 1));
+  if (out != nullptr) std::memcpy(out, message, n + 1);
+  return out;
+}
+
+#define ACCEL_TRY(...)                                        \
+  try {                                                       \
+    __VA_ARGS__;                                              \
+    return nullptr;                                           \
+  } catch (const c10::Error& e) {                             \
+    return dup_message(e.what_without_backtrace());           \
+  } catch (const std::exception& e) {                         \
+    return dup_message(e.what());                             \
+  } catch (...) {                                             \
+    return dup_message("unknown C++ exception in accel shim"); \
+  }
+
+// Rethrows a message returned by a Rust callback as a C++ exception (and frees it).
+void throw_callback_error(char* message) {
+  std::string text(message);
+  std::free(message);
+  throw std::runtime_error(text);
+}
+
+}  // namespace
+
+extern "C" {
+
+typedef char* (*accel_post_acc_fn)(void* ctx, at::Tensor* param);
+typedef char* (*accel_grad_fn)(void* ctx, at::Tensor* grad, at::Tensor** replacement);
+typedef void (*accel_drop_fn)(void* ctx);
+
+}  // extern "C"
+
+namespace {
+
+// Owns one Rust closure; dropping it drops the closure on the Rust side.
+struct Callback {
+  void* ctx;
+  accel_drop_fn drop;
+  Callback(void* ctx, accel_drop_fn drop) : ctx(ctx), drop(drop) {}
+  Callback(const Callback&) = delete;
+  Callback& operator=(const Callback&) = delete;
+  ~Callback() { drop(ctx); }
+};
+
+// A tensor holds a single post-accumulate-grad hook object (Python keeps a dict of
+// hooks in it); ours keeps a list so that hooks can be added and removed by id.
+struct PostAccHooks : torch::autograd::PostAccumulateGradHook {
+  struct Entry {
+    uint64_t id;
+    accel_post_acc_fn fn;
+    std::shared_ptr<Callback> callback;
+  };
+  std::vector<Entry> entries;
+
+  void operator()(const torch::autograd::Variable& param) override {
+    // Copy first: a hook may remove itself while running.
+    std::vector<Entry> snapshot = entries;
+    for (auto& entry : snapshot) {
+      char* error = entry.fn(entry.callback->ctx, new at::Tensor(param));
+      if (error != nullptr) throw_callback_error(error);
+    }
+  }
+};
+
+uint64_t next_hook_id = 1;
+std::mutex hook_id_mutex;
+
+uint64_t fresh_hook_id() {
+  std::lock_guard<std::mutex> lock(hook_id_mutex);
+  return next_hook_id++;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* accel_torch_version() { return TORCH_VERSION; }
+
+// ---- post-accumulate-grad hooks -------------------------------------------------
+
+char* accel_add_post_acc_grad_hook(at::Tensor* param, accel_post_acc_fn fn, void* ctx,
+                                   accel_drop_fn drop, uint64_t* id) {
+  // Own the closure before anything can throw, so it is dropped exactly once.
+  auto callback = std::make_shared<Callback>(ctx, drop);
+  ACCEL_TRY({
+    TORCH_CHECK(param->defined(), "cannot hook an undefined tensor");
+    TORCH_CHECK(param->requires_grad() && param->is_leaf(),
+                "post-accumulate-grad hooks need a leaf tensor that requires grad");
+    auto& slot = torch::autograd::impl::post_acc_grad_hooks(*param);
+    if (!slot) slot = std::make_unique<PostAccHooks>();
+    auto* hooks = dynamic_cast<PostAccHooks*>(slot.get());
+    TORCH_CHECK(hooks != nullptr, "the tensor already holds a foreign post-accumulate-grad hook");
+    *id = fresh_hook_id();
+    hooks->entries.push_back({*id, fn, std::move(callback)});
+  })
+}
+
+char* accel_remove_post_acc_grad_hook(at::Tensor* param, uint64_t id, bool* removed) {
+  ACCEL_TRY({
+    *removed = false;
+    auto& slot = torch::autograd::impl::post_acc_grad_hooks(*param);
+    auto* hooks = dynamic_cast<PostAccHooks*>(slot.get());
+    if (hooks == nullptr) return nullptr;
+    auto& entries = hooks->entries;
+    for (auto it = entries.begin(); it != entries.end(); ++it) {
+      if (it->id == id) {
+        entries.erase(it);
+        *removed = true;
+        break;
+      }
+    }
+  })
+}
+
+// ---- gradient hooks ---------------------------------------------------------------
+
+char* accel_add_grad_hook(at::Tensor* tensor, accel_grad_fn fn, void* ctx, accel_drop_fn drop,
+                          uint32_t* handle) {
+  auto callback = std::make_shared<Callback>(ctx, drop);
+  ACCEL_TRY({
+    TORCH_CHECK(tensor->requires_grad(), "cannot hook a tensor that does not require grad");
+    *handle = tensor->register_hook([fn, callback](const at::Tensor& grad) -> at::Tensor {
+      at::Tensor* replacement = nullptr;
+      char* error = fn(callback->ctx, new at::Tensor(grad), &replacement);
+      if (error != nullptr) throw_callback_error(error);
+      if (replacement == nullptr) return at::Tensor();
+      at::Tensor out = std::move(*replacement);
+      delete replacement;
+      return out;
+    });
+  })
+}
+
+char* accel_remove_grad_hook(at::Tensor* tensor, uint32_t handle) {
+  ACCEL_TRY(tensor->remove_hook(handle))
+}
+
+// ---- .grad ---------------------------------------------------------------------
+
+// grad == NULL clears the gradient (None).
+char* accel_set_grad(at::Tensor* tensor, at::Tensor* grad) {
+  ACCEL_TRY({
+    if (grad == nullptr) {
+      tensor->mutable_grad() = at::Tensor();
+    } else {
+      TORCH_CHECK(grad->sizes() == tensor->sizes(), "gradient shape ", grad->sizes(),
+                  " does not match the tensor's ", tensor->sizes());
+      tensor->mutable_grad() = *grad;
+    }
+  })
+}
+
+// ---- autocast ------------------------------------------------------------------
+
+// Saves the thread's autocast state for `device_type` into prev_*, then enables it
+// with `dtype` (an at::ScalarType value).
+char* accel_autocast_enter(int device_type, int dtype, bool enabled, bool* prev_enabled,
+                           int* prev_dtype) {
+  ACCEL_TRY({
+    auto device = static_cast<c10::DeviceType>(device_type);
+    TORCH_CHECK(at::autocast::is_autocast_available(device), "autocast is not available for ",
+                device);
+    *prev_enabled = at::autocast::is_autocast_enabled(device);
+    *prev_dtype = static_cast<int>(at::autocast::get_autocast_dtype(device));
+    at::autocast::set_autocast_enabled(device, enabled);
+    at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(dtype));
+    at::autocast::increment_nesting();
+  })
+}
+
+char* accel_autocast_exit(int device_type, bool prev_enabled, int prev_dtype) {
+  ACCEL_TRY({
+    auto device = static_cast<c10::DeviceType>(device_type);
+    // As torch.autocast.__exit__: drop cached casts when leaving the outermost region.
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(device, prev_enabled);
+    at::autocast::set_autocast_dtype(device, static_cast<at::ScalarType>(prev_dtype));
+  })
+}
+
+char* accel_autocast_state(int device_type, bool* enabled, int* dtype) {
+  ACCEL_TRY({
+    auto device = static_cast<c10::DeviceType>(device_type);
+    *enabled = at::autocast::is_autocast_enabled(device);
+    *dtype = static_cast<int>(at::autocast::get_autocast_dtype(device));
+  })
+}
+
+// ---- storage -------------------------------------------------------------------
+
+char* accel_storage_nbytes(at::Tensor* tensor, uint64_t* nbytes) {
+  ACCEL_TRY(*nbytes = tensor->storage().nbytes())
+}
+
+// Releases the memory behind the tensor's storage; every view of it stays valid as
+// an object but must not be read until accel_storage_allocate.
+char* accel_storage_free(at::Tensor* tensor) {
+  ACCEL_TRY({
+    c10::StorageImpl* storage = tensor->storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+    storage->set_nbytes(0);
+  })
+}
+
+// Gives the storage fresh, uninitialised memory of `nbytes` from its own allocator.
+char* accel_storage_allocate(at::Tensor* tensor, uint64_t nbytes) {
+  ACCEL_TRY({
+    c10::StorageImpl* storage = tensor->storage().unsafeGetStorageImpl();
+    at::Allocator* allocator = storage->allocator();
+    if (allocator == nullptr) allocator = c10::GetAllocator(storage->device_type());
+    storage->set_data_ptr_noswap(allocator->allocate(nbytes));
+    storage->set_nbytes(nbytes);
+  })
+}
+
+// ---- CUDA stream ---------------------------------------------------------------
+
+char* accel_current_cuda_stream(int device_index, void** stream) {
+  ACCEL_TRY({
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    c10::Stream current = impl.getStream(c10::Device(c10::DeviceType::CUDA, device_index));
+    *stream = current.native_handle();
+  })
+}
+
+// ---- fused AdamW ---------------------------------------------------------------
+
+// One AdamW step over n parameters with ATen's fused kernel. `steps` are the float
+// step counters, already incremented for this step (as torch.optim.AdamW does).
+char* accel_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs,
+                        at::Tensor** exp_avg_sqs, at::Tensor** steps, size_t n, double lr,
+                        double beta1, double beta2, double weight_decay, double eps,
+                        bool maximize) {
+  ACCEL_TRY({
+    std::vector<at::Tensor> p, g, m, v, s;
+    for (size_t i = 0; i < n; ++i) {
+      p.push_back(*params[i]);
+      g.push_back(*grads[i]);
+      m.push_back(*exp_avgs[i]);
+      v.push_back(*exp_avg_sqs[i]);
+      s.push_back(*steps[i]);
+    }
+    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr, beta1, beta2, weight_decay, eps,
+                      /*amsgrad=*/false, maximize);
+  })
+}
+
+}  // extern "C"

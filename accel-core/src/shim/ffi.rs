@@ -1,0 +1,87 @@
+//! The C ABI of `csrc/shim.cpp`. Everything here is unsafe; `super` wraps each function.
+//!
+//! Functions returning `*mut c_char` return NULL on success or a `malloc`'d message that
+//! the caller must `free` (see [`super::check`]).
+
+use std::ffi::{c_char, c_void};
+use torch_sys::C_tensor;
+
+/// A post-accumulate-grad callback: receives an owned `at::Tensor*` (the parameter).
+pub(crate) type PostAccFn = unsafe extern "C" fn(*mut c_void, *mut C_tensor) -> *mut c_char;
+/// A gradient callback: receives an owned `at::Tensor*` (the gradient) and may store an
+/// owned replacement in the out-pointer.
+pub(crate) type GradFn =
+    unsafe extern "C" fn(*mut c_void, *mut C_tensor, *mut *mut C_tensor) -> *mut c_char;
+/// Drops the closure behind a callback context.
+pub(crate) type DropFn = unsafe extern "C" fn(*mut c_void);
+
+unsafe extern "C" {
+    pub(crate) fn accel_torch_version() -> *const c_char;
+
+    pub(crate) fn accel_add_post_acc_grad_hook(
+        param: *mut C_tensor,
+        f: PostAccFn,
+        ctx: *mut c_void,
+        drop: DropFn,
+        id: *mut u64,
+    ) -> *mut c_char;
+    pub(crate) fn accel_remove_post_acc_grad_hook(
+        param: *mut C_tensor,
+        id: u64,
+        removed: *mut bool,
+    ) -> *mut c_char;
+
+    pub(crate) fn accel_add_grad_hook(
+        tensor: *mut C_tensor,
+        f: GradFn,
+        ctx: *mut c_void,
+        drop: DropFn,
+        handle: *mut u32,
+    ) -> *mut c_char;
+    pub(crate) fn accel_remove_grad_hook(tensor: *mut C_tensor, handle: u32) -> *mut c_char;
+
+    pub(crate) fn accel_set_grad(tensor: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
+
+    pub(crate) fn accel_autocast_enter(
+        device_type: i32,
+        dtype: i32,
+        enabled: bool,
+        prev_enabled: *mut bool,
+        prev_dtype: *mut i32,
+    ) -> *mut c_char;
+    pub(crate) fn accel_autocast_exit(
+        device_type: i32,
+        prev_enabled: bool,
+        prev_dtype: i32,
+    ) -> *mut c_char;
+    pub(crate) fn accel_autocast_state(
+        device_type: i32,
+        enabled: *mut bool,
+        dtype: *mut i32,
+    ) -> *mut c_char;
+
+    pub(crate) fn accel_storage_nbytes(tensor: *mut C_tensor, nbytes: *mut u64) -> *mut c_char;
+    pub(crate) fn accel_storage_free(tensor: *mut C_tensor) -> *mut c_char;
+    pub(crate) fn accel_storage_allocate(tensor: *mut C_tensor, nbytes: u64) -> *mut c_char;
+
+    pub(crate) fn accel_current_cuda_stream(
+        device_index: i32,
+        stream: *mut *mut c_void,
+    ) -> *mut c_char;
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn accel_fused_adamw(
+        params: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        exp_avgs: *const *mut C_tensor,
+        exp_avg_sqs: *const *mut C_tensor,
+        steps: *const *mut C_tensor,
+        n: usize,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        maximize: bool,
+    ) -> *mut c_char;
+}

@@ -1,0 +1,231 @@
+//! Safe wrappers over the libtorch shim in `csrc/shim.cpp`: what tch does not expose.
+//!
+//! - [`add_post_accumulate_grad_hook`] and [`add_grad_hook`]: autograd hooks (DDP buckets
+//!   and ZeRO reduce-scatter are launched from them);
+//! - [`set_grad`]: assign or clear `.grad`;
+//! - [`autocast`]: CPU/CUDA autocast with a chosen dtype, as a guard;
+//! - [`free_storage`] / [`allocate_storage`]: release and re-create a tensor's memory while
+//!   its views stay valid objects (ZeRO-3 parameters between uses);
+//! - [`current_cuda_stream`]: torch's current stream, for NCCL;
+//! - [`fused_adamw`]: ATen's fused AdamW kernel.
+
+mod autocast;
+mod ffi;
+mod hooks;
+
+use std::ffi::{CStr, c_char, c_void};
+
+use tch::{Device, Kind, Tensor};
+use torch_sys::C_tensor;
+
+use crate::error::{Error, Result};
+
+pub use autocast::{AutocastGuard, autocast, autocast_state};
+pub use hooks::{GradHook, PostAccumulateGradHook, add_grad_hook, add_post_accumulate_grad_hook};
+
+/// Turns a shim result (NULL, or a malloc'd message) into a `Result`.
+fn check(message: *mut c_char, op: &'static str) -> Result<()> {
+    if message.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a non-null result is a NUL-terminated string from malloc, owned by us now.
+    let text = unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned();
+    // SAFETY: allocated with malloc by the shim (or by `malloc_message`), freed once here.
+    unsafe { libc::free(message.cast()) };
+    Err(Error::Libtorch { op, message: text })
+}
+
+/// Copies `text` into a malloc'd C string, which the shim frees.
+fn malloc_message(text: &str) -> *mut c_char {
+    let bytes = text.replace('\0', " ");
+    // SAFETY: plain allocation; a NULL result is handled by the shim as "no message".
+    let out = unsafe { libc::malloc(bytes.len() + 1) }.cast::<u8>();
+    if !out.is_null() {
+        // SAFETY: `out` has room for len + 1 bytes and does not overlap `bytes`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), out, bytes.len());
+            *out.add(bytes.len()) = 0;
+        }
+    }
+    out.cast()
+}
+
+/// The shim takes tensors as `at::Tensor*`; libtorch mutates only the shared TensorImpl
+/// behind it (as every tch call taking `&self` does), never the handle itself.
+fn raw(tensor: &Tensor) -> *mut C_tensor {
+    tensor.as_ptr().cast_mut()
+}
+
+/// The libtorch version the shim was compiled against (`TORCH_VERSION`, e.g. "2.11.0").
+pub fn torch_version() -> &'static str {
+    // SAFETY: returns a pointer to a static NUL-terminated string literal.
+    unsafe { CStr::from_ptr(ffi::accel_torch_version()) }.to_str().unwrap_or("unknown")
+}
+
+/// Sets `tensor.grad` to `grad` (which must have the tensor's shape), or clears it
+/// (`None`, as `zero_grad(set_to_none=True)`).
+pub fn set_grad(tensor: &Tensor, grad: Option<&Tensor>) -> Result<()> {
+    let grad = grad.map_or(std::ptr::null_mut(), raw);
+    // SAFETY: both pointers are live tensors for the duration of the call (or grad is NULL).
+    check(unsafe { ffi::accel_set_grad(raw(tensor), grad) }, "set_grad")
+}
+
+/// Bytes held by the storage behind `tensor` (0 after [`free_storage`]).
+pub fn storage_nbytes(tensor: &Tensor) -> Result<u64> {
+    let mut nbytes = 0;
+    // SAFETY: live tensor; out-pointer to a local.
+    check(unsafe { ffi::accel_storage_nbytes(raw(tensor), &mut nbytes) }, "storage_nbytes")?;
+    Ok(nbytes)
+}
+
+/// Releases the memory of the storage behind `tensor`. The tensor and every view of the
+/// same storage stay valid objects (autograd keeps seeing the same parameters), and
+/// [`allocate_storage`] gives them memory again.
+///
+/// # Safety
+/// Nothing may read or write the storage's data until [`allocate_storage`] has run: the
+/// data pointer is NULL in between, so a kernel touching it would dereference NULL.
+pub unsafe fn free_storage(tensor: &Tensor) -> Result<()> {
+    // SAFETY: live tensor; the caller upholds the no-access contract above.
+    check(unsafe { ffi::accel_storage_free(raw(tensor)) }, "free_storage")
+}
+
+/// Gives the storage behind `tensor` fresh memory of `nbytes` bytes from its own allocator
+/// (CPU or CUDA caching allocator). The contents are unspecified until written.
+pub fn allocate_storage(tensor: &Tensor, nbytes: u64) -> Result<()> {
+    // SAFETY: live tensor; the new DataPtr is owned by the storage.
+    check(unsafe { ffi::accel_storage_allocate(raw(tensor), nbytes) }, "allocate_storage")
+}
+
+/// A raw `cudaStream_t`, as NCCL takes it. NULL is CUDA's legacy default stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaStream(pub *mut c_void);
+
+/// torch's current CUDA stream on `device_index` (what `torch.cuda.current_stream()` gives).
+/// An error where libtorch has no CUDA support or no such device.
+pub fn current_cuda_stream(device_index: usize) -> Result<CudaStream> {
+    let index = i32::try_from(device_index).map_err(|_| Error::Libtorch {
+        op: "current_cuda_stream",
+        message: format!("device index {device_index} is out of range"),
+    })?;
+    let mut stream = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local; the shim catches every C++ exception.
+    check(unsafe { ffi::accel_current_cuda_stream(index, &mut stream) }, "current_cuda_stream")?;
+    Ok(CudaStream(stream))
+}
+
+/// Hyper-parameters of one AdamW step (torch.optim.AdamW's names and meaning).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay of the first-moment average.
+    pub beta1: f64,
+    /// Decay of the second-moment average.
+    pub beta2: f64,
+    /// Decoupled weight decay (multiplies `lr * param`).
+    pub weight_decay: f64,
+    /// Added to the denominator for stability.
+    pub eps: f64,
+    /// Maximise the objective instead of minimising it.
+    pub maximize: bool,
+}
+
+/// One AdamW step with ATen's fused kernel (`torch._fused_adamw_`) over parameters, their
+/// gradients, both moment buffers and float step counters (one-element tensors), all
+/// updated in place. As in `torch.optim.AdamW(fused=True)`, the counters must already
+/// count this step.
+pub fn fused_adamw(
+    params: &[Tensor],
+    grads: &[Tensor],
+    exp_avgs: &[Tensor],
+    exp_avg_sqs: &[Tensor],
+    steps: &[Tensor],
+    hp: AdamWStep,
+) -> Result<()> {
+    let n = params.len();
+    if [grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().any(|&l| l != n) {
+        return Err(Error::Libtorch {
+            op: "fused_adamw",
+            message: format!(
+                "list lengths differ: {n} params, {} grads, {} exp_avgs, {} exp_avg_sqs, {} steps",
+                grads.len(),
+                exp_avgs.len(),
+                exp_avg_sqs.len(),
+                steps.len()
+            ),
+        });
+    }
+    let ptrs = |ts: &[Tensor]| ts.iter().map(raw).collect::<Vec<_>>();
+    let (p, g, m, v, s) =
+        (ptrs(params), ptrs(grads), ptrs(exp_avgs), ptrs(exp_avg_sqs), ptrs(steps));
+    // In-place updates of leaves that require grad are only allowed outside autograd.
+    tch::no_grad(|| {
+        // SAFETY: five arrays of n live tensor pointers, alive for the call.
+        let message = unsafe {
+            ffi::accel_fused_adamw(
+                p.as_ptr(),
+                g.as_ptr(),
+                m.as_ptr(),
+                v.as_ptr(),
+                s.as_ptr(),
+                n,
+                hp.lr,
+                hp.beta1,
+                hp.beta2,
+                hp.weight_decay,
+                hp.eps,
+                hp.maximize,
+            )
+        };
+        check(message, "fused_adamw")
+    })
+}
+
+/// libtorch's `c10::DeviceType` code for the devices autocast knows.
+fn device_type_code(device: Device) -> Result<i32> {
+    match device {
+        Device::Cpu => Ok(0),
+        Device::Cuda(_) => Ok(1),
+        other => Err(Error::Libtorch {
+            op: "autocast",
+            message: format!("autocast is supported on CPU and CUDA, not {other:?}"),
+        }),
+    }
+}
+
+/// libtorch's `c10::ScalarType` code for the floating-point kinds (tch keeps its own
+/// mapping private; the values are fixed by c10/core/ScalarType.h).
+fn scalar_type_code(kind: Kind) -> Result<i32> {
+    match kind {
+        Kind::Half => Ok(5),
+        Kind::Float => Ok(6),
+        Kind::Double => Ok(7),
+        Kind::BFloat16 => Ok(15),
+        other => Err(Error::Libtorch {
+            op: "autocast",
+            message: format!("autocast casts to a floating-point kind, not {other:?}"),
+        }),
+    }
+}
+
+fn kind_from_scalar_type_code(code: i32) -> Option<Kind> {
+    match code {
+        5 => Some(Kind::Half),
+        6 => Some(Kind::Float),
+        7 => Some(Kind::Double),
+        15 => Some(Kind::BFloat16),
+        _ => None,
+    }
+}
+
+/// The text of a caught panic payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}
