@@ -1,1 +1,48 @@
-//! Shared helpers for the examples.
+//! Helpers the examples share: the data sets shipped in `data/`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use tch::{Device, Kind, Tensor};
+
+/// `data/` at the root of the repository.
+pub fn data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../data")
+}
+
+/// The 8x8 handwritten digits (data/digits.safetensors, made by python/make_digits.py):
+/// pixels scaled to [0, 1] as f32 `[n, 64]`, labels i64 `[n]`.
+#[derive(Debug)]
+pub struct Digits {
+    /// Training images.
+    pub train_x: Tensor,
+    /// Training labels.
+    pub train_y: Tensor,
+    /// Held-out images.
+    pub test_x: Tensor,
+    /// Held-out labels.
+    pub test_y: Tensor,
+}
+
+impl Digits {
+    /// Loads the digits onto `device`.
+    pub fn load(device: Device) -> Result<Self> {
+        let path = data_dir().join("digits.safetensors");
+        let tensors = Tensor::read_safetensors(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let get = |name: &str| -> Result<Tensor> {
+            tensors
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, t)| t.to_device(device))
+                .with_context(|| format!("{} has no tensor `{name}`", path.display()))
+        };
+        let pixels = |name: &str| -> Result<Tensor> { Ok(get(name)?.to_kind(Kind::Float) / 16.0) };
+        Ok(Self {
+            train_x: pixels("train.x")?,
+            train_y: get("train.y")?,
+            test_x: pixels("test.x")?,
+            test_y: get("test.y")?,
+        })
+    }
+}

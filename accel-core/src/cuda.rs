@@ -112,7 +112,7 @@ pub fn driver_info() -> std::result::Result<DriverInfo, String> {
 
     // SAFETY: libcuda's initialisers have no preconditions.
     let lib = unsafe { libloading::Library::new("libcuda.so.1") }
-        .map_err(|e| format!("no NVIDIA driver library (libcuda.so.1): {e}"))?;
+        .map_err(|e| format!("the NVIDIA driver library libcuda.so.1 cannot be loaded ({e})"))?;
     // SAFETY: the symbol types are the driver API's documented C signatures; every
     // out-pointer is a local that outlives the call.
     unsafe {

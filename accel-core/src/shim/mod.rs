@@ -229,3 +229,6 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         "non-string panic payload".to_owned()
     }
 }
+
+#[cfg(test)]
+mod tests;
