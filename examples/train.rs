@@ -88,7 +88,8 @@ fn main() -> Result<()> {
         let (mut total, mut batches) = (0.0, 0);
         for start in (0..n).step_by(args.batch_size as usize) {
             let index = order.narrow(0, start, args.batch_size.min(n - start));
-            let (x, y) = (data.train_x.index_select(0, &index), data.train_y.index_select(0, &index));
+            let (x, y) =
+                (data.train_x.index_select(0, &index), data.train_y.index_select(0, &index));
             let loss = net.forward(&x).cross_entropy_for_logits(&y);
             opt.backward_step(&loss);
             total += loss.double_value(&[]);
@@ -110,7 +111,11 @@ fn main() -> Result<()> {
         100.0 * args.target
     );
     if final_accuracy < args.target {
-        bail!("test accuracy {:.2}% is below the target {:.0}%", 100.0 * final_accuracy, 100.0 * args.target);
+        bail!(
+            "test accuracy {:.2}% is below the target {:.0}%",
+            100.0 * final_accuracy,
+            100.0 * args.target
+        );
     }
     Ok(())
 }

@@ -31,15 +31,25 @@ fn accel_env_runs_without_ld_library_path() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "accel env failed: {}", String::from_utf8_lossy(&output.stderr));
-    assert!(stdout.contains(&format!("libtorch              {}", accel_core::shim::torch_version())), "{stdout}");
+    assert!(
+        output.status.success(),
+        "accel env failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        stdout.contains(&format!("libtorch              {}", accel_core::shim::torch_version())),
+        "{stdout}"
+    );
     assert!(stdout.contains("RANK=3"), "distributed variables missing:\n{stdout}");
     for key in ["CUDA available", "NCCL", "CPU", "torch threads", "NVIDIA driver"] {
         assert!(stdout.contains(key), "`{key}` missing:\n{stdout}");
     }
     let lib = accel_core::cuda::libtorch_lib_dir();
     if lib.join("libtorch_cuda.so").exists() {
-        assert!(stdout.contains("libtorch_cuda.so      linked"), "libtorch_cuda not linked:\n{stdout}");
+        assert!(
+            stdout.contains("libtorch_cuda.so      linked"),
+            "libtorch_cuda not linked:\n{stdout}"
+        );
     }
 }
 
@@ -80,7 +90,10 @@ fn asking_for_cuda_without_it_is_a_clear_error() {
         Err(e) => {
             let text = e.to_string();
             assert!(!tch::Cuda::is_available());
-            assert!(text.starts_with("CUDA was requested (device cuda:0) but is not available: "), "{text}");
+            assert!(
+                text.starts_with("CUDA was requested (device cuda:0) but is not available: "),
+                "{text}"
+            );
             assert!(text.len() > 80, "the diagnosis says too little: {text}");
         }
     }

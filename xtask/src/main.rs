@@ -28,7 +28,10 @@ fn main() -> ExitCode {
         "setup" => setup().map(|_| ()),
         "test" => setup().and_then(|_| cargo(&["test", "--workspace"], &rest)),
         "train" => setup().and_then(|_| {
-            cargo(&["run", "--quiet", "-p", "accel-examples", "--example", MAIN_EXAMPLE, "--"], &rest)
+            cargo(
+                &["run", "--quiet", "-p", "accel-examples", "--example", MAIN_EXAMPLE, "--"],
+                &rest,
+            )
         }),
         _ => Err(format!(
             "unknown command `{command}`; the commands are:\n  \
@@ -56,19 +59,19 @@ fn setup() -> Result<PathBuf, String> {
     let ours = root.join(LIBTORCH_LINK);
     // `cargo run` passes on the LIBTORCH of .cargo/config.toml; only a different one is the
     // user's own choice.
-    if let Some(theirs) = std::env::var_os("LIBTORCH").map(PathBuf::from) {
-        if theirs != ours {
-            if !theirs.join("lib/libtorch.so").exists() {
-                return Err(format!(
-                    "LIBTORCH={} has no lib/libtorch.so; point it at a libtorch 2.11.0 \
-                     (the folder that holds lib/ and include/), or unset it to let \
-                     `cargo xtask setup` install one into {VENV}",
-                    theirs.display()
-                ));
-            }
-            eprintln!("xtask: using LIBTORCH={} (set in the environment)", theirs.display());
-            return Ok(theirs);
+    if let Some(theirs) = std::env::var_os("LIBTORCH").map(PathBuf::from)
+        && theirs != ours
+    {
+        if !theirs.join("lib/libtorch.so").exists() {
+            return Err(format!(
+                "LIBTORCH={} has no lib/libtorch.so; point it at a libtorch 2.11.0 \
+                 (the folder that holds lib/ and include/), or unset it to let \
+                 `cargo xtask setup` install one into {VENV}",
+                theirs.display()
+            ));
         }
+        eprintln!("xtask: using LIBTORCH={} (set in the environment)", theirs.display());
+        return Ok(theirs);
     }
     let requirements = std::fs::read_to_string(root.join(REQUIREMENTS))
         .map_err(|e| format!("cannot read {REQUIREMENTS}: {e}"))?;
@@ -108,10 +111,8 @@ fn setup() -> Result<PathBuf, String> {
              LIBTORCH to an existing libtorch 2.11.0 and run cargo directly"
         )
     })?;
-    let torch_dir = python_output(
-        &venv_python,
-        "import os, torch; print(os.path.dirname(torch.__file__))",
-    )?;
+    let torch_dir =
+        python_output(&venv_python, "import os, torch; print(os.path.dirname(torch.__file__))")?;
     // A relative link keeps working when the checkout is moved.
     let torch_dir = PathBuf::from(torch_dir.trim());
     let target = torch_dir.strip_prefix(&venv).unwrap_or(&torch_dir);
@@ -130,18 +131,15 @@ fn setup() -> Result<PathBuf, String> {
 
 fn find_python() -> Result<PathBuf, String> {
     let candidate = std::env::var_os("PYTHON").map(PathBuf::from).unwrap_or("python3".into());
-    let version = python_output(
-        &candidate,
-        "import sys; print('%d.%d' % sys.version_info[:2])",
-    )
-    .map_err(|e| {
-        format!(
-            "{e}\nPython 3.10 or newer is needed to install torch==2.11.0 from PyPI, and \
+    let version = python_output(&candidate, "import sys; print('%d.%d' % sys.version_info[:2])")
+        .map_err(|e| {
+            format!(
+                "{e}\nPython 3.10 or newer is needed to install torch==2.11.0 from PyPI, and \
              `{}` did not run. Install python3 (with its venv module), set PYTHON to one, or \
              set LIBTORCH to an existing libtorch 2.11.0 (the folder with lib/libtorch.so)",
-            candidate.display()
-        )
-    })?;
+                candidate.display()
+            )
+        })?;
     let (major, minor) = version.trim().split_once('.').unwrap_or(("0", "0"));
     let (major, minor): (u32, u32) = (major.parse().unwrap_or(0), minor.parse().unwrap_or(0));
     if (major, minor) < (3, 10) {

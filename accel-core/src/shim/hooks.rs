@@ -30,8 +30,9 @@ impl PostAccumulateGradHook {
     pub fn remove(self) -> Result<bool> {
         let mut removed = false;
         // SAFETY: live tensor; out-pointer to a local.
-        let message =
-            unsafe { ffi::accel_remove_post_acc_grad_hook(raw(&self.param), self.id, &mut removed) };
+        let message = unsafe {
+            ffi::accel_remove_post_acc_grad_hook(raw(&self.param), self.id, &mut removed)
+        };
         check(message, "remove_post_accumulate_grad_hook")?;
         Ok(removed)
     }
@@ -50,7 +51,13 @@ pub fn add_post_accumulate_grad_hook(
     // SAFETY: ownership of `ctx` passes to the shim, which calls `drop_post_acc` exactly
     // once (on failure right away, else when the hook is removed or the tensor dies).
     let message = unsafe {
-        ffi::accel_add_post_acc_grad_hook(raw(param), post_acc_trampoline, ctx, drop_post_acc, &mut id)
+        ffi::accel_add_post_acc_grad_hook(
+            raw(param),
+            post_acc_trampoline,
+            ctx,
+            drop_post_acc,
+            &mut id,
+        )
     };
     check(message, "add_post_accumulate_grad_hook")?;
     Ok(PostAccumulateGradHook { param: param.shallow_clone(), id })
@@ -67,7 +74,10 @@ impl GradHook {
     /// Removes the hook.
     pub fn remove(self) -> Result<()> {
         // SAFETY: live tensor; the handle came from `accel_add_grad_hook` on it.
-        check(unsafe { ffi::accel_remove_grad_hook(raw(&self.tensor), self.handle) }, "remove_grad_hook")
+        check(
+            unsafe { ffi::accel_remove_grad_hook(raw(&self.tensor), self.handle) },
+            "remove_grad_hook",
+        )
     }
 }
 
@@ -81,8 +91,9 @@ pub fn add_grad_hook(
     let ctx = Box::into_raw(Box::new(Box::new(hook) as GradClosure)).cast::<c_void>();
     let mut handle = 0;
     // SAFETY: as in `add_post_accumulate_grad_hook`; `drop_grad` runs exactly once.
-    let message =
-        unsafe { ffi::accel_add_grad_hook(raw(tensor), grad_trampoline, ctx, drop_grad, &mut handle) };
+    let message = unsafe {
+        ffi::accel_add_grad_hook(raw(tensor), grad_trampoline, ctx, drop_grad, &mut handle)
+    };
     check(message, "add_grad_hook")?;
     Ok(GradHook { tensor: tensor.shallow_clone(), handle })
 }

@@ -30,7 +30,8 @@ fn bf16_autocast_runs_matmul_in_bf16_and_backward_still_works() {
     assert_eq!(a.matmul(&b).kind(), Kind::Float, "leaving the guard must restore fp32");
     // Gradients reach the fp32 leaves in fp32: d(sum(a@b))/da = row sums of b.
     assert_eq!(a.grad().kind(), Kind::Float);
-    let expected = b.sum_dim_intlist([1i64].as_slice(), false, Kind::Float).unsqueeze(0).expand([4, 8], false);
+    let expected =
+        b.sum_dim_intlist([1i64].as_slice(), false, Kind::Float).unsqueeze(0).expand([4, 8], false);
     assert!(max_abs_diff(&a.grad(), &expected) < 0.1, "bf16 gradient far from fp32 value");
 }
 
@@ -212,11 +213,19 @@ fn cuda_stream_is_a_handle_on_gpu_machines_and_a_clear_error_elsewhere() {
 }
 
 /// torch.optim.AdamW's single-tensor update, written with plain tensor ops.
-fn reference_adamw(p: &mut Tensor, g: &Tensor, m: &mut Tensor, v: &mut Tensor, t: i32, hp: AdamWStep) {
+fn reference_adamw(
+    p: &mut Tensor,
+    g: &Tensor,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    t: i32,
+    hp: AdamWStep,
+) {
     tch::no_grad(|| {
         let _ = p.f_mul_(&Tensor::from(1.0 - hp.lr * hp.weight_decay)).unwrap();
         let _ = m.f_mul_(&Tensor::from(hp.beta1)).unwrap().f_add_(&(g * (1.0 - hp.beta1))).unwrap();
-        let _ = v.f_mul_(&Tensor::from(hp.beta2)).unwrap().f_add_(&(g * g * (1.0 - hp.beta2))).unwrap();
+        let _ =
+            v.f_mul_(&Tensor::from(hp.beta2)).unwrap().f_add_(&(g * g * (1.0 - hp.beta2))).unwrap();
         let bc1 = 1.0 - hp.beta1.powi(t);
         let bc2 = 1.0 - hp.beta2.powi(t);
         let denom = v.sqrt() / bc2.sqrt() + hp.eps;
@@ -226,19 +235,31 @@ fn reference_adamw(p: &mut Tensor, g: &Tensor, m: &mut Tensor, v: &mut Tensor, t
 
 #[test]
 fn fused_adamw_equals_the_unfused_update() {
-    let hp = AdamWStep { lr: 1e-2, beta1: 0.9, beta2: 0.999, weight_decay: 0.01, eps: 1e-8, maximize: false };
+    let hp = AdamWStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        weight_decay: 0.01,
+        eps: 1e-8,
+        maximize: false,
+    };
     let shapes: [&[i64]; 3] = [&[7, 3], &[3], &[1]];
     let params: Vec<Tensor> = shapes.iter().enumerate().map(|(i, s)| leaf(s, i as i64)).collect();
     let mut reference: Vec<Tensor> = params.iter().map(|p| p.detach().copy()).collect();
     let zeros = |ts: &[Tensor]| ts.iter().map(|p| p.zeros_like()).collect::<Vec<_>>();
     let (m, v) = (zeros(&params), zeros(&params));
     let (mut rm, mut rv) = (zeros(&params), zeros(&params));
-    let steps: Vec<Tensor> = params.iter().map(|_| Tensor::zeros([], (Kind::Float, Device::Cpu))).collect();
+    let steps: Vec<Tensor> =
+        params.iter().map(|_| Tensor::zeros([], (Kind::Float, Device::Cpu))).collect();
     for t in 1..=10 {
-        let grads: Vec<Tensor> = params.iter().enumerate().map(|(i, p)| {
-            tch::manual_seed(100 * t + i as i64);
-            Tensor::randn(p.size(), (Kind::Float, Device::Cpu))
-        }).collect();
+        let grads: Vec<Tensor> = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                tch::manual_seed(100 * t + i as i64);
+                Tensor::randn(p.size(), (Kind::Float, Device::Cpu))
+            })
+            .collect();
         for s in &steps {
             let mut s = s.shallow_clone();
             let _ = s.f_add_scalar_(1.0).unwrap();
@@ -261,9 +282,21 @@ fn fused_adamw_equals_the_unfused_update() {
 #[test]
 fn fused_adamw_rejects_lists_of_different_lengths() {
     let p = vec![leaf(&[2], 0)];
-    let err = fused_adamw(&p, &[], &[], &[], &[], AdamWStep {
-        lr: 1e-3, beta1: 0.9, beta2: 0.999, weight_decay: 0.0, eps: 1e-8, maximize: false,
-    })
+    let err = fused_adamw(
+        &p,
+        &[],
+        &[],
+        &[],
+        &[],
+        AdamWStep {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            weight_decay: 0.0,
+            eps: 1e-8,
+            maximize: false,
+        },
+    )
     .unwrap_err();
     assert!(err.to_string().contains("lengths differ"), "{err}");
 }

@@ -1,0 +1,76 @@
+//! A user's own crate, outside this workspace, set up exactly as the README says (the
+//! dependency lines and the one-line build script), links libtorch so that it runs without
+//! LD_LIBRARY_PATH and keeps libtorch_cuda loaded.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const MANIFEST: &str = r#"[package]
+name = "user-crate"
+version = "0.1.0"
+edition = "2024"
+
+[dependencies]
+accel-core = { path = "ACCEL_CORE" }
+tch = "=0.24.0"
+
+# Its own workspace: the test writes it inside this repository's target/.
+[workspace]
+"#;
+
+/// The README's build script, verbatim.
+const BUILD_RS: &str = r#"fn main() {
+    println!("cargo::rustc-link-arg={}", std::env::var("DEP_ACCEL_LINK_ARG").unwrap());
+}
+"#;
+
+const MAIN_RS: &str = r#"fn main() {
+    let cuda = accel_core::cuda::load_libtorch_cuda();
+    let x = tch::Tensor::from_slice(&[1.0f32, 2.0, 3.0]);
+    println!("sum={} libtorch_cuda={cuda:?}", x.sum(tch::Kind::Float).double_value(&[]));
+}
+"#;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+#[test]
+fn a_crate_outside_the_workspace_builds_and_runs_without_ld_library_path() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("user-crate");
+    std::fs::create_dir_all(dir.join("src")).unwrap();
+    let accel_core = root().join("accel-core");
+    std::fs::write(
+        dir.join("Cargo.toml"),
+        MANIFEST.replace("ACCEL_CORE", accel_core.to_str().unwrap()),
+    )
+    .unwrap();
+    std::fs::write(dir.join("build.rs"), BUILD_RS).unwrap();
+    std::fs::write(dir.join("src/main.rs"), MAIN_RS).unwrap();
+    // Same versions as the workspace, and no network.
+    std::fs::copy(root().join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
+
+    let lib_dir = accel_core::cuda::libtorch_lib_dir();
+    let status = Command::new(env!("CARGO"))
+        .current_dir(&dir)
+        .args(["build", "--offline", "--quiet"])
+        .env("LIBTORCH", lib_dir.parent().unwrap())
+        .env("CARGO_TARGET_DIR", dir.join("target"))
+        .env_remove("RUSTFLAGS")
+        .status()
+        .unwrap();
+    assert!(status.success(), "the user crate did not build");
+
+    let binary = dir.join("target/debug/user-crate");
+    let output = Command::new(&binary).env_remove("LD_LIBRARY_PATH").output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("sum=6"), "{stdout}");
+    if lib_dir.join("libtorch_cuda.so").exists() {
+        assert!(stdout.contains("libtorch_cuda=Linked"), "{stdout}");
+    }
+
+    let dynamic = Command::new("readelf").arg("-d").arg(&binary).output().unwrap();
+    let dynamic = String::from_utf8_lossy(&dynamic.stdout);
+    assert!(dynamic.contains("[libtorch.so]"), "libtorch.so not needed:\n{dynamic}");
+}
