@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/version.h>
 
@@ -273,6 +274,43 @@ char* accel_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** ex
     }
     at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr, beta1, beta2, weight_decay, eps,
                       /*amsgrad=*/false, maximize);
+  })
+}
+
+// ---- gradient scaling ------------------------------------------------------------
+
+// torch.amp.GradScaler's unscale: grads *= inv_scale in place, found_inf set to 1.0 if any
+// gradient holds an inf or NaN (one fused pass per device and dtype).
+char* accel_amp_unscale(at::Tensor** grads, size_t n, at::Tensor* found_inf,
+                        at::Tensor* inv_scale) {
+  ACCEL_TRY({
+    std::vector<at::Tensor> g;
+    for (size_t i = 0; i < n; ++i) g.push_back(*grads[i]);
+    at::_amp_foreach_non_finite_check_and_unscale_(g, *found_inf, *inv_scale);
+  })
+}
+
+// ---- random number generators ----------------------------------------------------
+
+// The state of the default generator of a device (CPU: device_type 0; CUDA: 1), as
+// torch.get_rng_state() / torch.cuda.get_rng_state(i) return it.
+char* accel_rng_get_state(int device_type, int device_index, at::Tensor** state) {
+  ACCEL_TRY({
+    auto device = c10::Device(static_cast<c10::DeviceType>(device_type),
+                              static_cast<c10::DeviceIndex>(device_index));
+    at::Generator generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    *state = new at::Tensor(generator.get_state());
+  })
+}
+
+char* accel_rng_set_state(int device_type, int device_index, at::Tensor* state) {
+  ACCEL_TRY({
+    auto device = c10::Device(static_cast<c10::DeviceType>(device_type),
+                              static_cast<c10::DeviceIndex>(device_index));
+    at::Generator generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(*state);
   })
 }
 

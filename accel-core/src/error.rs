@@ -34,6 +34,31 @@ pub enum Error {
         diagnosis: String,
     },
 
+    // ---- configuration ---------------------------------------------------------------
+    /// A configuration value (attribute, builder, environment or file) is invalid.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// The request is valid but this build of accel cannot do it (yet).
+    #[error("not supported: {0}")]
+    Unsupported(String),
+
+    // ---- training ------------------------------------------------------------------
+    /// A training step went wrong in a way the user must fix (e.g. a loss that is not a
+    /// scalar).
+    #[error("{0}")]
+    Training(String),
+
+    // ---- checkpoints ---------------------------------------------------------------
+    /// A checkpoint cannot be written or read back; says which file and which tensor.
+    #[error("checkpoint{}: {message}", path.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]
+    Checkpoint {
+        /// The file or folder concerned, when known.
+        path: Option<PathBuf>,
+        /// What is wrong.
+        message: String,
+    },
+
     // ---- files ----------------------------------------------------------------------
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]

@@ -16,3 +16,4 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The version of tch accel-core is built on (pinned in the workspace's Cargo.toml).
 pub const TCH_VERSION: &str = "0.24.0";
+pub mod optim;

@@ -84,4 +84,22 @@ unsafe extern "C" {
         eps: f64,
         maximize: bool,
     ) -> *mut c_char;
+
+    pub(crate) fn accel_amp_unscale(
+        grads: *const *mut C_tensor,
+        n: usize,
+        found_inf: *mut C_tensor,
+        inv_scale: *mut C_tensor,
+    ) -> *mut c_char;
+
+    pub(crate) fn accel_rng_get_state(
+        device_type: i32,
+        device_index: i32,
+        state: *mut *mut C_tensor,
+    ) -> *mut c_char;
+    pub(crate) fn accel_rng_set_state(
+        device_type: i32,
+        device_index: i32,
+        state: *mut C_tensor,
+    ) -> *mut c_char;
 }

@@ -7,7 +7,9 @@
 //! - [`free_storage`] / [`allocate_storage`]: release and re-create a tensor's memory while
 //!   its views stay valid objects (ZeRO-3 parameters between uses);
 //! - [`current_cuda_stream`]: torch's current stream, for NCCL;
-//! - [`fused_adamw`]: ATen's fused AdamW kernel.
+//! - [`fused_adamw`]: ATen's fused AdamW kernel;
+//! - [`amp_unscale`]: GradScaler's fused inf/NaN check and unscale;
+//! - [`rng_state`] / [`set_rng_state`]: the default generators' states, for checkpoints.
 
 mod autocast;
 mod ffi;
@@ -180,6 +182,47 @@ pub fn fused_adamw(
         };
         check(message, "fused_adamw")
     })
+}
+
+/// Multiplies every gradient by `inv_scale` (a one-element f32 tensor) in place and sets
+/// `found_inf` (one-element f32, zero on entry) to 1.0 if any holds an inf or NaN:
+/// `torch._amp_foreach_non_finite_check_and_unscale_`, as GradScaler.unscale_ runs it.
+pub fn amp_unscale(grads: &[Tensor], found_inf: &Tensor, inv_scale: &Tensor) -> Result<()> {
+    let ptrs: Vec<_> = grads.iter().map(raw).collect();
+    // SAFETY: an array of live tensor pointers and two live tensors, alive for the call.
+    let message = unsafe {
+        ffi::accel_amp_unscale(ptrs.as_ptr(), ptrs.len(), raw(found_inf), raw(inv_scale))
+    };
+    check(message, "amp_unscale")
+}
+
+/// The state of `device`'s default random generator (a byte tensor), as
+/// `torch.get_rng_state()` / `torch.cuda.get_rng_state(i)` give it.
+pub fn rng_state(device: Device) -> Result<Tensor> {
+    let (device_type, index) = generator_device(device)?;
+    let mut state = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local; on success it holds a fresh `new at::Tensor`.
+    check(unsafe { ffi::accel_rng_get_state(device_type, index, &mut state) }, "rng_state")?;
+    // SAFETY: the shim handed us ownership of a valid at::Tensor.
+    Ok(unsafe { Tensor::from_ptr(state) })
+}
+
+/// Restores a state from [`rng_state`] into `device`'s default generator.
+pub fn set_rng_state(device: Device, state: &Tensor) -> Result<()> {
+    let (device_type, index) = generator_device(device)?;
+    // SAFETY: live tensor; the generator copies the state.
+    check(unsafe { ffi::accel_rng_set_state(device_type, index, raw(state)) }, "set_rng_state")
+}
+
+fn generator_device(device: Device) -> Result<(i32, i32)> {
+    match device {
+        Device::Cpu => Ok((0, -1)),
+        Device::Cuda(i) => Ok((1, i as i32)),
+        other => Err(Error::Libtorch {
+            op: "rng_state",
+            message: format!("random generator state is supported on CPU and CUDA, not {other:?}"),
+        }),
+    }
 }
 
 /// libtorch's `c10::DeviceType` code for the devices autocast knows.

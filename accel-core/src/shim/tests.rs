@@ -300,3 +300,28 @@ fn fused_adamw_rejects_lists_of_different_lengths() {
     .unwrap_err();
     assert!(err.to_string().contains("lengths differ"), "{err}");
 }
+
+#[test]
+fn amp_unscale_divides_and_flags_non_finite_gradients() {
+    let grads = vec![Tensor::from_slice(&[2.0f32, 4.0]), Tensor::from_slice(&[8.0f32])];
+    let found_inf = Tensor::zeros([1], (Kind::Float, Device::Cpu));
+    let inv_scale = Tensor::from_slice(&[0.5f32]);
+    amp_unscale(&grads, &found_inf, &inv_scale).unwrap();
+    assert_eq!(Vec::<f32>::try_from(&grads[0]).unwrap(), [1.0, 2.0]);
+    assert_eq!(found_inf.double_value(&[0]), 0.0);
+    let bad = vec![Tensor::from_slice(&[1.0f32, f32::INFINITY])];
+    amp_unscale(&bad, &found_inf, &inv_scale).unwrap();
+    assert_eq!(found_inf.double_value(&[0]), 1.0);
+}
+
+#[test]
+fn rng_state_round_trips_the_cpu_generator() {
+    tch::manual_seed(42);
+    let state = rng_state(Device::Cpu).unwrap();
+    let first = Tensor::randn([5], (Kind::Float, Device::Cpu));
+    let _ = Tensor::randn([100], (Kind::Float, Device::Cpu));
+    set_rng_state(Device::Cpu, &state).unwrap();
+    let again = Tensor::randn([5], (Kind::Float, Device::Cpu));
+    assert_eq!(max_abs_diff(&first, &again), 0.0);
+    assert!(state.numel() > 0 && state.kind() == Kind::Uint8);
+}

@@ -1,0 +1,309 @@
+//! Adam (L2 weight decay) and AdamW (decoupled weight decay), step for step
+//! `torch.optim.Adam` / `torch.optim.AdamW` (single-tensor path, the default on CPU;
+//! `fused: true` is `fused=True`, ATen's fused kernel, for AdamW).
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use super::{
+    Optimizer, OptimizerState, Param, ParamGroup, groups_from_json, groups_to_json, restore_slot,
+};
+use crate::error::{Error, Result};
+use crate::shim::{AdamWStep, fused_adamw};
+
+/// Hyper-parameters of Adam and AdamW, with torch's defaults (AdamW's weight decay
+/// defaults to 0.01 through [`AdamConfig::adamw`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdamConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay of the first-moment average.
+    pub beta1: f64,
+    /// Decay of the second-moment average.
+    pub beta2: f64,
+    /// Added to the denominator.
+    pub eps: f64,
+    /// Adam: L2 penalty added to the gradient; AdamW: decoupled decay of the weights.
+    pub weight_decay: f64,
+    /// Maximise the objective instead.
+    pub maximize: bool,
+    /// Use ATen's fused kernel (AdamW only).
+    pub fused: bool,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            maximize: false,
+            fused: false,
+        }
+    }
+}
+
+impl AdamConfig {
+    /// `torch.optim.AdamW`'s defaults: as Adam's, with weight decay 0.01.
+    pub fn adamw() -> Self {
+        Self { weight_decay: 1e-2, ..Self::default() }
+    }
+
+    fn validate(&self, name: &str) -> Result<()> {
+        let ok = self.lr >= 0.0
+            && self.eps >= 0.0
+            && (0.0..1.0).contains(&self.beta1)
+            && (0.0..1.0).contains(&self.beta2)
+            && self.weight_decay >= 0.0;
+        if !ok {
+            return Err(Error::Config(format!(
+                "{name}: need lr >= 0, eps >= 0, 0 <= beta1, beta2 < 1, weight_decay >= 0; got \
+                 {self:?}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Per-parameter state, created at the first step.
+#[derive(Debug)]
+struct Moments {
+    /// The step count, a float tensor as torch keeps it.
+    step: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+}
+
+/// The shared implementation; `decoupled` tells AdamW from Adam.
+#[derive(Debug)]
+struct AdamCore {
+    name: &'static str,
+    decoupled: bool,
+    groups: Vec<ParamGroup<AdamConfig>>,
+    moments: Vec<Option<Moments>>,
+}
+
+impl AdamCore {
+    fn add_param_group(&mut self, params: Vec<Param>, config: AdamConfig) -> Result<()> {
+        config.validate(self.name)?;
+        if config.fused && !self.decoupled {
+            return Err(Error::Unsupported(
+                "Adam: the fused kernel is wired for AdamW only; use fused: false".into(),
+            ));
+        }
+        self.moments.extend(params.iter().map(|_| None));
+        self.groups.push(ParamGroup { params, hyper: config });
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<()> {
+        let mut index = 0;
+        for group in &self.groups {
+            let h = group.hyper;
+            let first = index;
+            index += group.params.len();
+            // Lazily create the state of parameters that have a gradient now.
+            for (param, moments) in group.params.iter().zip(&mut self.moments[first..index]) {
+                if moments.is_none() && param.tensor.grad().defined() {
+                    *moments = Some(Moments {
+                        step: Tensor::zeros([], (Kind::Float, Device::Cpu)),
+                        exp_avg: param.tensor.f_zeros_like()?.f_detach()?,
+                        exp_avg_sq: param.tensor.f_zeros_like()?.f_detach()?,
+                    });
+                }
+            }
+            let live: Vec<(&Param, &Moments)> = group
+                .params
+                .iter()
+                .zip(&self.moments[first..index])
+                .filter(|(p, _)| p.tensor.grad().defined())
+                .filter_map(|(p, m)| m.as_ref().map(|m| (p, m)))
+                .collect();
+            if h.fused {
+                fused_step(&live, h)?;
+            } else {
+                for (param, moments) in live {
+                    single_tensor_step(param, moments, h, self.decoupled)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn state(&self) -> OptimizerState {
+        let mut state = OptimizerState {
+            groups: groups_to_json(&self.groups.iter().map(|g| &g.hyper).collect::<Vec<_>>()),
+            ..Default::default()
+        };
+        let names = self.groups.iter().flat_map(|g| &g.params).map(|p| &p.name);
+        for (name, moments) in names.zip(&self.moments) {
+            if let Some(m) = moments {
+                state.tensors.insert(format!("{name}/step"), m.step.copy());
+                state.tensors.insert(format!("{name}/exp_avg"), m.exp_avg.copy());
+                state.tensors.insert(format!("{name}/exp_avg_sq"), m.exp_avg_sq.copy());
+            }
+        }
+        state
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        let hypers: Vec<AdamConfig> = groups_from_json(self.name, &state.groups, self.groups.len())?;
+        for (group, hyper) in self.groups.iter_mut().zip(hypers) {
+            group.hyper = hyper;
+        }
+        let params: Vec<Param> = self.groups.iter().flat_map(|g| g.params.iter().cloned()).collect();
+        for (param, moments) in params.iter().zip(&mut self.moments) {
+            let key = |slot: &str| format!("{}/{slot}", param.name);
+            *moments = if state.tensors.contains_key(&key("step")) {
+                let m = Moments {
+                    step: Tensor::zeros([], (Kind::Float, Device::Cpu)),
+                    exp_avg: param.tensor.f_zeros_like()?.f_detach()?,
+                    exp_avg_sq: param.tensor.f_zeros_like()?.f_detach()?,
+                };
+                restore_slot(state, self.name, &key("step"), &m.step)?;
+                restore_slot(state, self.name, &key("exp_avg"), &m.exp_avg)?;
+                restore_slot(state, self.name, &key("exp_avg_sq"), &m.exp_avg_sq)?;
+                Some(m)
+            } else {
+                None
+            };
+        }
+        Ok(())
+    }
+}
+
+/// `torch.optim.adam._single_tensor_adam` (non-capturable, amsgrad off).
+fn single_tensor_step(param: &Param, m: &Moments, h: AdamConfig, decoupled: bool) -> Result<()> {
+    tch::no_grad(|| -> Result<()> {
+        let grad = param.tensor.grad();
+        let mut grad = if h.maximize { grad.f_neg()? } else { grad };
+        let mut p = param.tensor.shallow_clone();
+        let (mut step, mut exp_avg, mut exp_avg_sq) =
+            (m.step.shallow_clone(), m.exp_avg.shallow_clone(), m.exp_avg_sq.shallow_clone());
+        let _ = step.f_add_scalar_(1.0)?;
+        if h.weight_decay != 0.0 {
+            if decoupled {
+                let _ = p.f_mul_scalar_(1.0 - h.lr * h.weight_decay)?;
+            } else {
+                grad = grad.f_add(&(&p * h.weight_decay))?;
+            }
+        }
+        let _ = exp_avg.f_lerp_(&grad, 1.0 - h.beta1)?;
+        let _ = exp_avg_sq.f_mul_scalar_(h.beta2)?;
+        let _ = exp_avg_sq.f_addcmul_(&(&grad * (1.0 - h.beta2)), &grad)?;
+        let t = step.f_double_value(&[])?;
+        let bias_correction1 = 1.0 - h.beta1.powf(t);
+        let bias_correction2 = 1.0 - h.beta2.powf(t);
+        let step_size = h.lr / bias_correction1;
+        let denom = (exp_avg_sq.f_sqrt()? / bias_correction2.sqrt()).f_add_scalar(h.eps)?;
+        let _ = p.f_addcdiv_(&(&exp_avg * -step_size), &denom)?;
+        Ok(())
+    })
+}
+
+fn fused_step(live: &[(&Param, &Moments)], h: AdamConfig) -> Result<()> {
+    if live.is_empty() {
+        return Ok(());
+    }
+    let params: Vec<Tensor> = live.iter().map(|(p, _)| p.tensor.shallow_clone()).collect();
+    let grads: Vec<Tensor> = live.iter().map(|(p, _)| p.tensor.grad()).collect();
+    let exp_avgs: Vec<Tensor> = live.iter().map(|(_, m)| m.exp_avg.shallow_clone()).collect();
+    let exp_avg_sqs: Vec<Tensor> = live.iter().map(|(_, m)| m.exp_avg_sq.shallow_clone()).collect();
+    // The fused kernel wants its step counters on the parameters' device.
+    let device = params[0].device();
+    let steps: Vec<Tensor> = live
+        .iter()
+        .map(|(_, m)| {
+            let mut step = m.step.shallow_clone();
+            let _ = tch::no_grad(|| step.f_add_scalar_(1.0))?;
+            Ok(step.f_to_device(device)?)
+        })
+        .collect::<Result<_>>()?;
+    fused_adamw(
+        &params,
+        &grads,
+        &exp_avgs,
+        &exp_avg_sqs,
+        &steps,
+        AdamWStep {
+            lr: h.lr,
+            beta1: h.beta1,
+            beta2: h.beta2,
+            weight_decay: h.weight_decay,
+            eps: h.eps,
+            maximize: h.maximize,
+        },
+    )
+}
+
+macro_rules! adam_optimizer {
+    ($(#[$doc:meta])* $ty:ident, $name:literal, $decoupled:literal) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $ty(AdamCore);
+
+        impl $ty {
+            /// The optimizer over `params` with `config`.
+            pub fn new(params: Vec<Param>, config: AdamConfig) -> Result<Self> {
+                let mut core = AdamCore {
+                    name: $name,
+                    decoupled: $decoupled,
+                    groups: Vec::new(),
+                    moments: Vec::new(),
+                };
+                core.add_param_group(params, config)?;
+                Ok(Self(core))
+            }
+
+            /// Adds a group with its own hyper-parameters.
+            pub fn add_param_group(&mut self, params: Vec<Param>, config: AdamConfig) -> Result<()> {
+                self.0.add_param_group(params, config)
+            }
+        }
+
+        impl Optimizer for $ty {
+            fn name(&self) -> &'static str {
+                $name
+            }
+            fn step(&mut self) -> Result<()> {
+                self.0.step()
+            }
+            fn params(&self) -> Vec<Tensor> {
+                self.0.groups.iter().flat_map(|g| g.params.iter().map(|p| p.tensor.shallow_clone())).collect()
+            }
+            fn num_groups(&self) -> usize {
+                self.0.groups.len()
+            }
+            fn lr(&self, group: usize) -> f64 {
+                self.0.groups[group].hyper.lr
+            }
+            fn set_lr(&mut self, group: usize, lr: f64) {
+                self.0.groups[group].hyper.lr = lr;
+            }
+            fn momentum(&self, group: usize) -> Option<f64> {
+                Some(self.0.groups[group].hyper.beta1)
+            }
+            fn set_momentum(&mut self, group: usize, momentum: f64) {
+                self.0.groups[group].hyper.beta1 = momentum;
+            }
+            fn state(&self) -> Result<OptimizerState> {
+                Ok(self.0.state())
+            }
+            fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+                self.0.load_state(state)
+            }
+        }
+    };
+}
+
+adam_optimizer!(
+    /// Adam with L2 weight decay (`torch.optim.Adam`).
+    Adam, "Adam", false
+);
+adam_optimizer!(
+    /// Adam with decoupled weight decay (`torch.optim.AdamW`); `fused: true` runs ATen's
+    /// fused kernel.
+    AdamW, "AdamW", true
+);

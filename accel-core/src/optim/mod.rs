@@ -1,0 +1,250 @@
+//! Optimizers whose state we own (so checkpoints and, later, sharding can reach it), learning
+//! rate schedules, and gradient clipping — each equal to its `torch.optim` counterpart.
+//!
+//! - [`Sgd`] (momentum, dampening, Nesterov, weight decay), [`Adam`] and [`AdamW`]
+//!   (optionally ATen's fused kernel) implement [`Optimizer`];
+//! - [`TchOptimizer`] puts tch's own `nn::Optimizer` behind it too, minus state export: it
+//!   trains, but a checkpoint of it is refused with an error (tch cannot read its state);
+//! - [`LrScheduler`] drives any of them through the [`Optimizer`] trait;
+//! - [`clip_grad_norm`] is `torch.nn.utils.clip_grad_norm_`.
+
+mod adam;
+mod schedule;
+mod sgd;
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+use crate::error::{Error, Result};
+
+pub use adam::{Adam, AdamConfig, AdamW};
+pub use schedule::{LrScheduler, Schedule, SchedulerState};
+pub use sgd::{Sgd, SgdConfig};
+
+/// A parameter and the name it is saved under.
+#[derive(Debug)]
+pub struct Param {
+    /// Its name in the model, e.g. `layers.0.weight`.
+    pub name: String,
+    /// The parameter (a leaf that requires grad).
+    pub tensor: Tensor,
+}
+
+impl Clone for Param {
+    fn clone(&self) -> Self {
+        Self { name: self.name.clone(), tensor: self.tensor.shallow_clone() }
+    }
+}
+
+/// The trainable variables of a `VarStore`, sorted by name (its map has no stable order,
+/// and every rank must agree on one).
+pub fn named_params(vs: &tch::nn::VarStore) -> Vec<Param> {
+    let mut params: Vec<Param> = vs
+        .variables()
+        .into_iter()
+        .filter(|(_, t)| t.requires_grad())
+        .map(|(name, tensor)| Param { name, tensor })
+        .collect();
+    params.sort_by(|a, b| a.name.cmp(&b.name));
+    params
+}
+
+/// Names `param.{i}` for parameters given without names.
+pub fn unnamed_params(tensors: &[Tensor]) -> Vec<Param> {
+    tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| Param { name: format!("param.{i}"), tensor: t.shallow_clone() })
+        .collect()
+}
+
+/// A group of parameters sharing hyper-parameters `H` (torch's `param_groups`).
+#[derive(Debug, Clone)]
+pub struct ParamGroup<H> {
+    /// The parameters.
+    pub params: Vec<Param>,
+    /// Their hyper-parameters.
+    pub hyper: H,
+}
+
+/// Everything an optimizer must restore to continue bit-identically.
+#[derive(Debug, Default)]
+pub struct OptimizerState {
+    /// State tensors, keyed `{param name}/{slot}` (e.g. `layers.0.weight/exp_avg`).
+    pub tensors: BTreeMap<String, Tensor>,
+    /// Hyper-parameters per group, in the optimizer's serde form.
+    pub groups: serde_json::Value,
+}
+
+/// What [`crate::optim`]'s optimizers and the scheduler need from an optimizer.
+pub trait Optimizer: Send {
+    /// A short name for messages, e.g. `AdamW`.
+    fn name(&self) -> &'static str;
+    /// One update from the parameters' current `.grad` (parameters without one are skipped).
+    fn step(&mut self) -> Result<()>;
+    /// Every parameter, in group order (shallow clones).
+    fn params(&self) -> Vec<Tensor>;
+    /// Clears the gradients (`zero_grad(set_to_none=True)`, torch's default).
+    fn zero_grad(&mut self) -> Result<()> {
+        for p in self.params() {
+            crate::shim::set_grad(&p, None)?;
+        }
+        Ok(())
+    }
+    /// Number of parameter groups.
+    fn num_groups(&self) -> usize;
+    /// Learning rate of group `group`.
+    fn lr(&self, group: usize) -> f64;
+    /// Sets the learning rate of group `group`.
+    fn set_lr(&mut self, group: usize, lr: f64);
+    /// The momentum a one-cycle schedule cycles: SGD's `momentum`, Adam's `beta1`.
+    fn momentum(&self, group: usize) -> Option<f64>;
+    /// Sets that momentum.
+    fn set_momentum(&mut self, group: usize, momentum: f64);
+    /// Exports the state (a copy; the optimizer keeps going).
+    fn state(&self) -> Result<OptimizerState>;
+    /// Restores a state from [`Optimizer::state`] of an optimizer over the same parameters.
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()>;
+}
+
+/// Global-norm gradient clipping, as `torch.nn.utils.clip_grad_norm_(params, max_norm)`:
+/// returns the total L2 norm before clipping; scales every gradient by
+/// `min(1, max_norm / (norm + 1e-6))`.
+pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<f64> {
+    let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).filter(Tensor::defined).collect();
+    if grads.is_empty() {
+        return Ok(0.0);
+    }
+    let norms: Vec<Tensor> = grads.iter().map(|g| g.f_norm()).collect::<Result<_, _>>()?;
+    let total = Tensor::f_stack(&norms, 0)?.f_norm()?;
+    let coef = (max_norm / (&total + 1e-6)).f_clamp_max(1.0)?;
+    tch::no_grad(|| -> Result<()> {
+        for g in &grads {
+            let mut g = g.shallow_clone();
+            let _ = g.f_mul_(&coef)?;
+        }
+        Ok(())
+    })?;
+    Ok(total.f_double_value(&[])?)
+}
+
+/// Copies the saved state tensor `key` into `into`, checking that it exists with the same
+/// shape.
+pub(crate) fn restore_slot(
+    state: &OptimizerState,
+    optimizer: &'static str,
+    key: &str,
+    into: &Tensor,
+) -> Result<()> {
+    let saved = state.tensors.get(key).ok_or_else(|| Error::Checkpoint {
+        path: None,
+        message: format!("{optimizer} state has no tensor `{key}`"),
+    })?;
+    if saved.size() != into.size() {
+        return Err(Error::Checkpoint {
+            path: None,
+            message: format!(
+                "{optimizer} state tensor `{key}` has shape {:?}, the optimizer expects {:?}",
+                saved.size(),
+                into.size()
+            ),
+        });
+    }
+    let mut into = into.shallow_clone();
+    tch::no_grad(|| into.f_copy_(saved))?;
+    Ok(())
+}
+
+/// Reads the serde form of hyper-parameters back.
+pub(crate) fn groups_from_json<H: for<'de> Deserialize<'de>>(
+    optimizer: &'static str,
+    value: &serde_json::Value,
+    expected: usize,
+) -> Result<Vec<H>> {
+    let groups: Vec<H> = serde_json::from_value(value.clone()).map_err(|e| Error::Checkpoint {
+        path: None,
+        message: format!("{optimizer} hyper-parameters do not parse: {e}"),
+    })?;
+    if groups.len() != expected {
+        return Err(Error::Checkpoint {
+            path: None,
+            message: format!(
+                "{optimizer} state has {} parameter groups, the optimizer has {expected}",
+                groups.len()
+            ),
+        });
+    }
+    Ok(groups)
+}
+
+pub(crate) fn groups_to_json<H: Serialize>(groups: &[&H]) -> serde_json::Value {
+    serde_json::to_value(groups).unwrap_or(serde_json::Value::Null)
+}
+
+/// tch's own optimizer behind the [`Optimizer`] trait. Steps, zero_grad and learning rates
+/// work; exporting its state does not (tch cannot read it), so a checkpoint that includes it
+/// is refused with an error. Use [`Sgd`], [`Adam`] or [`AdamW`] where state must be saved.
+pub struct TchOptimizer {
+    inner: tch::nn::Optimizer,
+    lrs: Vec<f64>,
+    momenta: Vec<Option<f64>>,
+}
+
+impl std::fmt::Debug for TchOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TchOptimizer").field("lrs", &self.lrs).finish_non_exhaustive()
+    }
+}
+
+impl TchOptimizer {
+    /// Wraps `optimizer`, built with learning rate `lr` (tch cannot report it back).
+    pub fn new(optimizer: tch::nn::Optimizer, lr: f64) -> Self {
+        Self { inner: optimizer, lrs: vec![lr], momenta: vec![None] }
+    }
+}
+
+impl Optimizer for TchOptimizer {
+    fn name(&self) -> &'static str {
+        "tch::nn::Optimizer"
+    }
+    fn step(&mut self) -> Result<()> {
+        self.inner.step();
+        Ok(())
+    }
+    fn params(&self) -> Vec<Tensor> {
+        self.inner.trainable_variables()
+    }
+    fn zero_grad(&mut self) -> Result<()> {
+        self.inner.zero_grad();
+        Ok(())
+    }
+    fn num_groups(&self) -> usize {
+        self.lrs.len()
+    }
+    fn lr(&self, group: usize) -> f64 {
+        self.lrs[group]
+    }
+    fn set_lr(&mut self, group: usize, lr: f64) {
+        self.inner.set_lr_group(group, lr);
+        self.lrs[group] = lr;
+    }
+    fn momentum(&self, group: usize) -> Option<f64> {
+        self.momenta[group]
+    }
+    fn set_momentum(&mut self, group: usize, momentum: f64) {
+        self.inner.set_momentum_group(group, momentum);
+        self.momenta[group] = Some(momentum);
+    }
+    fn state(&self) -> Result<OptimizerState> {
+        Err(Error::Unsupported(
+            "tch's nn::Optimizer cannot export its state, so it cannot be checkpointed; use \
+             accel_core::optim::{Sgd, Adam, AdamW} instead"
+                .into(),
+        ))
+    }
+    fn load_state(&mut self, _state: &OptimizerState) -> Result<()> {
+        self.state().map(|_| ())
+    }
+}

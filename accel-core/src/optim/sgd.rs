@@ -1,0 +1,175 @@
+//! SGD with momentum, dampening, Nesterov momentum and L2 weight decay, step for step
+//! `torch.optim.SGD` (its single-tensor path, the default on CPU).
+
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+use super::{
+    Optimizer, OptimizerState, Param, ParamGroup, groups_from_json, groups_to_json, restore_slot,
+};
+use crate::error::{Error, Result};
+
+/// `torch.optim.SGD`'s hyper-parameters, with its defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SgdConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor (0 = plain SGD).
+    pub momentum: f64,
+    /// Dampening of the momentum.
+    pub dampening: f64,
+    /// L2 penalty added to the gradient.
+    pub weight_decay: f64,
+    /// Nesterov momentum (needs momentum > 0 and dampening 0).
+    pub nesterov: bool,
+    /// Maximise the objective instead.
+    pub maximize: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+            maximize: false,
+        }
+    }
+}
+
+impl SgdConfig {
+    fn validate(&self) -> Result<()> {
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(Error::Config(
+                "SGD: Nesterov momentum requires momentum > 0 and dampening = 0".into(),
+            ));
+        }
+        if !(self.lr >= 0.0) || self.momentum < 0.0 || self.weight_decay < 0.0 {
+            return Err(Error::Config(format!(
+                "SGD: lr, momentum and weight_decay must be >= 0, got {self:?}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Stochastic gradient descent. Momentum buffers are created at the first step, as torch does.
+#[derive(Debug)]
+pub struct Sgd {
+    groups: Vec<ParamGroup<SgdConfig>>,
+    /// One per parameter, in group order; `None` until the first step with momentum.
+    momentum_buffers: Vec<Option<Tensor>>,
+}
+
+impl Sgd {
+    /// SGD over `params` with `config`.
+    pub fn new(params: Vec<Param>, config: SgdConfig) -> Result<Self> {
+        let mut sgd = Self { groups: Vec::new(), momentum_buffers: Vec::new() };
+        sgd.add_param_group(params, config)?;
+        Ok(sgd)
+    }
+
+    /// Adds a group with its own hyper-parameters.
+    pub fn add_param_group(&mut self, params: Vec<Param>, config: SgdConfig) -> Result<()> {
+        config.validate()?;
+        self.momentum_buffers.extend(params.iter().map(|_| None));
+        self.groups.push(ParamGroup { params, hyper: config });
+        Ok(())
+    }
+}
+
+impl Optimizer for Sgd {
+    fn name(&self) -> &'static str {
+        "SGD"
+    }
+
+    fn step(&mut self) -> Result<()> {
+        let mut index = 0;
+        tch::no_grad(|| -> Result<()> {
+            for group in &self.groups {
+                let h = group.hyper;
+                for param in &group.params {
+                    let buffer = &mut self.momentum_buffers[index];
+                    index += 1;
+                    let grad = param.tensor.grad();
+                    if !grad.defined() {
+                        continue;
+                    }
+                    let mut d_p = if h.maximize { grad.f_neg()? } else { grad };
+                    if h.weight_decay != 0.0 {
+                        d_p = d_p.f_add(&(&param.tensor * h.weight_decay))?;
+                    }
+                    if h.momentum != 0.0 {
+                        let buf = match buffer {
+                            None => buffer.insert(d_p.f_detach_copy()?),
+                            Some(buf) => {
+                                let _ = buf.f_mul_scalar_(h.momentum)?;
+                                let _ = buf.f_add_(&(&d_p * (1.0 - h.dampening)))?;
+                                buf
+                            }
+                        };
+                        d_p = if h.nesterov { d_p.f_add(&(&*buf * h.momentum))? } else { buf.shallow_clone() };
+                    }
+                    let mut p = param.tensor.shallow_clone();
+                    let _ = p.f_sub_(&(d_p * h.lr))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn params(&self) -> Vec<Tensor> {
+        self.groups.iter().flat_map(|g| g.params.iter().map(|p| p.tensor.shallow_clone())).collect()
+    }
+
+    fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+    fn lr(&self, group: usize) -> f64 {
+        self.groups[group].hyper.lr
+    }
+    fn set_lr(&mut self, group: usize, lr: f64) {
+        self.groups[group].hyper.lr = lr;
+    }
+    fn momentum(&self, group: usize) -> Option<f64> {
+        Some(self.groups[group].hyper.momentum)
+    }
+    fn set_momentum(&mut self, group: usize, momentum: f64) {
+        self.groups[group].hyper.momentum = momentum;
+    }
+
+    fn state(&self) -> Result<OptimizerState> {
+        let mut state = OptimizerState {
+            groups: groups_to_json(&self.groups.iter().map(|g| &g.hyper).collect::<Vec<_>>()),
+            ..Default::default()
+        };
+        let names = self.groups.iter().flat_map(|g| &g.params).map(|p| &p.name);
+        for (name, buffer) in names.zip(&self.momentum_buffers) {
+            if let Some(buffer) = buffer {
+                state.tensors.insert(format!("{name}/momentum_buffer"), buffer.copy());
+            }
+        }
+        Ok(state)
+    }
+
+    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+        let hypers: Vec<SgdConfig> = groups_from_json("SGD", &state.groups, self.groups.len())?;
+        for (group, hyper) in self.groups.iter_mut().zip(hypers) {
+            group.hyper = hyper;
+        }
+        let params: Vec<Param> = self.groups.iter().flat_map(|g| g.params.iter().cloned()).collect();
+        for (param, buffer) in params.iter().zip(&mut self.momentum_buffers) {
+            let key = format!("{}/momentum_buffer", param.name);
+            *buffer = if state.tensors.contains_key(&key) {
+                let fresh = param.tensor.f_detach_copy()?;
+                restore_slot(state, "SGD", &key, &fresh)?;
+                Some(fresh)
+            } else {
+                None
+            };
+        }
+        Ok(())
+    }
+}
