@@ -1,0 +1,157 @@
+//! accel-core against PyTorch (and Hugging Face Accelerate) on the same numbers: reference
+//! values come from the scripts in python/reference/, run in the project's .venv by the
+//! tests themselves.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+
+use accel_core::optim::{
+    Adam, AdamConfig, AdamW, LrScheduler, Optimizer, Schedule, Sgd, SgdConfig, unnamed_params,
+};
+use tch::{Device, Kind, Tensor};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// Runs `python/reference/{script}` with an output path and loads what it wrote.
+fn run_reference(script: &str) -> HashMap<String, Tensor> {
+    let python = std::env::var_os("ACCEL_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv/bin/python"));
+    assert!(
+        python.exists(),
+        "{} does not exist: run `cargo xtask setup` (it creates .venv with torch and accelerate)",
+        python.display()
+    );
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(script.replace(".py", ".safetensors"));
+    let output = Command::new(&python)
+        .arg(root().join("python/reference").join(script))
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{script} failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Tensor::read_safetensors(&out).unwrap().into_iter().collect()
+}
+
+/// Runs each reference script once per test binary (tensors are not Sync, hence the Mutex).
+fn cached_reference(script: &'static str) -> HashMap<String, Tensor> {
+    static CACHE: Mutex<BTreeMap<&'static str, HashMap<String, Tensor>>> = Mutex::new(BTreeMap::new());
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    let values = cache.entry(script).or_insert_with(|| run_reference(script));
+    values.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect()
+}
+
+fn optim_reference() -> HashMap<String, Tensor> {
+    cached_reference("optim_sched.py")
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+/// Runs `optimizer` over the reference gradients and compares with torch after steps
+/// 1, 10 and 100.
+fn check_optimizer(name: &str, make: impl FnOnce(Vec<Tensor>) -> Box<dyn Optimizer>) {
+    let r = optim_reference();
+    let params: Vec<Tensor> =
+        (0..2).map(|i| r[&format!("init.{i}")].copy().set_requires_grad(true)).collect();
+    let mut opt = make(params.iter().map(Tensor::shallow_clone).collect());
+    for step in 0..100i64 {
+        for (i, p) in params.iter().enumerate() {
+            let g = r[&format!("grads.{i}")].get(step);
+            accel_core::shim::set_grad(p, Some(&g)).unwrap();
+        }
+        opt.step().unwrap();
+        if [1, 10, 100].contains(&(step + 1)) {
+            for (i, p) in params.iter().enumerate() {
+                let expected = &r[&format!("{name}.step{}.{i}", step + 1)];
+                let diff = max_abs_diff(p, expected);
+                assert!(diff < 1e-6, "{name}: param {i} differs from torch by {diff} after step {}", step + 1);
+            }
+        }
+    }
+    // Something happened: a no-op optimizer stays at the start.
+    assert!(max_abs_diff(&params[0], &r["init.0"]) > 1e-3, "{name} did not move the parameters");
+}
+
+fn sgd(config: SgdConfig) -> impl FnOnce(Vec<Tensor>) -> Box<dyn Optimizer> {
+    move |p| Box::new(Sgd::new(unnamed_params(&p), config).unwrap())
+}
+
+#[test]
+fn sgd_equals_torch_over_100_steps() {
+    check_optimizer("sgd", sgd(SgdConfig { lr: 0.1, ..Default::default() }));
+    check_optimizer(
+        "sgd_momentum",
+        sgd(SgdConfig { lr: 0.05, momentum: 0.9, dampening: 0.1, weight_decay: 0.01, ..Default::default() }),
+    );
+    check_optimizer(
+        "sgd_nesterov",
+        sgd(SgdConfig { lr: 0.05, momentum: 0.9, nesterov: true, weight_decay: 0.01, ..Default::default() }),
+    );
+    check_optimizer(
+        "sgd_maximize",
+        sgd(SgdConfig { lr: 0.05, momentum: 0.5, maximize: true, ..Default::default() }),
+    );
+}
+
+#[test]
+fn adam_equals_torch_over_100_steps() {
+    check_optimizer("adam", |p| {
+        Box::new(Adam::new(unnamed_params(&p), AdamConfig { lr: 1e-2, weight_decay: 0.01, ..Default::default() }).unwrap())
+    });
+    check_optimizer("adam_betas", |p| {
+        let config = AdamConfig { lr: 3e-3, beta1: 0.8, beta2: 0.99, eps: 1e-6, ..Default::default() };
+        Box::new(Adam::new(unnamed_params(&p), config).unwrap())
+    });
+}
+
+#[test]
+fn adamw_equals_torch_over_100_steps_unfused_fused_and_with_groups() {
+    let config = AdamConfig { lr: 1e-2, weight_decay: 0.1, ..AdamConfig::adamw() };
+    check_optimizer("adamw", |p| Box::new(AdamW::new(unnamed_params(&p), config).unwrap()));
+    check_optimizer("adamw_fused", |p| {
+        Box::new(AdamW::new(unnamed_params(&p), AdamConfig { fused: true, ..config }).unwrap())
+    });
+    check_optimizer("adamw_groups", |p| {
+        let named = unnamed_params(&p);
+        let config = AdamConfig { lr: 1e-2, weight_decay: 0.05, ..AdamConfig::adamw() };
+        let mut opt = AdamW::new(vec![named[0].clone()], config).unwrap();
+        opt.add_param_group(vec![named[1].clone()], AdamConfig { lr: 3e-2, ..config }).unwrap();
+        Box::new(opt)
+    });
+}
+
+#[test]
+fn schedules_equal_torch_step_by_step() {
+    let r = optim_reference();
+    let schedules = [
+        ("constant", Schedule::Constant),
+        ("constant_warmup", Schedule::ConstantWithWarmup { warmup_steps: 5 }),
+        ("linear_warmup", Schedule::LinearWarmup { warmup_steps: 10, total_steps: 40 }),
+        ("cosine_warmup", Schedule::CosineWarmup { warmup_steps: 8, total_steps: 40, num_cycles: 0.5 }),
+        ("one_cycle", Schedule::one_cycle(0.5, 41)),
+        ("step", Schedule::Step { step_size: 7, gamma: 0.3 }),
+    ];
+    for (name, schedule) in schedules {
+        let p = Tensor::zeros([1], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let config = SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() };
+        let mut opt = Sgd::new(unnamed_params(&[p]), config).unwrap();
+        let mut scheduler = LrScheduler::new(schedule, &mut opt).unwrap();
+        let lrs = Vec::<f64>::try_from(&r[&format!("sched.{name}.lr")]).unwrap();
+        let momenta = Vec::<f64>::try_from(&r[&format!("sched.{name}.momentum")]).unwrap();
+        for (step, (lr, momentum)) in lrs.iter().zip(&momenta).enumerate() {
+            let (ours, our_momentum) = (opt.lr(0), opt.momentum(0).unwrap());
+            assert!((ours - lr).abs() <= 1e-12 * lr.abs().max(1e-12), "{name} step {step}: lr {ours} vs torch {lr}");
+            assert!((our_momentum - momentum).abs() <= 1e-12, "{name} step {step}: momentum {our_momentum} vs {momentum}");
+            scheduler.step(&mut opt).unwrap();
+        }
+    }
+}
