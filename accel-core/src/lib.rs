@@ -1,14 +1,28 @@
 //! accel-core: distributed training for [tch], the runtime that `#[accelerate]` expands
 //! into and that can also be used by hand.
 //!
-//! This release holds the foundation: the libtorch shim ([`shim`]: autograd hooks,
-//! autocast with a chosen dtype, storage release, the CUDA stream, fused AdamW) and CUDA
-//! loading with clear diagnostics ([`cuda`]).
+//! One process today: [`Accelerator`] (configuration, device placement, autocast,
+//! accumulation, loss scaling, checkpoints), our own optimizers and schedules
+//! ([`optim`]), data loading ([`data`]), the libtorch shim ([`shim`]) and CUDA loading with
+//! clear diagnostics ([`cuda`]).
 
+mod accelerator;
+mod checkpoint;
+pub mod config;
 pub mod cuda;
+pub mod data;
+pub mod device;
 mod error;
+pub mod optim;
+pub mod precision;
 pub mod shim;
 
+pub use accelerator::{
+    AcceleratedOptimizer, Accelerator, AcceleratorBuilder, DataPosition, PreparedBatches,
+    PreparedIter, PreparedLoader, ProcessInfo, StepCounters, current, split_between,
+};
+pub use config::{Config, Precision, Strategy};
+pub use device::ToDevice;
 pub use error::{Error, Result};
 
 /// The version of accel-core.
@@ -16,4 +30,3 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The version of tch accel-core is built on (pinned in the workspace's Cargo.toml).
 pub const TCH_VERSION: &str = "0.24.0";
-pub mod optim;

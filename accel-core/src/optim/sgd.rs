@@ -46,7 +46,7 @@ impl SgdConfig {
                 "SGD: Nesterov momentum requires momentum > 0 and dampening = 0".into(),
             ));
         }
-        if !(self.lr >= 0.0) || self.momentum < 0.0 || self.weight_decay < 0.0 {
+        if self.lr.is_nan() || self.lr < 0.0 || self.momentum < 0.0 || self.weight_decay < 0.0 {
             return Err(Error::Config(format!(
                 "SGD: lr, momentum and weight_decay must be >= 0, got {self:?}"
             )));

@@ -1,0 +1,466 @@
+//! The [`Accelerator`]: one per process. It knows the topology and the configuration,
+//! prepares the model, optimizers and data, runs forward passes under autocast and
+//! backward passes with loss scaling and accumulation, and saves and restores the whole
+//! training state.
+
+mod data;
+mod optimizer;
+mod state;
+
+use std::fmt::Display;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use tch::{Device, Tensor};
+
+use crate::config::{Config, PartialConfig, Precision, Strategy, config_file_from_env};
+use crate::data::{DataLoader, Dataset};
+use crate::device::ToDevice;
+use crate::error::{Error, Result};
+use crate::optim::{Optimizer, Param, named_params};
+use crate::precision::{self, GradScaler, ScalerConfig, ToFp32};
+use crate::shim::AutocastGuard;
+
+pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader};
+pub use optimizer::AcceleratedOptimizer;
+pub use state::StepCounters;
+
+/// Where this process stands among the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessInfo {
+    /// Global rank (`RANK`).
+    pub rank: usize,
+    /// Rank on this machine (`LOCAL_RANK`).
+    pub local_rank: usize,
+    /// Number of processes (`WORLD_SIZE`).
+    pub world_size: usize,
+}
+
+impl ProcessInfo {
+    /// Reads `RANK`, `LOCAL_RANK` and `WORLD_SIZE` (one process when unset).
+    pub fn from_env() -> Result<Self> {
+        let read = |name: &str, default: usize| -> Result<usize> {
+            match std::env::var(name) {
+                Err(_) => Ok(default),
+                Ok(v) => v.trim().parse().map_err(|_| {
+                    Error::Config(format!("{name}={v:?} is not a non-negative integer"))
+                }),
+            }
+        };
+        let info = Self {
+            rank: read("RANK", 0)?,
+            local_rank: read("LOCAL_RANK", 0)?,
+            world_size: read("WORLD_SIZE", 1)?,
+        };
+        if info.world_size == 0 || info.rank >= info.world_size {
+            return Err(Error::Config(format!(
+                "RANK={} must be below WORLD_SIZE={} (ranks count from 0)",
+                info.rank, info.world_size
+            )));
+        }
+        Ok(info)
+    }
+}
+
+/// Builds an [`Accelerator`]; every setting left out comes from the environment
+/// (`ACCEL_*`, set by `accel launch`), the config file, or the defaults.
+#[derive(Debug, Default, Clone)]
+pub struct AcceleratorBuilder {
+    explicit: PartialConfig,
+    config_file: Option<PathBuf>,
+    device: Option<Device>,
+    checkpoint_dir: Option<PathBuf>,
+    checkpoint_limit: Option<usize>,
+}
+
+impl AcceleratorBuilder {
+    /// Distribution strategy.
+    pub fn strategy(mut self, strategy: Strategy) -> Self {
+        self.explicit.strategy = Some(strategy);
+        self
+    }
+    /// Mixed precision.
+    pub fn precision(mut self, precision: Precision) -> Self {
+        self.explicit.precision = Some(precision);
+        self
+    }
+    /// Micro-batches per optimizer step.
+    pub fn accumulate(mut self, steps: u32) -> Self {
+        self.explicit.accumulate = Some(steps);
+        self
+    }
+    /// Clip the global gradient norm before every optimizer step.
+    pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
+        self.explicit.clip_grad_norm = Some(max_norm);
+        self
+    }
+    /// Seed torch's generators (and the shuffling of loaders that use the run's seed).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.explicit.seed = Some(seed);
+        self
+    }
+    /// Stay on CPU even where a GPU is available.
+    pub fn cpu(mut self, cpu: bool) -> Self {
+        self.explicit.cpu = Some(cpu);
+        self
+    }
+    /// Read settings from this YAML file (else from `ACCEL_CONFIG_FILE`, if set).
+    pub fn config_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.config_file = Some(path.into());
+        self
+    }
+    /// Use this device instead of the one the topology implies.
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = Some(device);
+        self
+    }
+    /// Where [`Accelerator::save_checkpoint`] writes `checkpoint_{i}` folders, keeping at
+    /// most `limit` of them (oldest removed first).
+    pub fn checkpoints(mut self, dir: impl Into<PathBuf>, limit: Option<usize>) -> Self {
+        self.checkpoint_dir = Some(dir.into());
+        self.checkpoint_limit = limit;
+        self
+    }
+
+    /// Resolves the configuration and the device and makes the accelerator (also reachable
+    /// afterwards through [`crate::current`]).
+    pub fn build(self) -> Result<Accelerator> {
+        let process = ProcessInfo::from_env()?;
+        let file = match self.config_file.clone().or_else(config_file_from_env) {
+            Some(path) => PartialConfig::from_file(&path)?,
+            None => PartialConfig::default(),
+        };
+        let env = PartialConfig::from_env()?;
+        let outside = file.overlay(&env);
+        let conflicts = self.explicit.conflicts(&outside);
+        let config = outside.overlay(&self.explicit).build()?;
+        if process.rank == 0 {
+            for (key, ours, theirs) in conflicts {
+                eprintln!(
+                    "accel: {key} = {ours} set in code overrides {key} = {theirs} from the \
+                     environment/config file"
+                );
+            }
+        }
+        if process.world_size > 1 {
+            return Err(Error::Unsupported(format!(
+                "WORLD_SIZE={} asks for several processes; this release trains on one process \
+                 only (the process group and DDP are in progress). Run without a launcher",
+                process.world_size
+            )));
+        }
+        let device = self.device.unwrap_or_else(|| default_device(&config, &process));
+        let device = crate::cuda::check_device(device)?;
+        precision::check_precision(config.precision, device)?;
+        if let Some(seed) = config.seed {
+            tch::manual_seed(seed as i64);
+        }
+        let scaler = (config.precision == Precision::Fp16)
+            .then(|| Arc::new(Mutex::new(GradScaler::new(ScalerConfig::default(), device))));
+        let accelerator = Accelerator {
+            inner: Arc::new(Inner {
+                state: Arc::new(state::GradientState::new(config.accumulate)),
+                config,
+                process,
+                device,
+                scaler,
+                registry: Mutex::new(Registry::default()),
+                checkpoint_dir: self.checkpoint_dir,
+                checkpoint_limit: self.checkpoint_limit,
+            }),
+        };
+        let _ = CURRENT.set(Mutex::new(None));
+        if let Some(current) = CURRENT.get() {
+            *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(accelerator.clone());
+        }
+        Ok(accelerator)
+    }
+}
+
+fn default_device(config: &Config, process: &ProcessInfo) -> Device {
+    if config.cpu {
+        return Device::Cpu;
+    }
+    crate::cuda::load_libtorch_cuda();
+    if tch::Cuda::is_available() { Device::Cuda(process.local_rank) } else { Device::Cpu }
+}
+
+static CURRENT: OnceLock<Mutex<Option<Accelerator>>> = OnceLock::new();
+
+/// The accelerator most recently built in this process, if any (what `#[accelerate]` code
+/// reaches from helper functions).
+pub fn current() -> Option<Accelerator> {
+    CURRENT.get().and_then(|c| c.lock().unwrap_or_else(|e| e.into_inner()).clone())
+}
+
+/// Objects whose state a checkpoint holds, in the order they were prepared.
+#[derive(Default)]
+pub(crate) struct Registry {
+    pub(crate) models: Vec<Vec<Param>>,
+    pub(crate) optimizers: Vec<AcceleratedOptimizer>,
+    pub(crate) loaders: Vec<Arc<Mutex<DataPosition>>>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) config: Config,
+    pub(crate) process: ProcessInfo,
+    pub(crate) device: Device,
+    pub(crate) state: Arc<state::GradientState>,
+    pub(crate) scaler: Option<Arc<Mutex<GradScaler>>>,
+    pub(crate) registry: Mutex<Registry>,
+    pub(crate) checkpoint_dir: Option<PathBuf>,
+    pub(crate) checkpoint_limit: Option<usize>,
+}
+
+/// Distributed training for one process of a run; cheap to clone (a shared handle).
+#[derive(Clone)]
+pub struct Accelerator {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Accelerator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Accelerator")
+            .field("config", &self.inner.config)
+            .field("process", &self.inner.process)
+            .field("device", &self.inner.device)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Accelerator {
+    /// A builder; `Accelerator::builder().build()` takes everything from the environment.
+    pub fn builder() -> AcceleratorBuilder {
+        AcceleratorBuilder::default()
+    }
+
+    pub(crate) fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.inner.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The resolved configuration.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+    /// This process's device.
+    pub fn device(&self) -> Device {
+        self.inner.device
+    }
+    /// Global rank.
+    pub fn process_index(&self) -> usize {
+        self.inner.process.rank
+    }
+    /// Rank on this machine.
+    pub fn local_process_index(&self) -> usize {
+        self.inner.process.local_rank
+    }
+    /// Number of processes.
+    pub fn num_processes(&self) -> usize {
+        self.inner.process.world_size
+    }
+    /// Rank 0.
+    pub fn is_main_process(&self) -> bool {
+        self.inner.process.rank == 0
+    }
+    /// Local rank 0.
+    pub fn is_local_main_process(&self) -> bool {
+        self.inner.process.local_rank == 0
+    }
+
+    /// Prints on the local main process only.
+    pub fn print(&self, message: impl Display) {
+        if self.is_local_main_process() {
+            println!("{message}");
+        }
+    }
+
+    /// Waits until every process gets here (a barrier; immediate with one process).
+    pub fn wait_for_everyone(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Runs `f` on the main process first, then on the others (e.g. a download or a cache
+    /// that one process should make).
+    pub fn main_process_first<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        if !self.is_main_process() {
+            self.wait_for_everyone()?;
+        }
+        let out = f();
+        if self.is_main_process() {
+            self.wait_for_everyone()?;
+        }
+        Ok(out)
+    }
+
+    /// This process's contiguous share of `items` (the first `len % N` processes get one
+    /// more); with `pad`, shares are padded with the last item to equal length.
+    pub fn split_between_processes<T: Clone>(&self, items: &[T], pad: bool) -> Vec<T> {
+        split_between(items, self.process_index(), self.num_processes(), pad)
+    }
+
+    /// Seeds torch's generators; `device_specific` adds the rank so processes differ.
+    pub fn set_seed(&self, seed: u64, device_specific: bool) {
+        let offset = if device_specific { self.process_index() as u64 } else { 0 };
+        tch::manual_seed(seed.wrapping_add(offset) as i64);
+    }
+
+    /// Places the model's variables on this process's device (in place: tensors keep their
+    /// identity, so the model's layers see the move) and registers them for checkpoints.
+    pub fn prepare_model(&self, vs: &tch::nn::VarStore) -> Result<()> {
+        let params: Vec<Param> = {
+            let mut all: Vec<Param> = vs
+                .variables()
+                .into_iter()
+                .map(|(name, tensor)| Param { name, tensor })
+                .collect();
+            all.sort_by(|a, b| a.name.cmp(&b.name));
+            all
+        };
+        if vs.device() != self.device() {
+            tch::no_grad(|| -> Result<()> {
+                for p in &params {
+                    let moved = p.tensor.f_to_device(self.device())?;
+                    p.tensor.shallow_clone().set_data(&moved);
+                }
+                Ok(())
+            })?;
+        }
+        self.registry().models.push(params);
+        Ok(())
+    }
+
+    /// Wraps `optimizer` so that it follows accumulation, loss scaling and clipping, and
+    /// registers it for checkpoints.
+    pub fn prepare_optimizer(&self, optimizer: impl Optimizer + 'static) -> AcceleratedOptimizer {
+        let prepared = AcceleratedOptimizer::new(
+            Box::new(optimizer),
+            self.inner.state.clone(),
+            self.inner.scaler.clone(),
+            self.inner.config.clip_grad_norm,
+            self.num_processes(),
+        );
+        self.registry().optimizers.push(prepared.clone());
+        prepared
+    }
+
+    /// The trainable variables of `vs` as named parameters for an optimizer (sorted by name).
+    pub fn params(&self, vs: &tch::nn::VarStore) -> Vec<Param> {
+        named_params(vs)
+    }
+
+    /// Shards `loader` across processes, moves its batches to the device, and registers its
+    /// position for checkpoints.
+    pub fn prepare_loader<D: Dataset>(&self, mut loader: DataLoader<D>) -> Result<PreparedLoader<D>>
+    where
+        D::Batch: ToDevice,
+    {
+        loader.shard(self.process_index(), self.num_processes())?;
+        let position = Arc::new(Mutex::new(DataPosition::default()));
+        self.registry().loaders.push(position.clone());
+        Ok(PreparedLoader::new(loader, self.inner.state.clone(), position, self.device()))
+    }
+
+    /// Any iterable of batches: moved to the device, with the look-ahead that closes the
+    /// accumulation window on the last batch. (Not sharded: each process iterates what it
+    /// is given. Use a [`DataLoader`] for sharding and resumable positions.)
+    pub fn prepare_iter<I>(&self, iterable: I) -> PreparedIter<I::IntoIter>
+    where
+        I: IntoIterator,
+        I::Item: ToDevice,
+    {
+        let position = Arc::new(Mutex::new(DataPosition::default()));
+        PreparedIter::new(iterable.into_iter(), self.inner.state.clone(), position, self.device())
+    }
+
+    /// Autocast for the configured precision until the guard is dropped (`None` in fp32).
+    pub fn autocast(&self) -> Result<Option<AutocastGuard>> {
+        precision::enter(self.inner.config.precision, self.device())
+    }
+
+    /// Runs `forward` under autocast and casts its half-precision outputs back to fp32
+    /// (as Accelerate wraps `model.forward`).
+    pub fn forward<T: ToFp32>(&self, forward: impl FnOnce() -> T) -> Result<T> {
+        let guard = self.autocast()?;
+        let out = forward();
+        drop(guard);
+        Ok(if precision::autocast_kind(self.inner.config.precision).is_some() {
+            out.to_fp32()
+        } else {
+            out
+        })
+    }
+
+    /// The backward pass of one micro-batch: decides whether this is a sync step, divides
+    /// the loss by `accumulate` (always, as Accelerate does), scales it for fp16 and runs
+    /// autograd. A failure inside backward (a hook that panicked, say) comes back as `Err`.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        if loss.numel() != 1 {
+            return Err(Error::Training(format!(
+                "backward needs a scalar loss, got shape {:?}; reduce it first (mean or sum)",
+                loss.size()
+            )));
+        }
+        self.inner.state.begin_micro_step();
+        let n = self.inner.state.accumulate();
+        let loss = if n > 1 { loss.f_div_scalar(n as f64)? } else { loss.shallow_clone() };
+        let loss = match &self.inner.scaler {
+            Some(scaler) => scaler.lock().unwrap_or_else(|e| e.into_inner()).scale_loss(&loss)?,
+            None => loss,
+        };
+        loss.f_backward().map_err(|e| Error::Training(format!("backward failed: {e}")))
+    }
+
+    /// Whether the current micro-step ends an accumulation window (optimizers step).
+    pub fn sync_gradients(&self) -> bool {
+        self.inner.state.sync_gradients()
+    }
+
+    /// Whether the batch being processed is the last of its data source.
+    pub fn end_of_dataloader(&self) -> bool {
+        self.inner.state.end_of_dataloader()
+    }
+
+    /// Step counters (micro-steps, optimizer steps, skipped steps).
+    pub fn counters(&self) -> StepCounters {
+        self.inner.state.counters()
+    }
+
+    /// The current fp16 loss scale, if fp16 is on.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.inner.scaler.as_ref().map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).scale())
+    }
+
+    /// The folder for automatically named checkpoints, if configured.
+    pub fn checkpoint_dir(&self) -> Option<&Path> {
+        self.inner.checkpoint_dir.as_deref()
+    }
+}
+
+/// Accelerate's `split_between_processes` arithmetic.
+pub fn split_between<T: Clone>(items: &[T], rank: usize, world: usize, pad: bool) -> Vec<T> {
+    let (base, extra) = (items.len() / world, items.len() % world);
+    let start = rank * base + rank.min(extra);
+    let len = base + usize::from(rank < extra);
+    let mut share = items[start..start + len].to_vec();
+    if pad && extra > 0 && share.len() < base + 1 {
+        if let Some(last) = items.last() {
+            share.push(last.clone());
+        }
+    }
+    share
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_between_processes_gives_the_first_ranks_one_more() {
+        let items: Vec<u32> = (0..7).collect();
+        assert_eq!(split_between(&items, 0, 3, false), [0, 1, 2]);
+        assert_eq!(split_between(&items, 1, 3, false), [3, 4]);
+        assert_eq!(split_between(&items, 2, 3, false), [5, 6]);
+        assert_eq!(split_between(&items, 2, 3, true), [5, 6, 6]);
+        assert_eq!(split_between(&items, 0, 1, false), items);
+    }
+}

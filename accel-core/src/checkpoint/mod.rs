@@ -1,0 +1,435 @@
+//! `save_state` / `load_state`: everything needed to continue a run bit-identically — the
+//! model, optimizer state, schedule, loss scale, step counters, data positions and every
+//! random generator — as safetensors files plus a JSON manifest; and `save_model`, the
+//! weights alone, in shards of bounded size with an index (Hugging Face's layout).
+//!
+//! Writes go to a temporary folder that is renamed into place only when complete, so a
+//! crash mid-save leaves the previous checkpoint intact. The manifest records each file's
+//! size and CRC32, so a truncated or corrupted file is named on load rather than read.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Tensor};
+
+use crate::accelerator::{Accelerator, DataPosition, StepCounters};
+use crate::error::{Error, Result};
+use crate::optim::{OptimizerState, SchedulerState};
+use crate::precision::ScalerState;
+use crate::shim::{rng_state, set_rng_state};
+
+const FORMAT: &str = "accel-checkpoint";
+const VERSION: u32 = 1;
+const MANIFEST: &str = "manifest.json";
+
+/// Size and checksum of one file of a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct FileRecord {
+    bytes: u64,
+    crc32: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct OptimizerRecord {
+    name: String,
+    groups: serde_json::Value,
+    scheduler: Option<SchedulerState>,
+    step_was_skipped: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Manifest {
+    format: String,
+    version: u32,
+    accel: String,
+    world_size: usize,
+    files: BTreeMap<String, FileRecord>,
+    counters: StepCounters,
+    scaler: Option<ScalerState>,
+    models: usize,
+    optimizers: Vec<OptimizerRecord>,
+    loaders: Vec<DataPosition>,
+    rng_devices: Vec<String>,
+}
+
+fn model_file(i: usize) -> String {
+    if i == 0 { "model.safetensors".into() } else { format!("model_{i}.safetensors") }
+}
+fn optimizer_file(i: usize) -> String {
+    if i == 0 { "optimizer.safetensors".into() } else { format!("optimizer_{i}.safetensors") }
+}
+fn rng_file(rank: usize) -> String {
+    format!("rng_state_{rank}.safetensors")
+}
+
+fn io_error(path: &Path, source: std::io::Error) -> Error {
+    Error::Io { path: path.to_path_buf(), source }
+}
+
+fn bad(path: &Path, message: impl Into<String>) -> Error {
+    Error::Checkpoint { path: Some(path.to_path_buf()), message: message.into() }
+}
+
+/// Writes named tensors (moved to CPU, made contiguous) as safetensors; returns its record.
+fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<FileRecord> {
+    let cpu: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), t.f_to_device(Device::Cpu)?.f_contiguous()?)))
+        .collect::<Result<_>>()?;
+    Tensor::write_safetensors(&cpu, path).map_err(|e| bad(path, format!("cannot write: {e}")))?;
+    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
+    Ok(FileRecord { bytes: bytes.len() as u64, crc32: crc32fast::hash(&bytes) })
+}
+
+/// Checks a file against its manifest record, then reads its tensors.
+fn read_tensors(path: &Path, record: &FileRecord) -> Result<BTreeMap<String, Tensor>> {
+    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
+    if bytes.len() as u64 != record.bytes {
+        return Err(bad(
+            path,
+            format!(
+                "the file has {} bytes, the manifest says {}: it is truncated or was replaced",
+                bytes.len(),
+                record.bytes
+            ),
+        ));
+    }
+    if crc32fast::hash(&bytes) != record.crc32 {
+        return Err(bad(path, "the file's CRC32 does not match the manifest: it is corrupted"));
+    }
+    let tensors =
+        Tensor::read_safetensors(path).map_err(|e| bad(path, format!("not a safetensors file: {e}")))?;
+    Ok(tensors.into_iter().collect())
+}
+
+/// Moves a finished temporary folder into place, keeping the old one until the new one is
+/// there.
+fn publish(tmp: &Path, dir: &Path) -> Result<()> {
+    let old = dir.with_extension(format!("old-{}", std::process::id()));
+    let replaced = dir.exists();
+    if replaced {
+        std::fs::rename(dir, &old).map_err(|e| io_error(dir, e))?;
+    }
+    std::fs::rename(tmp, dir).map_err(|e| io_error(dir, e))?;
+    if replaced {
+        std::fs::remove_dir_all(&old).map_err(|e| io_error(&old, e))?;
+    }
+    Ok(())
+}
+
+fn temporary_dir(dir: &Path) -> Result<PathBuf> {
+    let name = dir.file_name().ok_or_else(|| bad(dir, "a checkpoint needs a folder name"))?;
+    let tmp = dir.with_file_name(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io_error(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| io_error(&tmp, e))?;
+    Ok(tmp)
+}
+
+fn rng_devices() -> Vec<Device> {
+    let mut devices = vec![Device::Cpu];
+    if tch::Cuda::is_available() {
+        devices.extend((0..tch::Cuda::device_count() as usize).map(Device::Cuda));
+    }
+    devices
+}
+
+fn device_name(device: Device) -> String {
+    match device {
+        Device::Cuda(i) => format!("cuda:{i}"),
+        _ => "cpu".into(),
+    }
+}
+
+impl Accelerator {
+    /// Saves the whole training state into folder `dir` (created or replaced atomically).
+    pub fn save_state(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        let tmp = temporary_dir(dir)?;
+        let result = self.write_state(&tmp);
+        if let Err(e) = result {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        publish(&tmp, dir)
+    }
+
+    fn write_state(&self, tmp: &Path) -> Result<()> {
+        let registry = self.registry();
+        let mut files = BTreeMap::new();
+        for (i, params) in registry.models.iter().enumerate() {
+            let tensors: Vec<(String, Tensor)> =
+                params.iter().map(|p| (p.name.clone(), p.tensor.detach())).collect();
+            files.insert(model_file(i), write_tensors(&tmp.join(model_file(i)), &tensors)?);
+        }
+        let mut optimizers = Vec::new();
+        for (i, optimizer) in registry.optimizers.iter().enumerate() {
+            let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
+            let state = slot.optimizer.state()?;
+            let tensors: Vec<(String, Tensor)> = state.tensors.into_iter().collect();
+            files.insert(optimizer_file(i), write_tensors(&tmp.join(optimizer_file(i)), &tensors)?);
+            optimizers.push(OptimizerRecord {
+                name: slot.optimizer.name().to_owned(),
+                groups: state.groups,
+                scheduler: slot.scheduler.as_ref().map(|s| s.state().clone()),
+                step_was_skipped: slot.step_was_skipped,
+            });
+        }
+        let devices = rng_devices();
+        let rng: Vec<(String, Tensor)> = devices
+            .iter()
+            .map(|&d| Ok((device_name(d), rng_state(d)?)))
+            .collect::<Result<_>>()?;
+        let rank = self.process_index();
+        files.insert(rng_file(rank), write_tensors(&tmp.join(rng_file(rank)), &rng)?);
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            version: VERSION,
+            accel: crate::VERSION.into(),
+            world_size: self.num_processes(),
+            files,
+            counters: self.counters(),
+            scaler: self.inner.scaler.as_ref().map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).state()),
+            models: registry.models.len(),
+            optimizers,
+            loaders: registry
+                .loaders
+                .iter()
+                .map(|p| *p.lock().unwrap_or_else(|e| e.into_inner()))
+                .collect(),
+            rng_devices: devices.into_iter().map(device_name).collect(),
+        };
+        let path = tmp.join(MANIFEST);
+        let text = serde_json::to_string_pretty(&manifest).expect("the manifest serialises");
+        std::fs::write(&path, text).map_err(|e| io_error(&path, e))
+    }
+
+    /// Restores a state saved by [`save_state`](Self::save_state) into the prepared model,
+    /// optimizers, schedules, scaler, loaders and generators. Nothing is changed unless
+    /// every file checks out against the manifest and the prepared objects.
+    pub fn load_state(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        let manifest_path = dir.join(MANIFEST);
+        let text = std::fs::read_to_string(&manifest_path).map_err(|e| io_error(&manifest_path, e))?;
+        let manifest: Manifest = serde_json::from_str(&text)
+            .map_err(|e| bad(&manifest_path, format!("unreadable manifest: {e}")))?;
+        if manifest.format != FORMAT || manifest.version != VERSION {
+            return Err(bad(
+                &manifest_path,
+                format!(
+                    "format {} v{} is not {FORMAT} v{VERSION}",
+                    manifest.format, manifest.version
+                ),
+            ));
+        }
+        let registry = self.registry();
+        let expect = |what: &str, saved: usize, here: usize| -> Result<()> {
+            if saved == here {
+                Ok(())
+            } else {
+                Err(bad(
+                    dir,
+                    format!("it holds {saved} {what}, this run prepared {here}; prepare the same objects before load_state"),
+                ))
+            }
+        };
+        expect("models", manifest.models, registry.models.len())?;
+        expect("optimizers", manifest.optimizers.len(), registry.optimizers.len())?;
+        expect("data loaders", manifest.loaders.len(), registry.loaders.len())?;
+        if manifest.scaler.is_some() != self.inner.scaler.is_some() {
+            return Err(bad(dir, "it was saved with another precision (fp16 loss scaler present in one of the two)"));
+        }
+        let file = |name: String| -> Result<(PathBuf, BTreeMap<String, Tensor>)> {
+            let path = dir.join(&name);
+            let record = manifest.files.get(&name).ok_or_else(|| bad(&path, "missing from the manifest"))?;
+            let tensors = read_tensors(&path, record)?;
+            Ok((path, tensors))
+        };
+
+        // Read and check everything before changing anything.
+        let mut models = Vec::new();
+        for (i, params) in registry.models.iter().enumerate() {
+            let (path, tensors) = file(model_file(i))?;
+            for p in params {
+                let saved = tensors.get(&p.name).ok_or_else(|| {
+                    bad(&path, format!("has no tensor `{}`, which the model has", p.name))
+                })?;
+                if saved.size() != p.tensor.size() || saved.kind() != p.tensor.kind() {
+                    return Err(bad(
+                        &path,
+                        format!(
+                            "tensor `{}` is {:?} {:?}, the model's is {:?} {:?}",
+                            p.name,
+                            saved.kind(),
+                            saved.size(),
+                            p.tensor.kind(),
+                            p.tensor.size()
+                        ),
+                    ));
+                }
+            }
+            if let Some(extra) = tensors.keys().find(|k| params.iter().all(|p| &p.name != *k)) {
+                return Err(bad(&path, format!("holds tensor `{extra}`, which the model does not have")));
+            }
+            models.push(tensors);
+        }
+        let mut optimizer_states = Vec::new();
+        for (i, (record, optimizer)) in manifest.optimizers.iter().zip(&registry.optimizers).enumerate() {
+            let (path, tensors) = file(optimizer_file(i))?;
+            let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
+            if slot.optimizer.name() != record.name {
+                return Err(bad(&path, format!("holds {} state, the optimizer is {}", record.name, slot.optimizer.name())));
+            }
+            if slot.scheduler.is_some() != record.scheduler.is_some() {
+                return Err(bad(&path, "a learning-rate schedule is set in only one of the saved and the current run"));
+            }
+            optimizer_states.push((path, OptimizerState { tensors, groups: record.groups.clone() }));
+        }
+        let (_, rng) = file(rng_file(self.process_index()))?;
+
+        // Apply.
+        tch::no_grad(|| -> Result<()> {
+            for (params, tensors) in registry.models.iter().zip(&models) {
+                for p in params {
+                    p.tensor.shallow_clone().f_copy_(&tensors[&p.name])?;
+                }
+            }
+            Ok(())
+        })?;
+        for ((optimizer, record), (path, state)) in
+            registry.optimizers.iter().zip(&manifest.optimizers).zip(&optimizer_states)
+        {
+            let mut slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
+            slot.optimizer.load_state(state).map_err(|e| match e {
+                Error::Checkpoint { message, .. } => bad(path, message),
+                other => other,
+            })?;
+            let slot = &mut *slot;
+            if let (Some(s), Some(saved)) = (slot.scheduler.as_mut(), &record.scheduler) {
+                s.load_state(saved.clone(), slot.optimizer.as_mut())?;
+            }
+            slot.step_was_skipped = record.step_was_skipped;
+        }
+        if let (Some(scaler), Some(saved)) = (&self.inner.scaler, manifest.scaler) {
+            scaler.lock().unwrap_or_else(|e| e.into_inner()).load_state(saved)?;
+        }
+        for (position, saved) in registry.loaders.iter().zip(&manifest.loaders) {
+            *position.lock().unwrap_or_else(|e| e.into_inner()) = *saved;
+        }
+        for name in &manifest.rng_devices {
+            let device = match name.strip_prefix("cuda:").and_then(|i| i.parse().ok()) {
+                Some(i) if tch::Cuda::is_available() => Device::Cuda(i),
+                Some(_) => continue,
+                None => Device::Cpu,
+            };
+            if let Some(state) = rng.get(name) {
+                set_rng_state(device, state)?;
+            }
+        }
+        self.inner.state.restore(manifest.counters);
+        Ok(())
+    }
+
+    /// Saves the state into the next `checkpoint_{i}` folder of the directory given to
+    /// [`crate::AcceleratorBuilder::checkpoints`], then removes the oldest beyond the limit.
+    /// Returns the new folder.
+    pub fn save_checkpoint(&self) -> Result<PathBuf> {
+        let root = self.checkpoint_dir().ok_or_else(|| {
+            Error::Config("save_checkpoint needs AcceleratorBuilder::checkpoints(dir, limit)".into())
+        })?;
+        std::fs::create_dir_all(root).map_err(|e| io_error(root, e))?;
+        let existing = numbered_checkpoints(root)?;
+        let next = existing.last().map_or(0, |(i, _)| i + 1);
+        let dir = root.join(format!("checkpoint_{next}"));
+        self.save_state(&dir)?;
+        if let Some(limit) = self.inner.checkpoint_limit {
+            let all = numbered_checkpoints(root)?;
+            for (_, old) in all.iter().take(all.len().saturating_sub(limit.max(1))) {
+                std::fs::remove_dir_all(old).map_err(|e| io_error(old, e))?;
+            }
+        }
+        Ok(dir)
+    }
+
+    /// Loads the newest `checkpoint_{i}` of the checkpoint directory; returns it, or `None`
+    /// when there is none yet (a fresh run).
+    pub fn load_latest_checkpoint(&self) -> Result<Option<PathBuf>> {
+        let Some(root) = self.checkpoint_dir() else { return Ok(None) };
+        if !root.exists() {
+            return Ok(None);
+        }
+        match numbered_checkpoints(root)?.pop() {
+            Some((_, dir)) => {
+                self.load_state(&dir)?;
+                Ok(Some(dir))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Writes the model's weights to `dir` as `model.safetensors`, or, when they exceed
+    /// `max_shard_bytes`, as `model-0000i-of-0000n.safetensors` plus
+    /// `model.safetensors.index.json` (Hugging Face's layout). Main process only.
+    pub fn save_model(&self, vs: &tch::nn::VarStore, dir: impl AsRef<Path>, max_shard_bytes: u64) -> Result<()> {
+        if !self.is_main_process() {
+            return Ok(());
+        }
+        let dir = dir.as_ref();
+        let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        variables.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut shards: Vec<Vec<(String, Tensor)>> = vec![Vec::new()];
+        let mut shard_bytes = 0u64;
+        for (name, tensor) in variables {
+            let bytes = (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
+            if shard_bytes > 0 && shard_bytes + bytes > max_shard_bytes {
+                shards.push(Vec::new());
+                shard_bytes = 0;
+            }
+            shard_bytes += bytes;
+            shards.last_mut().expect("one shard at least").push((name, tensor.detach()));
+        }
+        let tmp = temporary_dir(dir)?;
+        let result = (|| -> Result<()> {
+            if shards.len() == 1 {
+                write_tensors(&tmp.join("model.safetensors"), &shards[0])?;
+                return Ok(());
+            }
+            let n = shards.len();
+            let mut weight_map = BTreeMap::new();
+            let mut total = 0u64;
+            for (i, shard) in shards.iter().enumerate() {
+                let name = format!("model-{:05}-of-{n:05}.safetensors", i + 1);
+                write_tensors(&tmp.join(&name), shard)?;
+                for (tensor_name, t) in shard {
+                    total += (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+                    weight_map.insert(tensor_name.clone(), name.clone());
+                }
+            }
+            let index = serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+            let path = tmp.join("model.safetensors.index.json");
+            std::fs::write(&path, serde_json::to_string_pretty(&index).expect("json"))
+                .map_err(|e| io_error(&path, e))
+        })();
+        if let Err(e) = result {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+        publish(&tmp, dir)
+    }
+}
+
+/// `checkpoint_{i}` folders of `root`, oldest first.
+fn numbered_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(|e| io_error(root, e))? {
+        let entry = entry.map_err(|e| io_error(root, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(i) = name.strip_prefix("checkpoint_").and_then(|i| i.parse().ok()) {
+            found.push((i, entry.path()));
+        }
+    }
+    found.sort();
+    Ok(found)
+}

@@ -1,0 +1,332 @@
+//! What a run is configured with, and where each value came from.
+//!
+//! Sources, strongest first: the builder (or the `#[accelerate]` attribute, which expands
+//! into builder calls), the environment (`ACCEL_*`, set by `accel launch`), a YAML file
+//! (`ACCEL_CONFIG_FILE` or [`crate::AcceleratorBuilder::config_file`]), the defaults. When
+//! the builder overrides a value that the environment or file also set, that is logged
+//! once on the main process.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// How the work is split across processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    /// One process, no distribution (Accelerate's `NO`).
+    #[default]
+    Single,
+    /// Data parallel: replicated parameters, averaged gradients.
+    Ddp,
+    /// ZeRO stage 1: optimizer state sharded.
+    Zero1,
+    /// ZeRO stage 2: optimizer state and gradients sharded.
+    Zero2,
+    /// ZeRO stage 3: optimizer state, gradients and parameters sharded.
+    Zero3,
+    /// FSDP, with a sharding strategy (full_shard = zero3 by default).
+    Fsdp,
+}
+
+/// Arithmetic precision of the forward and backward passes (master weights stay fp32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// fp32 throughout.
+    #[default]
+    No,
+    /// fp16 autocast with dynamic loss scaling.
+    Fp16,
+    /// bf16 autocast, no scaling.
+    Bf16,
+    /// fp8 matmuls (Ada/Hopper GPUs), the rest under bf16.
+    Fp8,
+}
+
+macro_rules! string_enum {
+    ($ty:ident, $what:literal, $($name:literal => $variant:ident),+ $(,)?) => {
+        impl $ty {
+            /// Every valid spelling, for messages.
+            pub const NAMES: &'static [&'static str] = &[$($name),+];
+
+            /// The canonical lowercase name.
+            pub fn as_str(self) -> &'static str {
+                match self { $($ty::$variant => $name),+ }
+            }
+        }
+
+        impl FromStr for $ty {
+            type Err = Error;
+            fn from_str(s: &str) -> Result<Self> {
+                match s.to_ascii_lowercase().as_str() {
+                    $($name => Ok($ty::$variant),)+
+                    other => Err(Error::Config(unknown_choice($what, other, Self::NAMES))),
+                }
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+string_enum!(Strategy, "strategy", "single" => Single, "ddp" => Ddp, "zero1" => Zero1,
+    "zero2" => Zero2, "zero3" => Zero3, "fsdp" => Fsdp);
+string_enum!(Precision, "precision", "no" => No, "fp16" => Fp16, "bf16" => Bf16, "fp8" => Fp8);
+
+/// "unknown precision `bf61`; the precisions are `no`, `fp16`, `bf16`, `fp8` — did you mean
+/// `bf16`?"
+pub fn unknown_choice(what: &str, got: &str, valid: &[&str]) -> String {
+    let list = valid.iter().map(|v| format!("`{v}`")).collect::<Vec<_>>().join(", ");
+    let mut message = format!("unknown {what} `{got}`; the {what}s are {list}");
+    if let Some(best) = closest(got, valid) {
+        message.push_str(&format!(" — did you mean `{best}`?"));
+    }
+    message
+}
+
+/// The valid choice nearest to `got`, if any is near enough to be a typo.
+pub fn closest<'a>(got: &str, valid: &[&'a str]) -> Option<&'a str> {
+    valid
+        .iter()
+        .map(|v| (strsim::jaro_winkler(got, v), *v))
+        .filter(|(score, _)| *score > 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, v)| v)
+}
+
+/// The validated configuration of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    /// Distribution strategy.
+    pub strategy: Strategy,
+    /// Mixed precision mode.
+    pub precision: Precision,
+    /// Micro-batches per optimizer step (gradient accumulation), >= 1.
+    pub accumulate: u32,
+    /// Clip the global gradient L2 norm to this value before each optimizer step.
+    pub clip_grad_norm: Option<f64>,
+    /// Seed for torch's generators and data shuffling.
+    pub seed: Option<u64>,
+    /// Run on CPU even where a GPU is available.
+    pub cpu: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            strategy: Strategy::Single,
+            precision: Precision::No,
+            accumulate: 1,
+            clip_grad_norm: None,
+            seed: None,
+            cpu: false,
+        }
+    }
+}
+
+/// A configuration with every value optional: one source's contribution. This is also the
+/// YAML file format; unknown keys are an error naming the valid ones.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PartialConfig {
+    /// See [`Config::strategy`].
+    pub strategy: Option<Strategy>,
+    /// See [`Config::precision`].
+    pub precision: Option<Precision>,
+    /// See [`Config::accumulate`].
+    pub accumulate: Option<u32>,
+    /// See [`Config::clip_grad_norm`].
+    pub clip_grad_norm: Option<f64>,
+    /// See [`Config::seed`].
+    pub seed: Option<u64>,
+    /// See [`Config::cpu`].
+    pub cpu: Option<bool>,
+}
+
+/// Environment variables read by [`PartialConfig::from_env`] (set by `accel launch`).
+pub const ENV_VARS: &[(&str, &str)] = &[
+    ("ACCEL_STRATEGY", "strategy"),
+    ("ACCEL_PRECISION", "precision"),
+    ("ACCEL_ACCUMULATE", "accumulate"),
+    ("ACCEL_CLIP_GRAD_NORM", "clip_grad_norm"),
+    ("ACCEL_SEED", "seed"),
+    ("ACCEL_CPU", "cpu"),
+];
+
+/// Names the config file through the environment.
+pub const CONFIG_FILE_ENV: &str = "ACCEL_CONFIG_FILE";
+
+impl PartialConfig {
+    /// Reads a YAML config file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        serde_yaml_ng::from_str(&text)
+            .map_err(|e| Error::Config(format!("{}: {e}", path.display())))
+    }
+
+    /// Reads the `ACCEL_*` variables of [`ENV_VARS`] through `get`.
+    pub fn from_env_with(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let mut config = Self::default();
+        let parse_err = |var: &str, value: &str, expected: &str| {
+            Error::Config(format!("{var}={value:?} is not {expected}"))
+        };
+        for (var, _) in ENV_VARS {
+            let Some(value) = get(var) else { continue };
+            let value = value.trim().to_owned();
+            match *var {
+                "ACCEL_STRATEGY" => config.strategy = Some(value.parse().map_err(|e| env_context(var, e))?),
+                "ACCEL_PRECISION" => config.precision = Some(value.parse().map_err(|e| env_context(var, e))?),
+                "ACCEL_ACCUMULATE" => {
+                    config.accumulate =
+                        Some(value.parse().map_err(|_| parse_err(var, &value, "an integer >= 1"))?)
+                }
+                "ACCEL_CLIP_GRAD_NORM" => {
+                    config.clip_grad_norm =
+                        Some(value.parse().map_err(|_| parse_err(var, &value, "a number > 0"))?)
+                }
+                "ACCEL_SEED" => {
+                    config.seed = Some(value.parse().map_err(|_| parse_err(var, &value, "an integer"))?)
+                }
+                "ACCEL_CPU" => {
+                    config.cpu = Some(match value.to_ascii_lowercase().as_str() {
+                        "1" | "true" | "yes" => true,
+                        "0" | "false" | "no" | "" => false,
+                        _ => return Err(parse_err(var, &value, "true or false")),
+                    })
+                }
+                _ => unreachable!("every ENV_VARS entry is handled"),
+            }
+        }
+        Ok(config)
+    }
+
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Self> {
+        Self::from_env_with(|k| std::env::var(k).ok())
+    }
+
+    /// `self` with the values of `stronger` on top.
+    pub fn overlay(self, stronger: &PartialConfig) -> PartialConfig {
+        PartialConfig {
+            strategy: stronger.strategy.or(self.strategy),
+            precision: stronger.precision.or(self.precision),
+            accumulate: stronger.accumulate.or(self.accumulate),
+            clip_grad_norm: stronger.clip_grad_norm.or(self.clip_grad_norm),
+            seed: stronger.seed.or(self.seed),
+            cpu: stronger.cpu.or(self.cpu),
+        }
+    }
+
+    /// Values set in both `self` (explicit) and `weaker` that differ: (key, ours, theirs).
+    pub fn conflicts(&self, weaker: &PartialConfig) -> Vec<(&'static str, String, String)> {
+        let mut out = Vec::new();
+        macro_rules! check {
+            ($($field:ident),*) => {$(
+                if let (Some(a), Some(b)) = (&self.$field, &weaker.$field) {
+                    if a != b {
+                        out.push((stringify!($field), format!("{a:?}"), format!("{b:?}")));
+                    }
+                }
+            )*};
+        }
+        check!(strategy, precision, accumulate, clip_grad_norm, seed, cpu);
+        out
+    }
+
+    /// Fills in defaults and checks every value.
+    pub fn build(&self) -> Result<Config> {
+        let d = Config::default();
+        let config = Config {
+            strategy: self.strategy.unwrap_or(d.strategy),
+            precision: self.precision.unwrap_or(d.precision),
+            accumulate: self.accumulate.unwrap_or(d.accumulate),
+            clip_grad_norm: self.clip_grad_norm.or(d.clip_grad_norm),
+            seed: self.seed.or(d.seed),
+            cpu: self.cpu.unwrap_or(d.cpu),
+        };
+        if config.accumulate == 0 {
+            return Err(Error::Config(
+                "accumulate = 0: the number of micro-batches per optimizer step must be >= 1".into(),
+            ));
+        }
+        if let Some(max) = config.clip_grad_norm {
+            if !(max > 0.0 && max.is_finite()) {
+                return Err(Error::Config(format!(
+                    "clip_grad_norm = {max}: the maximum gradient norm must be a finite number > 0"
+                )));
+            }
+        }
+        Ok(config)
+    }
+}
+
+fn env_context(var: &str, e: Error) -> Error {
+    match e {
+        Error::Config(message) => Error::Config(format!("{var}: {message}")),
+        other => other,
+    }
+}
+
+/// The config file named by `ACCEL_CONFIG_FILE`, if any.
+pub fn config_file_from_env() -> Option<PathBuf> {
+    std::env::var_os(CONFIG_FILE_ENV).map(PathBuf::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_choices_list_the_valid_ones_and_guess() {
+        let err = "bf61".parse::<Precision>().unwrap_err().to_string();
+        assert!(err.contains("`no`, `fp16`, `bf16`, `fp8`"), "{err}");
+        assert!(err.contains("did you mean `bf16`"), "{err}");
+        let err = "fdsp".parse::<Strategy>().unwrap_err().to_string();
+        assert!(err.contains("did you mean `fsdp`"), "{err}");
+        assert_eq!("DDP".parse::<Strategy>().unwrap(), Strategy::Ddp);
+    }
+
+    #[test]
+    fn explicit_beats_environment_beats_file_beats_default() {
+        let file: PartialConfig =
+            serde_yaml_ng::from_str("precision: fp16\naccumulate: 8\nseed: 1\n").unwrap();
+        let env = PartialConfig::from_env_with(|k| match k {
+            "ACCEL_ACCUMULATE" => Some("4".into()),
+            "ACCEL_SEED" => Some("2".into()),
+            _ => None,
+        })
+        .unwrap();
+        let explicit = PartialConfig { seed: Some(3), ..Default::default() };
+        let merged = file.overlay(&env).overlay(&explicit);
+        let config = merged.build().unwrap();
+        assert_eq!(config.precision, Precision::Fp16);
+        assert_eq!(config.accumulate, 4);
+        assert_eq!(config.seed, Some(3));
+        assert_eq!(config.strategy, Strategy::Single);
+        assert_eq!(explicit.conflicts(&env), vec![("seed", "3".into(), "2".into())]);
+    }
+
+    #[test]
+    fn bad_values_are_errors_that_name_them() {
+        let err = PartialConfig { accumulate: Some(0), ..Default::default() }.build().unwrap_err();
+        assert!(err.to_string().contains("accumulate = 0"), "{err}");
+        let err = PartialConfig::from_env_with(|k| (k == "ACCEL_PRECISION").then(|| "fp61".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("invalid configuration: ACCEL_PRECISION: unknown precision `fp61`"), "{err}");
+        let err = serde_yaml_ng::from_str::<PartialConfig>("precison: bf16\n").unwrap_err().to_string();
+        assert!(err.contains("unknown field `precison`") && err.contains("precision"), "{err}");
+        let err = PartialConfig { clip_grad_norm: Some(-1.0), ..Default::default() }.build().unwrap_err();
+        assert!(err.to_string().contains("clip_grad_norm"), "{err}");
+    }
+}

@@ -1,0 +1,314 @@
+//! A map-style data loader: a [`Dataset`] that builds batches from index lists, a sampler
+//! (in order, or shuffled with a seed), sharding across ranks, and a background thread
+//! that prepares the next batches while the current one trains.
+
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, sync_channel};
+use std::thread::JoinHandle;
+
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+use tch::Tensor;
+
+use super::shard::{ShardOptions, shard_batches};
+use crate::error::{Error, Result};
+
+/// Data addressed by index. `batch` builds one batch from a list of indices, so a tensor
+/// data set can gather rows with one `index_select` instead of stacking samples.
+pub trait Dataset: Send + 'static {
+    /// What a batch is (a tensor, a tuple of tensors, a struct ...).
+    type Batch: Send + 'static;
+    /// Number of samples.
+    fn len(&self) -> usize;
+    /// Whether there are no samples.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The batch made of samples `indices`.
+    fn batch(&self, indices: &[usize]) -> Result<Self::Batch>;
+}
+
+/// Tensors sharing their first dimension; a batch is the selected rows of each.
+#[derive(Debug)]
+pub struct TensorDataset {
+    tensors: Vec<Tensor>,
+}
+
+impl TensorDataset {
+    /// Checks that every tensor has the same number of rows.
+    pub fn new(tensors: Vec<Tensor>) -> Result<Self> {
+        let rows: Vec<i64> = tensors.iter().map(|t| t.size().first().copied().unwrap_or(0)).collect();
+        if tensors.is_empty() || rows.iter().any(|&r| r != rows[0]) {
+            return Err(Error::Config(format!(
+                "TensorDataset needs tensors with equal first dimensions, got {rows:?}"
+            )));
+        }
+        Ok(Self { tensors })
+    }
+}
+
+impl Dataset for TensorDataset {
+    type Batch = Vec<Tensor>;
+    fn len(&self) -> usize {
+        self.tensors[0].size()[0] as usize
+    }
+    fn batch(&self, indices: &[usize]) -> Result<Vec<Tensor>> {
+        let index: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
+        let index = Tensor::from_slice(&index).to_device(self.tensors[0].device());
+        Ok(self.tensors.iter().map(|t| t.f_index_select(0, &index)).collect::<Result<_, _>>()?)
+    }
+}
+
+/// The order samples are visited in.
+#[derive(Clone)]
+pub enum Sampler {
+    /// 0, 1, 2, ...
+    Sequential,
+    /// A permutation drawn from ChaCha8 seeded with `seed`, on stream `epoch`: the same on
+    /// every rank and every run, different each epoch.
+    Shuffled {
+        /// The seed.
+        seed: u64,
+    },
+    /// Any order: `(epoch, len) -> indices`.
+    Custom(Arc<dyn Fn(u64, usize) -> Vec<usize> + Send + Sync>),
+}
+
+impl std::fmt::Debug for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Sampler::Sequential => f.write_str("Sequential"),
+            Sampler::Shuffled { seed } => write!(f, "Shuffled {{ seed: {seed} }}"),
+            Sampler::Custom(_) => f.write_str("Custom"),
+        }
+    }
+}
+
+impl Sampler {
+    /// The indices of epoch `epoch` for a data set of `len` samples.
+    pub fn indices(&self, epoch: u64, len: usize) -> Vec<usize> {
+        match self {
+            Sampler::Sequential => (0..len).collect(),
+            Sampler::Shuffled { seed } => {
+                let mut rng = ChaCha8Rng::seed_from_u64(*seed);
+                rng.set_stream(epoch);
+                let mut order: Vec<usize> = (0..len).collect();
+                order.shuffle(&mut rng);
+                order
+            }
+            Sampler::Custom(f) => f(epoch, len),
+        }
+    }
+}
+
+/// Settings of a [`DataLoader`].
+#[derive(Debug, Clone)]
+pub struct LoaderOptions {
+    /// Samples per batch (per process, unless `split_batches`).
+    pub batch_size: usize,
+    /// Sample order.
+    pub sampler: Sampler,
+    /// Drop an incomplete last batch.
+    pub drop_last: bool,
+    /// Batches prepared ahead by a background thread (0: build batches on the caller's thread).
+    pub prefetch: usize,
+    /// See [`ShardOptions::even_batches`].
+    pub even_batches: bool,
+    /// See [`ShardOptions::split_batches`].
+    pub split_batches: bool,
+}
+
+impl Default for LoaderOptions {
+    fn default() -> Self {
+        Self {
+            batch_size: 1,
+            sampler: Sampler::Sequential,
+            drop_last: false,
+            prefetch: 2,
+            even_batches: true,
+            split_batches: false,
+        }
+    }
+}
+
+/// Batches of a [`Dataset`], one epoch per [`DataLoader::iter`] call.
+pub struct DataLoader<D: Dataset> {
+    dataset: Option<D>,
+    options: LoaderOptions,
+    rank: usize,
+    world: usize,
+    epoch: u64,
+    skip: usize,
+}
+
+impl<D: Dataset> std::fmt::Debug for DataLoader<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataLoader")
+            .field("options", &self.options)
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("epoch", &self.epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Dataset> DataLoader<D> {
+    /// A loader over `dataset` for a single process.
+    pub fn new(dataset: D, options: LoaderOptions) -> Result<Self> {
+        if options.batch_size == 0 {
+            return Err(Error::Config("DataLoader batch_size must be >= 1".into()));
+        }
+        Ok(Self { dataset: Some(dataset), options, rank: 0, world: 1, epoch: 0, skip: 0 })
+    }
+
+    /// Shard batches across `world` processes as Accelerate does (the accelerator calls this).
+    pub fn shard(&mut self, rank: usize, world: usize) -> Result<()> {
+        if self.options.split_batches && self.options.batch_size % world != 0 {
+            return Err(Error::Config(format!(
+                "split_batches needs a batch size divisible by the {world} processes; got {}",
+                self.options.batch_size
+            )));
+        }
+        (self.rank, self.world) = (rank, world);
+        Ok(())
+    }
+
+    /// The epoch the next [`iter`](Self::iter) runs.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Makes the next [`iter`](Self::iter) run epoch `epoch` (e.g. when resuming).
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+    }
+
+    /// Skips the first `n` batches of the next epoch without building them (resume).
+    pub fn skip_first_batches(&mut self, n: usize) {
+        self.skip = n;
+    }
+
+    /// The options.
+    pub fn options(&self) -> &LoaderOptions {
+        &self.options
+    }
+
+    /// The index lists of this rank's batches in `epoch`.
+    pub fn batch_indices(&self, epoch: u64) -> Vec<Vec<usize>> {
+        let len = self.dataset.as_ref().map_or(0, Dataset::len);
+        let order = self.options.sampler.indices(epoch, len);
+        let bs = self.options.batch_size;
+        let batches: Vec<Vec<usize>> = order
+            .chunks(bs)
+            .filter(|c| !self.options.drop_last || c.len() == bs)
+            .map(<[usize]>::to_vec)
+            .collect();
+        shard_batches(
+            &batches,
+            ShardOptions {
+                rank: self.rank,
+                world: self.world,
+                batch_size: bs,
+                drop_last: self.options.drop_last,
+                even_batches: self.options.even_batches,
+                split_batches: self.options.split_batches,
+            },
+        )
+    }
+
+    /// Batches per epoch on this rank.
+    pub fn len(&self) -> usize {
+        self.batch_indices(self.epoch).len()
+    }
+
+    /// Whether an epoch yields no batch.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The batches of the current epoch (then the epoch counter advances).
+    pub fn iter(&mut self) -> Batches<'_, D> {
+        let epoch = self.epoch;
+        let mut plan = self.batch_indices(epoch);
+        let skip = std::mem::take(&mut self.skip).min(plan.len());
+        plan.drain(..skip);
+        self.epoch += 1;
+        let dataset = self.dataset.take().expect("a DataLoader epoch is already running");
+        let source = if self.options.prefetch == 0 {
+            Source::Inline { dataset: Some(dataset), plan: plan.into_iter() }
+        } else {
+            let (tx, rx) = sync_channel(self.options.prefetch);
+            let worker = std::thread::Builder::new()
+                .name("accel-data".into())
+                .spawn(move || {
+                    for indices in plan {
+                        let batch = dataset.batch(&indices);
+                        let failed = batch.is_err();
+                        if tx.send(batch).is_err() || failed {
+                            break;
+                        }
+                    }
+                    dataset
+                })
+                .expect("cannot spawn the data prefetch thread");
+            Source::Prefetch { rx, worker: Some(worker) }
+        };
+        Batches { loader: self, source, epoch, position: skip }
+    }
+}
+
+enum Source<D: Dataset> {
+    Inline { dataset: Option<D>, plan: std::vec::IntoIter<Vec<usize>> },
+    Prefetch { rx: Receiver<Result<D::Batch>>, worker: Option<JoinHandle<D>> },
+}
+
+/// One epoch of batches; gives the data set back to its loader when dropped.
+pub struct Batches<'a, D: Dataset> {
+    loader: &'a mut DataLoader<D>,
+    source: Source<D>,
+    epoch: u64,
+    position: usize,
+}
+
+impl<D: Dataset> Batches<'_, D> {
+    /// The epoch being iterated.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+    /// Batches yielded so far in this epoch (skipped ones included).
+    pub fn position(&self) -> usize {
+        self.position
+    }
+}
+
+impl<D: Dataset> Iterator for Batches<'_, D> {
+    type Item = Result<D::Batch>;
+    fn next(&mut self) -> Option<Self::Item> {
+        let item = match &mut self.source {
+            Source::Inline { dataset, plan } => {
+                let indices = plan.next()?;
+                dataset.as_ref().map(|d| d.batch(&indices))
+            }
+            Source::Prefetch { rx, .. } => rx.recv().ok(),
+        };
+        if item.is_some() {
+            self.position += 1;
+        }
+        item
+    }
+}
+
+impl<D: Dataset> Drop for Batches<'_, D> {
+    fn drop(&mut self) {
+        let dataset = match &mut self.source {
+            Source::Inline { dataset, .. } => dataset.take(),
+            Source::Prefetch { rx, worker } => {
+                // Unblock the worker (its next send fails), then take the data set back.
+                drop(std::mem::replace(rx, sync_channel(0).1));
+                worker.take().and_then(|w| w.join().ok())
+            }
+        };
+        self.loader.dataset = dataset;
+    }
+}

@@ -1,0 +1,7 @@
+//! Data: a map-style [`DataLoader`] over a [`Dataset`], and Accelerate's sharding rules.
+
+mod loader;
+mod shard;
+
+pub use loader::{Batches, DataLoader, Dataset, LoaderOptions, Sampler, TensorDataset};
+pub use shard::{ShardOptions, shard_batches};
