@@ -184,8 +184,12 @@ impl PartialConfig {
             let Some(value) = get(var) else { continue };
             let value = value.trim().to_owned();
             match *var {
-                "ACCEL_STRATEGY" => config.strategy = Some(value.parse().map_err(|e| env_context(var, e))?),
-                "ACCEL_PRECISION" => config.precision = Some(value.parse().map_err(|e| env_context(var, e))?),
+                "ACCEL_STRATEGY" => {
+                    config.strategy = Some(value.parse().map_err(|e| env_context(var, e))?)
+                }
+                "ACCEL_PRECISION" => {
+                    config.precision = Some(value.parse().map_err(|e| env_context(var, e))?)
+                }
                 "ACCEL_ACCUMULATE" => {
                     config.accumulate =
                         Some(value.parse().map_err(|_| parse_err(var, &value, "an integer >= 1"))?)
@@ -195,7 +199,8 @@ impl PartialConfig {
                         Some(value.parse().map_err(|_| parse_err(var, &value, "a number > 0"))?)
                 }
                 "ACCEL_SEED" => {
-                    config.seed = Some(value.parse().map_err(|_| parse_err(var, &value, "an integer"))?)
+                    config.seed =
+                        Some(value.parse().map_err(|_| parse_err(var, &value, "an integer"))?)
                 }
                 "ACCEL_CPU" => {
                     config.cpu = Some(match value.to_ascii_lowercase().as_str() {
@@ -256,7 +261,8 @@ impl PartialConfig {
         };
         if config.accumulate == 0 {
             return Err(Error::Config(
-                "accumulate = 0: the number of micro-batches per optimizer step must be >= 1".into(),
+                "accumulate = 0: the number of micro-batches per optimizer step must be >= 1"
+                    .into(),
             ));
         }
         if let Some(max) = config.clip_grad_norm {
@@ -323,10 +329,15 @@ mod tests {
         let err = PartialConfig::from_env_with(|k| (k == "ACCEL_PRECISION").then(|| "fp61".into()))
             .unwrap_err()
             .to_string();
-        assert!(err.starts_with("invalid configuration: ACCEL_PRECISION: unknown precision `fp61`"), "{err}");
-        let err = serde_yaml_ng::from_str::<PartialConfig>("precison: bf16\n").unwrap_err().to_string();
+        assert!(
+            err.starts_with("invalid configuration: ACCEL_PRECISION: unknown precision `fp61`"),
+            "{err}"
+        );
+        let err =
+            serde_yaml_ng::from_str::<PartialConfig>("precison: bf16\n").unwrap_err().to_string();
         assert!(err.contains("unknown field `precison`") && err.contains("precision"), "{err}");
-        let err = PartialConfig { clip_grad_norm: Some(-1.0), ..Default::default() }.build().unwrap_err();
+        let err =
+            PartialConfig { clip_grad_norm: Some(-1.0), ..Default::default() }.build().unwrap_err();
         assert!(err.to_string().contains("clip_grad_norm"), "{err}");
     }
 }

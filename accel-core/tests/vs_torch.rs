@@ -42,7 +42,8 @@ fn run_reference(script: &str) -> HashMap<String, Tensor> {
 
 /// Runs each reference script once per test binary (tensors are not Sync, hence the Mutex).
 fn cached_reference(script: &'static str) -> HashMap<String, Tensor> {
-    static CACHE: Mutex<BTreeMap<&'static str, HashMap<String, Tensor>>> = Mutex::new(BTreeMap::new());
+    static CACHE: Mutex<BTreeMap<&'static str, HashMap<String, Tensor>>> =
+        Mutex::new(BTreeMap::new());
     let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
     let values = cache.entry(script).or_insert_with(|| run_reference(script));
     values.iter().map(|(k, v)| (k.clone(), v.shallow_clone())).collect()
@@ -73,7 +74,11 @@ fn check_optimizer(name: &str, make: impl FnOnce(Vec<Tensor>) -> Box<dyn Optimiz
             for (i, p) in params.iter().enumerate() {
                 let expected = &r[&format!("{name}.step{}.{i}", step + 1)];
                 let diff = max_abs_diff(p, expected);
-                assert!(diff < 1e-6, "{name}: param {i} differs from torch by {diff} after step {}", step + 1);
+                assert!(
+                    diff < 1e-6,
+                    "{name}: param {i} differs from torch by {diff} after step {}",
+                    step + 1
+                );
             }
         }
     }
@@ -90,11 +95,23 @@ fn sgd_equals_torch_over_100_steps() {
     check_optimizer("sgd", sgd(SgdConfig { lr: 0.1, ..Default::default() }));
     check_optimizer(
         "sgd_momentum",
-        sgd(SgdConfig { lr: 0.05, momentum: 0.9, dampening: 0.1, weight_decay: 0.01, ..Default::default() }),
+        sgd(SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            dampening: 0.1,
+            weight_decay: 0.01,
+            ..Default::default()
+        }),
     );
     check_optimizer(
         "sgd_nesterov",
-        sgd(SgdConfig { lr: 0.05, momentum: 0.9, nesterov: true, weight_decay: 0.01, ..Default::default() }),
+        sgd(SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            nesterov: true,
+            weight_decay: 0.01,
+            ..Default::default()
+        }),
     );
     check_optimizer(
         "sgd_maximize",
@@ -105,10 +122,17 @@ fn sgd_equals_torch_over_100_steps() {
 #[test]
 fn adam_equals_torch_over_100_steps() {
     check_optimizer("adam", |p| {
-        Box::new(Adam::new(unnamed_params(&p), AdamConfig { lr: 1e-2, weight_decay: 0.01, ..Default::default() }).unwrap())
+        Box::new(
+            Adam::new(
+                unnamed_params(&p),
+                AdamConfig { lr: 1e-2, weight_decay: 0.01, ..Default::default() },
+            )
+            .unwrap(),
+        )
     });
     check_optimizer("adam_betas", |p| {
-        let config = AdamConfig { lr: 3e-3, beta1: 0.8, beta2: 0.99, eps: 1e-6, ..Default::default() };
+        let config =
+            AdamConfig { lr: 3e-3, beta1: 0.8, beta2: 0.99, eps: 1e-6, ..Default::default() };
         Box::new(Adam::new(unnamed_params(&p), config).unwrap())
     });
 }
@@ -136,7 +160,10 @@ fn schedules_equal_torch_step_by_step() {
         ("constant", Schedule::Constant),
         ("constant_warmup", Schedule::ConstantWithWarmup { warmup_steps: 5 }),
         ("linear_warmup", Schedule::LinearWarmup { warmup_steps: 10, total_steps: 40 }),
-        ("cosine_warmup", Schedule::CosineWarmup { warmup_steps: 8, total_steps: 40, num_cycles: 0.5 }),
+        (
+            "cosine_warmup",
+            Schedule::CosineWarmup { warmup_steps: 8, total_steps: 40, num_cycles: 0.5 },
+        ),
         ("one_cycle", Schedule::one_cycle(0.5, 41)),
         ("step", Schedule::Step { step_size: 7, gamma: 0.3 }),
     ];
@@ -149,9 +176,81 @@ fn schedules_equal_torch_step_by_step() {
         let momenta = Vec::<f64>::try_from(&r[&format!("sched.{name}.momentum")]).unwrap();
         for (step, (lr, momentum)) in lrs.iter().zip(&momenta).enumerate() {
             let (ours, our_momentum) = (opt.lr(0), opt.momentum(0).unwrap());
-            assert!((ours - lr).abs() <= 1e-12 * lr.abs().max(1e-12), "{name} step {step}: lr {ours} vs torch {lr}");
-            assert!((our_momentum - momentum).abs() <= 1e-12, "{name} step {step}: momentum {our_momentum} vs {momentum}");
+            assert!(
+                (ours - lr).abs() <= 1e-12 * lr.abs().max(1e-12),
+                "{name} step {step}: lr {ours} vs torch {lr}"
+            );
+            assert!(
+                (our_momentum - momentum).abs() <= 1e-12,
+                "{name} step {step}: momentum {our_momentum} vs {momentum}"
+            );
             scheduler.step(&mut opt).unwrap();
         }
     }
+}
+
+#[test]
+fn accumulation_matches_accelerate_gradients_lr_and_parameters() {
+    use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
+    use accel_core::{Accelerator, optim::named_params};
+    use tch::nn::{self, Module};
+
+    let r = cached_reference("accumulate.py");
+    let acc = Accelerator::builder().accumulate(3).cpu(true).build().unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let net = nn::seq()
+        .add(nn::linear(&root / "0", 4, 8, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&root / "2", 8, 2, Default::default()));
+    tch::no_grad(|| {
+        for (name, mut t) in vs.variables() {
+            t.copy_(&r[&format!("init.{name}")]);
+        }
+    });
+    acc.prepare_model(&vs).unwrap();
+    let sgd =
+        Sgd::new(named_params(&vs), SgdConfig { lr: 0.1, momentum: 0.9, ..Default::default() })
+            .unwrap();
+    let mut opt = acc.prepare_optimizer(sgd);
+    opt.set_schedule(Schedule::LinearWarmup { warmup_steps: 2, total_steps: 8 }).unwrap();
+    let data =
+        TensorDataset::new(vec![r["data.x"].shallow_clone(), r["data.y"].shallow_clone()]).unwrap();
+    let loader =
+        DataLoader::new(data, LoaderOptions { batch_size: 4, ..Default::default() }).unwrap();
+    let mut loader = acc.prepare_loader(loader).unwrap();
+
+    let expected_lr = Vec::<f64>::try_from(&r["lr"]).unwrap();
+    let expected_sync = Vec::<i64>::try_from(&r["sync"]).unwrap();
+    let mut step = 0;
+    for _epoch in 0..2 {
+        for batch in loader.iter() {
+            let batch = batch.unwrap();
+            let loss = net.forward(&batch[0]).mse_loss(&batch[1], tch::Reduction::Mean);
+            acc.backward(&loss).unwrap();
+            assert_eq!(acc.sync_gradients(), expected_sync[step] == 1, "sync flag at step {step}");
+            for (name, p) in vs.variables() {
+                let diff = max_abs_diff(&p.grad(), &r[&format!("grad.{step}.{name}")]);
+                assert!(
+                    diff < 1e-6,
+                    "step {step}: gradient of {name} differs from Accelerate's by {diff}"
+                );
+            }
+            opt.step().unwrap();
+            opt.zero_grad().unwrap();
+            assert!(
+                (opt.lr() - expected_lr[step]).abs() < 1e-12,
+                "step {step}: lr {} vs {}",
+                opt.lr(),
+                expected_lr[step]
+            );
+            for (name, p) in vs.variables() {
+                let diff = max_abs_diff(&p, &r[&format!("param.{step}.{name}")]);
+                assert!(diff < 1e-6, "step {step}: {name} differs from Accelerate's by {diff}");
+            }
+            step += 1;
+        }
+    }
+    assert_eq!(step, 20);
+    assert_eq!(acc.counters().optimizer_steps, 8, "4 windows per epoch");
 }

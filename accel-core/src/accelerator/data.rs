@@ -143,7 +143,12 @@ where
         self.loader.skip_first_batches(start.batches as usize);
         let batches = self.loader.iter();
         PreparedBatches {
-            inner: PreparedIter::new(batches, self.state.clone(), self.position.clone(), self.device),
+            inner: PreparedIter::new(
+                batches,
+                self.state.clone(),
+                self.position.clone(),
+                self.device,
+            ),
         }
     }
 }

@@ -308,11 +308,8 @@ impl Accelerator {
     /// identity, so the model's layers see the move) and registers them for checkpoints.
     pub fn prepare_model(&self, vs: &tch::nn::VarStore) -> Result<()> {
         let params: Vec<Param> = {
-            let mut all: Vec<Param> = vs
-                .variables()
-                .into_iter()
-                .map(|(name, tensor)| Param { name, tensor })
-                .collect();
+            let mut all: Vec<Param> =
+                vs.variables().into_iter().map(|(name, tensor)| Param { name, tensor }).collect();
             all.sort_by(|a, b| a.name.cmp(&b.name));
             all
         };

@@ -111,6 +111,9 @@ mod tests {
         assert_eq!(syncs, [false, false, true, false, false, true, false, false, true, true]);
         // The end of the data restarts the window for the next epoch.
         state.set_end_of_dataloader(false);
-        assert_eq!([state.begin_micro_step(), state.begin_micro_step(), state.begin_micro_step()], [false, false, true]);
+        assert_eq!(
+            [state.begin_micro_step(), state.begin_micro_step(), state.begin_micro_step()],
+            [false, false, true]
+        );
     }
 }

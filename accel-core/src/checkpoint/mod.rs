@@ -98,8 +98,8 @@ fn read_tensors(path: &Path, record: &FileRecord) -> Result<BTreeMap<String, Ten
     if crc32fast::hash(&bytes) != record.crc32 {
         return Err(bad(path, "the file's CRC32 does not match the manifest: it is corrupted"));
     }
-    let tensors =
-        Tensor::read_safetensors(path).map_err(|e| bad(path, format!("not a safetensors file: {e}")))?;
+    let tensors = Tensor::read_safetensors(path)
+        .map_err(|e| bad(path, format!("not a safetensors file: {e}")))?;
     Ok(tensors.into_iter().collect())
 }
 
@@ -178,10 +178,8 @@ impl Accelerator {
             });
         }
         let devices = rng_devices();
-        let rng: Vec<(String, Tensor)> = devices
-            .iter()
-            .map(|&d| Ok((device_name(d), rng_state(d)?)))
-            .collect::<Result<_>>()?;
+        let rng: Vec<(String, Tensor)> =
+            devices.iter().map(|&d| Ok((device_name(d), rng_state(d)?))).collect::<Result<_>>()?;
         let rank = self.process_index();
         files.insert(rng_file(rank), write_tensors(&tmp.join(rng_file(rank)), &rng)?);
         let manifest = Manifest {
@@ -191,7 +189,11 @@ impl Accelerator {
             world_size: self.num_processes(),
             files,
             counters: self.counters(),
-            scaler: self.inner.scaler.as_ref().map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).state()),
+            scaler: self
+                .inner
+                .scaler
+                .as_ref()
+                .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).state()),
             models: registry.models.len(),
             optimizers,
             loaders: registry
@@ -212,7 +214,8 @@ impl Accelerator {
     pub fn load_state(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
         let manifest_path = dir.join(MANIFEST);
-        let text = std::fs::read_to_string(&manifest_path).map_err(|e| io_error(&manifest_path, e))?;
+        let text =
+            std::fs::read_to_string(&manifest_path).map_err(|e| io_error(&manifest_path, e))?;
         let manifest: Manifest = serde_json::from_str(&text)
             .map_err(|e| bad(&manifest_path, format!("unreadable manifest: {e}")))?;
         if manifest.format != FORMAT || manifest.version != VERSION {
@@ -231,7 +234,9 @@ impl Accelerator {
             } else {
                 Err(bad(
                     dir,
-                    format!("it holds {saved} {what}, this run prepared {here}; prepare the same objects before load_state"),
+                    format!(
+                        "it holds {saved} {what}, this run prepared {here}; prepare the same objects before load_state"
+                    ),
                 ))
             }
         };
@@ -239,11 +244,15 @@ impl Accelerator {
         expect("optimizers", manifest.optimizers.len(), registry.optimizers.len())?;
         expect("data loaders", manifest.loaders.len(), registry.loaders.len())?;
         if manifest.scaler.is_some() != self.inner.scaler.is_some() {
-            return Err(bad(dir, "it was saved with another precision (fp16 loss scaler present in one of the two)"));
+            return Err(bad(
+                dir,
+                "it was saved with another precision (fp16 loss scaler present in one of the two)",
+            ));
         }
         let file = |name: String| -> Result<(PathBuf, BTreeMap<String, Tensor>)> {
             let path = dir.join(&name);
-            let record = manifest.files.get(&name).ok_or_else(|| bad(&path, "missing from the manifest"))?;
+            let record =
+                manifest.files.get(&name).ok_or_else(|| bad(&path, "missing from the manifest"))?;
             let tensors = read_tensors(&path, record)?;
             Ok((path, tensors))
         };
@@ -271,21 +280,37 @@ impl Accelerator {
                 }
             }
             if let Some(extra) = tensors.keys().find(|k| params.iter().all(|p| &p.name != *k)) {
-                return Err(bad(&path, format!("holds tensor `{extra}`, which the model does not have")));
+                return Err(bad(
+                    &path,
+                    format!("holds tensor `{extra}`, which the model does not have"),
+                ));
             }
             models.push(tensors);
         }
         let mut optimizer_states = Vec::new();
-        for (i, (record, optimizer)) in manifest.optimizers.iter().zip(&registry.optimizers).enumerate() {
+        for (i, (record, optimizer)) in
+            manifest.optimizers.iter().zip(&registry.optimizers).enumerate()
+        {
             let (path, tensors) = file(optimizer_file(i))?;
             let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
             if slot.optimizer.name() != record.name {
-                return Err(bad(&path, format!("holds {} state, the optimizer is {}", record.name, slot.optimizer.name())));
+                return Err(bad(
+                    &path,
+                    format!(
+                        "holds {} state, the optimizer is {}",
+                        record.name,
+                        slot.optimizer.name()
+                    ),
+                ));
             }
             if slot.scheduler.is_some() != record.scheduler.is_some() {
-                return Err(bad(&path, "a learning-rate schedule is set in only one of the saved and the current run"));
+                return Err(bad(
+                    &path,
+                    "a learning-rate schedule is set in only one of the saved and the current run",
+                ));
             }
-            optimizer_states.push((path, OptimizerState { tensors, groups: record.groups.clone() }));
+            optimizer_states
+                .push((path, OptimizerState { tensors, groups: record.groups.clone() }));
         }
         let (_, rng) = file(rng_file(self.process_index()))?;
 
@@ -337,7 +362,9 @@ impl Accelerator {
     /// Returns the new folder.
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
         let root = self.checkpoint_dir().ok_or_else(|| {
-            Error::Config("save_checkpoint needs AcceleratorBuilder::checkpoints(dir, limit)".into())
+            Error::Config(
+                "save_checkpoint needs AcceleratorBuilder::checkpoints(dir, limit)".into(),
+            )
         })?;
         std::fs::create_dir_all(root).map_err(|e| io_error(root, e))?;
         let existing = numbered_checkpoints(root)?;
@@ -372,7 +399,12 @@ impl Accelerator {
     /// Writes the model's weights to `dir` as `model.safetensors`, or, when they exceed
     /// `max_shard_bytes`, as `model-0000i-of-0000n.safetensors` plus
     /// `model.safetensors.index.json` (Hugging Face's layout). Main process only.
-    pub fn save_model(&self, vs: &tch::nn::VarStore, dir: impl AsRef<Path>, max_shard_bytes: u64) -> Result<()> {
+    pub fn save_model(
+        &self,
+        vs: &tch::nn::VarStore,
+        dir: impl AsRef<Path>,
+        max_shard_bytes: u64,
+    ) -> Result<()> {
         if !self.is_main_process() {
             return Ok(());
         }

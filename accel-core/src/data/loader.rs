@@ -38,7 +38,8 @@ pub struct TensorDataset {
 impl TensorDataset {
     /// Checks that every tensor has the same number of rows.
     pub fn new(tensors: Vec<Tensor>) -> Result<Self> {
-        let rows: Vec<i64> = tensors.iter().map(|t| t.size().first().copied().unwrap_or(0)).collect();
+        let rows: Vec<i64> =
+            tensors.iter().map(|t| t.size().first().copied().unwrap_or(0)).collect();
         if tensors.is_empty() || rows.iter().any(|&r| r != rows[0]) {
             return Err(Error::Config(format!(
                 "TensorDataset needs tensors with equal first dimensions, got {rows:?}"

@@ -86,8 +86,10 @@ fn deal(batches: &[Vec<usize>], o: ShardOptions) -> Vec<Vec<usize>> {
 fn split(batches: &[Vec<usize>], o: ShardOptions) -> Vec<Vec<usize>> {
     let (n, rank, bs) = (o.world, o.rank, o.batch_size);
     let len = bs / n;
-    let slice = |b: &[usize]| b[(len * rank).min(b.len())..(len * (rank + 1)).min(b.len())].to_vec();
-    let mut out: Vec<Vec<usize>> = batches.iter().filter(|b| b.len() == bs).map(|b| slice(b)).collect();
+    let slice =
+        |b: &[usize]| b[(len * rank).min(b.len())..(len * (rank + 1)).min(b.len())].to_vec();
+    let mut out: Vec<Vec<usize>> =
+        batches.iter().filter(|b| b.len() == bs).map(|b| slice(b)).collect();
     let (Some(first), Some(last)) = (batches.first(), batches.last()) else { return out };
     if o.drop_last || last.len() >= bs {
         return out;
@@ -118,7 +120,14 @@ mod tests {
     }
 
     fn opts(rank: usize, world: usize, bs: usize) -> ShardOptions {
-        ShardOptions { rank, world, batch_size: bs, drop_last: false, even_batches: true, split_batches: false }
+        ShardOptions {
+            rank,
+            world,
+            batch_size: bs,
+            drop_last: false,
+            even_batches: true,
+            split_batches: false,
+        }
     }
 
     #[test]
@@ -166,7 +175,8 @@ mod tests {
     fn every_rank_gets_the_same_count_and_all_samples_are_seen() {
         for (n, bs, world) in [(22, 3, 2), (82, 16, 2), (10, 4, 3), (5, 4, 3), (1, 2, 4)] {
             let b = batches(n, bs, false);
-            let shards: Vec<_> = (0..world).map(|r| shard_batches(&b, opts(r, world, bs))).collect();
+            let shards: Vec<_> =
+                (0..world).map(|r| shard_batches(&b, opts(r, world, bs))).collect();
             assert!(shards.iter().all(|s| s.len() == shards[0].len()), "{n} {bs} {world}");
             let mut seen: Vec<usize> = shards.iter().flatten().flatten().copied().collect();
             seen.sort();

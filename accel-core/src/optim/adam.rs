@@ -149,11 +149,13 @@ impl AdamCore {
     }
 
     fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
-        let hypers: Vec<AdamConfig> = groups_from_json(self.name, &state.groups, self.groups.len())?;
+        let hypers: Vec<AdamConfig> =
+            groups_from_json(self.name, &state.groups, self.groups.len())?;
         for (group, hyper) in self.groups.iter_mut().zip(hypers) {
             group.hyper = hyper;
         }
-        let params: Vec<Param> = self.groups.iter().flat_map(|g| g.params.iter().cloned()).collect();
+        let params: Vec<Param> =
+            self.groups.iter().flat_map(|g| g.params.iter().cloned()).collect();
         for (param, moments) in params.iter().zip(&mut self.moments) {
             let key = |slot: &str| format!("{}/{slot}", param.name);
             *moments = if state.tensors.contains_key(&key("step")) {

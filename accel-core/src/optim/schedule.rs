@@ -123,11 +123,10 @@ impl Schedule {
                 if step < warmup_steps {
                     s / (warmup_steps.max(1) as f64)
                 } else {
-                    let progress = (s - warmup_steps as f64)
-                        / ((total_steps - warmup_steps).max(1) as f64);
+                    let progress =
+                        (s - warmup_steps as f64) / ((total_steps - warmup_steps).max(1) as f64);
                     (0.0f64).max(
-                        0.5 * (1.0
-                            + (std::f64::consts::PI * num_cycles * 2.0 * progress).cos()),
+                        0.5 * (1.0 + (std::f64::consts::PI * num_cycles * 2.0 * progress).cos()),
                     )
                 }
             }
@@ -198,7 +197,11 @@ impl LrScheduler {
     }
 
     /// Restores a saved state and applies its rates to `optimizer`.
-    pub fn load_state(&mut self, state: SchedulerState, optimizer: &mut dyn Optimizer) -> Result<()> {
+    pub fn load_state(
+        &mut self,
+        state: SchedulerState,
+        optimizer: &mut dyn Optimizer,
+    ) -> Result<()> {
         if state.base_lrs.len() != optimizer.num_groups() {
             return Err(Error::Checkpoint {
                 path: None,

@@ -110,7 +110,11 @@ impl Optimizer for Sgd {
                                 buf
                             }
                         };
-                        d_p = if h.nesterov { d_p.f_add(&(&*buf * h.momentum))? } else { buf.shallow_clone() };
+                        d_p = if h.nesterov {
+                            d_p.f_add(&(&*buf * h.momentum))?
+                        } else {
+                            buf.shallow_clone()
+                        };
                     }
                     let mut p = param.tensor.shallow_clone();
                     let _ = p.f_sub_(&(d_p * h.lr))?;
@@ -159,7 +163,8 @@ impl Optimizer for Sgd {
         for (group, hyper) in self.groups.iter_mut().zip(hypers) {
             group.hyper = hyper;
         }
-        let params: Vec<Param> = self.groups.iter().flat_map(|g| g.params.iter().cloned()).collect();
+        let params: Vec<Param> =
+            self.groups.iter().flat_map(|g| g.params.iter().cloned()).collect();
         for (param, buffer) in params.iter().zip(&mut self.momentum_buffers) {
             let key = format!("{}/momentum_buffer", param.name);
             *buffer = if state.tensors.contains_key(&key) {

@@ -81,7 +81,10 @@ impl GradScaler {
         for p in params {
             let grad = p.grad();
             if grad.defined() {
-                groups.entry(format!("{:?}/{:?}", grad.device(), grad.kind())).or_default().push(grad);
+                groups
+                    .entry(format!("{:?}/{:?}", grad.device(), grad.kind()))
+                    .or_default()
+                    .push(grad);
             }
         }
         for grads in groups.values() {
@@ -120,10 +123,7 @@ impl GradScaler {
 
     /// The state a checkpoint keeps.
     pub fn state(&self) -> ScalerState {
-        ScalerState {
-            scale: self.scale(),
-            growth_tracker: self.growth_tracker.int64_value(&[0]),
-        }
+        ScalerState { scale: self.scale(), growth_tracker: self.growth_tracker.int64_value(&[0]) }
     }
 
     /// Restores a state from [`GradScaler::state`].

@@ -1,0 +1,359 @@
+//! The one-process runtime end to end: resume, checkpoint integrity, mixed precision, data.
+//!
+//! torch's generators are global to the process, so these tests take turns (`serial`).
+
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+
+use accel_core::data::{DataLoader, LoaderOptions, Sampler, TensorDataset};
+use accel_core::optim::{AdamConfig, AdamW, Schedule, Sgd, SgdConfig, TchOptimizer, named_params};
+use accel_core::{AcceleratedOptimizer, Accelerator, Precision, PreparedLoader};
+use tch::nn::{self, Module, ModuleT, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("training").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+/// An MLP with dropout, AdamW with a cosine schedule, shuffled batches.
+struct Run {
+    acc: Accelerator,
+    vs: nn::VarStore,
+    net: nn::SequentialT,
+    opt: AcceleratedOptimizer,
+    loader: PreparedLoader<TensorDataset>,
+}
+
+fn data() -> (Tensor, Tensor) {
+    let g = Tensor::arange(50 * 8, (Kind::Float, Device::Cpu)).view([50, 8]);
+    let x = (g.sin() * 3.0).cos();
+    let y = Tensor::arange(50, (Kind::Int64, Device::Cpu)).remainder(3);
+    (x, y)
+}
+
+fn run(init_seed: i64, hidden: i64) -> Run {
+    let acc = Accelerator::builder().accumulate(2).cpu(true).build().unwrap();
+    tch::manual_seed(init_seed);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let net = nn::seq_t()
+        .add(nn::linear(&root / "layers" / 0, 8, hidden, Default::default()))
+        .add_fn_t(|x, train| x.dropout(0.3, train))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&root / "layers" / 1, hidden, 3, Default::default()));
+    acc.prepare_model(&vs).unwrap();
+    let adamw =
+        AdamW::new(named_params(&vs), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() }).unwrap();
+    let mut opt = acc.prepare_optimizer(adamw);
+    opt.set_schedule(Schedule::CosineWarmup { warmup_steps: 3, total_steps: 21, num_cycles: 0.5 })
+        .unwrap();
+    let (x, y) = data();
+    let options = LoaderOptions {
+        batch_size: 4,
+        sampler: Sampler::Shuffled { seed: 7 },
+        ..Default::default()
+    };
+    let loader = DataLoader::new(TensorDataset::new(vec![x, y]).unwrap(), options).unwrap();
+    let loader = acc.prepare_loader(loader).unwrap();
+    Run { acc, vs, net, opt, loader }
+}
+
+/// Trains to the end of epoch 3, or stops after `stop_after` micro-steps; returns how many
+/// micro-steps ran.
+fn train(r: &mut Run, stop_after: Option<usize>) -> usize {
+    let mut steps = 0;
+    for _ in r.loader.epoch()..3 {
+        for batch in r.loader.iter() {
+            let batch = batch.unwrap();
+            let logits = r.net.forward_t(&batch[0], true);
+            let loss = logits.cross_entropy_for_logits(&batch[1]);
+            r.acc.backward(&loss).unwrap();
+            r.opt.step().unwrap();
+            r.opt.zero_grad().unwrap();
+            steps += 1;
+            if Some(steps) == stop_after {
+                return steps;
+            }
+        }
+    }
+    steps
+}
+
+fn params(vs: &nn::VarStore) -> Vec<(String, Tensor)> {
+    let mut v: Vec<_> = vs.variables().into_iter().map(|(n, t)| (n, t.detach().copy())).collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+#[test]
+fn resume_from_save_state_is_bit_identical() {
+    let _serial = serial();
+    let dir = scratch("resume");
+    let mut whole = run(0, 16);
+    let total = train(&mut whole, None);
+    assert_eq!(total, 39, "13 batches × 3 epochs");
+    let expected = params(&whole.vs);
+
+    let mut first = run(0, 16);
+    assert_eq!(train(&mut first, Some(17)), 17, "stops inside epoch 2, mid accumulation window");
+    first.acc.save_state(&dir).unwrap();
+    drop(first);
+
+    // A new process, in effect: other initial weights, all state from the checkpoint.
+    let mut resumed = run(12345, 16);
+    resumed.acc.load_state(&dir).unwrap();
+    assert_eq!(resumed.loader.epoch(), 1);
+    let rest = train(&mut resumed, None);
+    assert_eq!(rest, total - 17);
+    for ((name, a), (_, b)) in expected.iter().zip(params(&resumed.vs)) {
+        assert_eq!(max_abs_diff(a, &b), 0.0, "{name} differs after resuming");
+    }
+    assert_eq!(resumed.acc.counters(), whole.acc.counters());
+    assert_eq!(resumed.opt.lr(), whole.opt.lr());
+}
+
+#[test]
+fn truncated_or_corrupted_checkpoints_are_named_errors() {
+    let _serial = serial();
+    let dir = scratch("truncated");
+    let mut r = run(0, 16);
+    train(&mut r, Some(3));
+    r.acc.save_state(&dir).unwrap();
+    let before = params(&r.vs);
+
+    let model = dir.join("model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    let err = r.acc.load_state(&dir).unwrap_err().to_string();
+    assert!(err.contains("model.safetensors") && err.contains("truncated"), "{err}");
+
+    let mut flipped = bytes.clone();
+    let middle = flipped.len() - 20;
+    flipped[middle] ^= 0x55;
+    std::fs::write(&model, &flipped).unwrap();
+    let err = r.acc.load_state(&dir).unwrap_err().to_string();
+    assert!(err.contains("model.safetensors") && err.contains("corrupted"), "{err}");
+
+    // A failed load changes nothing.
+    for ((name, a), (_, b)) in before.iter().zip(params(&r.vs)) {
+        assert_eq!(max_abs_diff(a, &b), 0.0, "{name} changed by a failed load");
+    }
+}
+
+#[test]
+fn a_checkpoint_of_another_model_names_the_tensor() {
+    let _serial = serial();
+    let dir = scratch("other-model");
+    let small = run(0, 16);
+    small.acc.save_state(&dir).unwrap();
+    let wide = run(0, 32);
+    let err = wide.acc.load_state(&dir).unwrap_err().to_string();
+    assert!(err.contains("model.safetensors"), "{err}");
+    assert!(err.contains("layers.0.") && err.contains("[16") && err.contains("[32"), "{err}");
+}
+
+#[test]
+fn a_failed_save_leaves_the_previous_checkpoint_intact() {
+    let _serial = serial();
+    let dir = scratch("atomic");
+    let r = run(0, 16);
+    r.acc.save_state(dir.join("ckpt")).unwrap();
+    let manifest = std::fs::read(dir.join("ckpt/manifest.json")).unwrap();
+    // tch's optimizer cannot export its state: the second save fails part-way.
+    let tch_opt = nn::Sgd::default().build(&r.vs, 0.1).unwrap();
+    let _ = r.acc.prepare_optimizer(TchOptimizer::new(tch_opt, 0.1));
+    let err = r.acc.save_state(dir.join("ckpt")).unwrap_err().to_string();
+    assert!(err.contains("cannot export its state"), "{err}");
+    assert_eq!(std::fs::read(dir.join("ckpt/manifest.json")).unwrap(), manifest);
+    let leftovers: Vec<_> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(leftovers.len(), 1, "temporary folders left behind: {leftovers:?}");
+}
+
+#[test]
+fn automatic_checkpoint_names_keep_the_newest_within_the_limit() {
+    let _serial = serial();
+    let dir = scratch("auto");
+    let acc = Accelerator::builder().cpu(true).checkpoints(&dir, Some(2)).build().unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _lin = nn::linear(vs.root() / "lin", 2, 2, Default::default());
+    acc.prepare_model(&vs).unwrap();
+    for _ in 0..3 {
+        acc.save_checkpoint().unwrap();
+    }
+    let mut names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["checkpoint_1", "checkpoint_2"]);
+    assert_eq!(acc.load_latest_checkpoint().unwrap(), Some(dir.join("checkpoint_2")));
+}
+
+#[test]
+fn save_model_shards_with_an_index() {
+    let _serial = serial();
+    let dir = scratch("save-model");
+    let r = run(0, 16);
+    // layers.0.weight is 16×8×4 = 512 bytes; a 600-byte limit forces several shards.
+    r.acc.save_model(&r.vs, dir.join("model"), 600).unwrap();
+    let index: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("model/model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    assert_eq!(map.len(), 4);
+    let mut total = 0;
+    for (name, file) in map {
+        let tensors =
+            Tensor::read_safetensors(dir.join("model").join(file.as_str().unwrap())).unwrap();
+        let (_, t) = tensors.iter().find(|(n, _)| n == name).unwrap();
+        let original = r.vs.variables()[name].detach();
+        assert_eq!(max_abs_diff(t, &original), 0.0);
+        total += t.numel() * 4;
+    }
+    assert_eq!(index["metadata"]["total_size"].as_u64().unwrap() as usize, total);
+    assert!(std::fs::read_dir(dir.join("model")).unwrap().count() >= 3);
+}
+
+#[test]
+fn fp16_skips_a_step_with_inf_gradients_halves_the_scale_then_steps() {
+    let _serial = serial();
+    let acc = Accelerator::builder().precision(Precision::Fp16).cpu(true).build().unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let lin = nn::linear(vs.root() / "lin", 3, 1, Default::default());
+    acc.prepare_model(&vs).unwrap();
+    let sgd = Sgd::new(named_params(&vs), SgdConfig { lr: 0.1, ..Default::default() }).unwrap();
+    let mut opt = acc.prepare_optimizer(sgd);
+    let x = Tensor::ones([4, 3], (Kind::Float, Device::Cpu));
+    assert_eq!(acc.loss_scale(), Some(65536.0));
+
+    let before = params(&vs);
+    let out = acc.forward(|| lin.forward(&x)).unwrap();
+    assert_eq!(out.kind(), Kind::Float, "outputs come back in fp32");
+    acc.backward(&out.mean(Kind::Float)).unwrap();
+    let weight = vs.variables()["lin.weight"].shallow_clone();
+    let mut grad = weight.grad();
+    let _ = grad.fill_(f64::INFINITY);
+    opt.step().unwrap();
+    opt.zero_grad().unwrap();
+    assert!(opt.step_was_skipped());
+    assert_eq!(acc.loss_scale(), Some(32768.0));
+    for ((name, a), (_, b)) in before.iter().zip(params(&vs)) {
+        assert_eq!(max_abs_diff(a, &b), 0.0, "{name} changed in a skipped step");
+    }
+
+    let out = acc.forward(|| lin.forward(&x)).unwrap();
+    acc.backward(&out.mean(Kind::Float)).unwrap();
+    // The gradient reaching the optimizer is unscaled: d(mean)/dw = 1 per input.
+    opt.step().unwrap();
+    assert!(!opt.step_was_skipped());
+    let moved = max_abs_diff(&before[1].1, &vs.variables()["lin.weight"]);
+    assert!((moved - 0.1).abs() < 1e-3, "an unscaled step moves the weight by lr × 1, got {moved}");
+    assert_eq!(acc.counters().skipped_steps, 1);
+    assert_eq!(acc.counters().optimizer_steps, 1);
+}
+
+#[test]
+fn bf16_runs_matmuls_in_bf16_and_returns_fp32() {
+    let _serial = serial();
+    let acc = Accelerator::builder().precision(Precision::Bf16).cpu(true).build().unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let lin = nn::linear(vs.root() / "lin", 3, 2, Default::default());
+    let x = Tensor::ones([4, 3], (Kind::Float, Device::Cpu));
+    let inner = std::cell::Cell::new(Kind::Float);
+    let out = acc
+        .forward(|| {
+            let y = lin.forward(&x);
+            inner.set(y.kind());
+            y
+        })
+        .unwrap();
+    assert_eq!(inner.get(), Kind::BFloat16);
+    assert_eq!(out.kind(), Kind::Float);
+    acc.backward(&out.sum(Kind::Float)).unwrap();
+    assert_eq!(vs.variables()["lin.weight"].grad().kind(), Kind::Float);
+}
+
+#[test]
+fn fp8_without_the_hardware_is_a_clear_error() {
+    let _serial = serial();
+    let err = Accelerator::builder().precision(Precision::Fp8).cpu(true).build().unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("fp8") && text.contains("Hopper") && text.contains("bf16"), "{text}");
+}
+
+#[test]
+fn a_non_scalar_loss_is_refused() {
+    let _serial = serial();
+    let acc = Accelerator::builder().cpu(true).build().unwrap();
+    let err = acc.backward(&Tensor::ones([3], (Kind::Float, Device::Cpu))).unwrap_err();
+    assert!(err.to_string().contains("scalar loss"), "{err}");
+}
+
+#[test]
+fn loader_prefetch_and_inline_agree_and_shuffles_are_seeded() {
+    let _serial = serial();
+    let (x, y) = data();
+    let order = |prefetch: usize, seed: u64, epochs: usize| -> Vec<Vec<i64>> {
+        let options = LoaderOptions {
+            batch_size: 8,
+            sampler: Sampler::Shuffled { seed },
+            prefetch,
+            ..Default::default()
+        };
+        let mut loader = DataLoader::new(
+            TensorDataset::new(vec![x.shallow_clone(), y.shallow_clone()]).unwrap(),
+            options,
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        for _ in 0..epochs {
+            for batch in loader.iter() {
+                let rows = batch.unwrap()[0].select(1, 0);
+                out.push(
+                    Vec::<f32>::try_from(&rows).unwrap().iter().map(|v| (v * 1e4) as i64).collect(),
+                );
+            }
+        }
+        out
+    };
+    let a = order(0, 1, 2);
+    assert_eq!(a, order(3, 1, 2), "prefetching changes nothing");
+    assert_ne!(a, order(0, 2, 2), "another seed, another order");
+    assert_ne!(a[..7], a[7..], "each epoch its own order");
+    assert_eq!(a.len(), 14, "50 samples in batches of 8: 7 per epoch");
+}
+
+#[test]
+fn prepared_iterators_flag_the_last_batch_and_skip_resumes() {
+    let _serial = serial();
+    let acc = Accelerator::builder().cpu(true).build().unwrap();
+    let flags: Vec<bool> =
+        acc.prepare_iter(vec![1i64, 2, 3]).map(|_| acc.end_of_dataloader()).collect();
+    assert_eq!(flags, [false, false, true]);
+
+    let (x, y) = data();
+    let loader = DataLoader::new(
+        TensorDataset::new(vec![x, y]).unwrap(),
+        LoaderOptions { batch_size: 10, ..Default::default() },
+    )
+    .unwrap();
+    let mut loader = acc.prepare_loader(loader).unwrap();
+    loader.skip_first_batches(3);
+    let firsts: Vec<i64> = loader.iter().map(|b| b.unwrap()[1].int64_value(&[0])).collect();
+    assert_eq!(firsts, [30 % 3, 40 % 3], "batches 3 and 4 of 5 remain");
+    assert_eq!(loader.epoch(), 1);
+}
