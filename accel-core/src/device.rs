@@ -72,3 +72,38 @@ tuple_to_device!(A 0, B 1);
 tuple_to_device!(A 0, B 1, C 2);
 tuple_to_device!(A 0, B 1, C 2, D 3);
 tuple_to_device!(A 0, B 1, C 2, D 3, E 4);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, accel_core::ToDevice)]
+    struct Batch<T> {
+        x: Tensor,
+        pair: (Tensor, Option<Tensor>),
+        #[to_device(skip)]
+        ids: Vec<&'static str>,
+        extra: T,
+    }
+
+    #[derive(accel_core::ToDevice)]
+    enum Input {
+        Image(Tensor),
+        Text { tokens: Tensor },
+        Empty,
+    }
+
+    #[test]
+    fn derived_and_built_in_impls_reach_every_tensor() {
+        let t = || Tensor::ones([2], (tch::Kind::Float, Device::Cpu));
+        let batch = Batch { x: t(), pair: (t(), Some(t())), ids: vec!["a"], extra: vec![t()] };
+        let moved = batch.to_device(Device::Cpu);
+        assert_eq!(moved.ids, ["a"]);
+        assert_eq!(moved.extra.len(), 1);
+        let map: BTreeMap<&str, Tensor> = [("k", t())].into_iter().collect();
+        assert_eq!(map.to_device(Device::Cpu)["k"].size(), [2]);
+        assert!(matches!(Input::Text { tokens: t() }.to_device(Device::Cpu), Input::Text { .. }));
+        assert!(matches!(Input::Image(t()).to_device(Device::Cpu), Input::Image(_)));
+        assert!(matches!(Input::Empty.to_device(Device::Cpu), Input::Empty));
+    }
+}

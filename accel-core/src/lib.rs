@@ -6,6 +6,9 @@
 //! ([`optim`]), data loading ([`data`]), the libtorch shim ([`shim`]) and CUDA loading with
 //! clear diagnostics ([`cuda`]).
 
+// Lets derive output (`::accel_core::...`) compile inside this crate too.
+extern crate self as accel_core;
+
 mod accelerator;
 mod checkpoint;
 pub mod config;
@@ -16,7 +19,9 @@ mod error;
 pub mod optim;
 pub mod precision;
 pub mod shim;
+pub mod tracking;
 
+pub use accel_macros::ToDevice;
 pub use accelerator::{
     AcceleratedOptimizer, Accelerator, AcceleratorBuilder, DataPosition, PreparedBatches,
     PreparedIter, PreparedLoader, ProcessInfo, StepCounters, current, split_between,
@@ -30,3 +35,9 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// The version of tch accel-core is built on (pinned in the workspace's Cargo.toml).
 pub const TCH_VERSION: &str = "0.24.0";
+
+/// What generated code refers to; not part of the public API.
+#[doc(hidden)]
+pub mod __private {
+    pub use tch::Device;
+}
