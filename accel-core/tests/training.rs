@@ -357,3 +357,20 @@ fn prepared_iterators_flag_the_last_batch_and_skip_resumes() {
     assert_eq!(firsts, [30 % 3, 40 % 3], "batches 3 and 4 of 5 remain");
     assert_eq!(loader.epoch(), 1);
 }
+
+#[test]
+fn map_datasets_fetch_items_and_collate_them() {
+    use accel_core::data::{MapDataset, stack};
+    let _serial = serial();
+    let dataset = MapDataset::new(
+        5,
+        |i| Ok(Tensor::from_slice(&[i as f32, 10.0 * i as f32])),
+        stack,
+    );
+    let options = LoaderOptions { batch_size: 2, prefetch: 1, ..Default::default() };
+    let mut loader = DataLoader::new(dataset, options).unwrap();
+    let shapes: Vec<Vec<i64>> = loader.iter().map(|b| b.unwrap().size()).collect();
+    assert_eq!(shapes, [vec![2, 2], vec![2, 2], vec![1, 2]]);
+    let first = loader.iter().next().unwrap().unwrap();
+    assert_eq!(Vec::<f32>::try_from(first.flatten(0, -1)).unwrap(), [0.0, 0.0, 1.0, 10.0]);
+}

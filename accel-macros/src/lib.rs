@@ -12,7 +12,7 @@ use proc_macro::TokenStream;
 /// device. Fields marked `#[to_device(skip)]` are kept as they are (for fields that hold
 /// no tensor and do not implement `ToDevice`). Type parameters get a `ToDevice` bound.
 ///
-/// ```ignore
+/// ```text
 /// #[derive(ToDevice)]
 /// struct Batch { images: Tensor, labels: Tensor, #[to_device(skip)] ids: Vec<String> }
 /// ```

@@ -61,6 +61,47 @@ impl Dataset for TensorDataset {
     }
 }
 
+/// A data set of samples fetched one by one and combined by a collate function (the
+/// shape of torch's map-style `Dataset` + `collate_fn`).
+pub struct MapDataset<Item, Batch> {
+    len: usize,
+    get: Box<dyn Fn(usize) -> Result<Item> + Send>,
+    collate: Box<dyn Fn(Vec<Item>) -> Result<Batch> + Send>,
+}
+
+impl<Item, Batch> std::fmt::Debug for MapDataset<Item, Batch> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MapDataset").field("len", &self.len).finish_non_exhaustive()
+    }
+}
+
+impl<Item, Batch> MapDataset<Item, Batch> {
+    /// `len` samples, sample `i` given by `get(i)`, batches made by `collate`.
+    pub fn new(
+        len: usize,
+        get: impl Fn(usize) -> Result<Item> + Send + 'static,
+        collate: impl Fn(Vec<Item>) -> Result<Batch> + Send + 'static,
+    ) -> Self {
+        Self { len, get: Box::new(get), collate: Box::new(collate) }
+    }
+}
+
+impl<Item: 'static, Batch: Send + 'static> Dataset for MapDataset<Item, Batch> {
+    type Batch = Batch;
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn batch(&self, indices: &[usize]) -> Result<Batch> {
+        let items = indices.iter().map(|&i| (self.get)(i)).collect::<Result<Vec<_>>>()?;
+        (self.collate)(items)
+    }
+}
+
+/// Stacks tensors along a new first dimension: the usual collate function.
+pub fn stack(items: Vec<Tensor>) -> Result<Tensor> {
+    Ok(Tensor::f_stack(&items, 0)?)
+}
+
 /// The order samples are visited in.
 #[derive(Clone)]
 pub enum Sampler {

@@ -3,5 +3,7 @@
 mod loader;
 mod shard;
 
-pub use loader::{Batches, DataLoader, Dataset, LoaderOptions, Sampler, TensorDataset};
+pub use loader::{
+    Batches, DataLoader, Dataset, LoaderOptions, MapDataset, Sampler, TensorDataset, stack,
+};
 pub use shard::{ShardOptions, shard_batches};
