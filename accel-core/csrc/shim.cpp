@@ -255,6 +255,13 @@ char* accel_current_cuda_stream(int device_index, void** stream) {
   })
 }
 
+char* accel_set_cuda_device(int device_index) {
+  ACCEL_TRY({
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    impl.setDevice(c10::Device(c10::DeviceType::CUDA, device_index));
+  })
+}
+
 // ---- fused AdamW ---------------------------------------------------------------
 
 // One AdamW step over n parameters with ATen's fused kernel. `steps` are the float

@@ -49,6 +49,26 @@ pub enum Error {
     #[error("{0}")]
     Training(String),
 
+    // ---- processes -----------------------------------------------------------------
+    /// Finding the other processes failed (store unreachable, rank taken, timeout ...).
+    #[error("rendezvous: {0}")]
+    Rendezvous(String),
+
+    /// A collective operation failed: timed out, mismatched between ranks, or a peer left.
+    #[error("collective #{seq} {op} of {what} on rank {rank}: {message}")]
+    Collective {
+        /// The operation, e.g. `all_reduce(sum)`.
+        op: String,
+        /// Its sequence number in this process group (the same on every rank).
+        seq: u64,
+        /// Shape and dtype of the data.
+        what: String,
+        /// This process's rank.
+        rank: usize,
+        /// What went wrong and, for timeouts, the ranks that did not arrive.
+        message: String,
+    },
+
     // ---- checkpoints ---------------------------------------------------------------
     /// A checkpoint cannot be written or read back; says which file and which tensor.
     #[error("checkpoint{}: {message}", path.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]

@@ -11,6 +11,7 @@ extern crate self as accel_core;
 
 mod accelerator;
 mod checkpoint;
+pub mod comm;
 pub mod config;
 pub mod cuda;
 pub mod data;
@@ -19,6 +20,7 @@ mod error;
 pub mod optim;
 pub mod precision;
 pub mod shim;
+pub mod topology;
 pub mod tracking;
 
 pub use accel_macros::ToDevice;

@@ -362,11 +362,8 @@ fn prepared_iterators_flag_the_last_batch_and_skip_resumes() {
 fn map_datasets_fetch_items_and_collate_them() {
     use accel_core::data::{MapDataset, stack};
     let _serial = serial();
-    let dataset = MapDataset::new(
-        5,
-        |i| Ok(Tensor::from_slice(&[i as f32, 10.0 * i as f32])),
-        stack,
-    );
+    let dataset =
+        MapDataset::new(5, |i| Ok(Tensor::from_slice(&[i as f32, 10.0 * i as f32])), stack);
     let options = LoaderOptions { batch_size: 2, prefetch: 1, ..Default::default() };
     let mut loader = DataLoader::new(dataset, options).unwrap();
     let shapes: Vec<Vec<i64>> = loader.iter().map(|b| b.unwrap().size()).collect();

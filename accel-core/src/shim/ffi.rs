@@ -69,6 +69,8 @@ unsafe extern "C" {
         stream: *mut *mut c_void,
     ) -> *mut c_char;
 
+    pub(crate) fn accel_set_cuda_device(device_index: i32) -> *mut c_char;
+
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn accel_fused_adamw(
         params: *const *mut C_tensor,

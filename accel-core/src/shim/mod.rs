@@ -116,6 +116,13 @@ pub fn current_cuda_stream(device_index: usize) -> Result<CudaStream> {
     Ok(CudaStream(stream))
 }
 
+/// Makes `cuda:{device_index}` the current CUDA device of this thread (as
+/// `torch.cuda.set_device`).
+pub fn set_cuda_device(device_index: usize) -> Result<()> {
+    // SAFETY: plain call; the shim catches every C++ exception.
+    check(unsafe { ffi::accel_set_cuda_device(device_index as i32) }, "set_cuda_device")
+}
+
 /// Hyper-parameters of one AdamW step (torch.optim.AdamW's names and meaning).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWStep {

@@ -1,0 +1,243 @@
+//! Collectives between ranks run as threads of one process (every byte still crosses TCP),
+//! checked against values computed locally.
+
+use std::time::Duration;
+
+use tch::{Device, Kind, Tensor};
+
+use super::*;
+
+fn topology(rank: usize, world: usize, port: u16) -> Topology {
+    Topology {
+        rank,
+        world_size: world,
+        local_rank: rank,
+        local_world_size: world,
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+        source: "test",
+    }
+}
+
+/// Runs `body(group)` on `world` ranks at once; returns their results in rank order.
+fn on_ranks<T: Send + 'static>(
+    world: usize,
+    timeout: Duration,
+    body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let port = free_port("127.0.0.1").unwrap();
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let body = body.clone();
+            std::thread::spawn(move || {
+                let group =
+                    ProcessGroup::new(&topology(rank, world, port), GroupOptions { timeout })
+                        .unwrap();
+                body(group)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn values(rank: usize, n: i64, kind: Kind) -> Tensor {
+    (Tensor::arange(n, (Kind::Double, Device::Cpu)) * (rank as f64 + 1.0) - 3.0 * rank as f64)
+        .to_kind(kind)
+}
+
+const SECOND: Duration = Duration::from_secs(20);
+
+#[test]
+fn all_reduce_every_op_and_dtype_on_2_3_and_4_ranks() {
+    for world in [2, 3, 4] {
+        let results = on_ranks(world, SECOND, move |g| {
+            let mut failures = Vec::new();
+            for kind in [Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16, Kind::Int64] {
+                for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max] {
+                    if op == ReduceOp::Avg && kind == Kind::Int64 {
+                        continue;
+                    }
+                    // 1000 elements do not divide evenly into 3 chunks; 3 is smaller than 4.
+                    for n in [1000, 3] {
+                        let t = values(g.rank(), n, kind);
+                        g.all_reduce(&t, op).unwrap();
+                        let all: Vec<Tensor> =
+                            (0..world).map(|r| values(r, n, kind).to_kind(Kind::Double)).collect();
+                        let stacked = Tensor::stack(&all, 0);
+                        let expected = match op {
+                            ReduceOp::Sum => {
+                                stacked.sum_dim_intlist([0i64].as_slice(), false, Kind::Double)
+                            }
+                            ReduceOp::Avg => {
+                                stacked.mean_dim([0i64].as_slice(), false, Kind::Double)
+                            }
+                            ReduceOp::Min => stacked.amin([0i64].as_slice(), false),
+                            ReduceOp::Max => stacked.amax([0i64].as_slice(), false),
+                        }
+                        .to_kind(kind)
+                        .to_kind(Kind::Double);
+                        let diff =
+                            (t.to_kind(Kind::Double) - &expected).abs().max().double_value(&[]);
+                        // Half types round each partial sum; allow a few ulps of the largest value.
+                        let scale = expected.abs().max().double_value(&[]);
+                        let tolerance = match kind {
+                            Kind::BFloat16 => scale * 3.0 / 256.0,
+                            Kind::Half => scale * 3.0 / 2048.0,
+                            _ => 1e-9,
+                        };
+                        if diff > tolerance {
+                            failures.push(format!("{kind:?} {op:?} n={n}: off by {diff}"));
+                        }
+                    }
+                }
+            }
+            failures
+        });
+        for (rank, failures) in results.iter().enumerate() {
+            assert!(failures.is_empty(), "world {world} rank {rank}: {failures:?}");
+        }
+    }
+}
+
+#[test]
+fn non_contiguous_tensors_are_reduced_in_place() {
+    let results = on_ranks(2, SECOND, |g| {
+        let base = Tensor::ones([4, 6], (Kind::Float, Device::Cpu)) * (g.rank() as f64 + 1.0);
+        let view = base.transpose(0, 1);
+        assert!(!view.is_contiguous());
+        g.all_reduce(&view, ReduceOp::Sum).unwrap();
+        base.sum(Kind::Float).double_value(&[])
+    });
+    assert_eq!(results, [72.0, 72.0]);
+}
+
+#[test]
+fn broadcast_all_gather_reduce_scatter_send_recv_and_objects() {
+    let results = on_ranks(3, SECOND, |g| {
+        let r = g.rank() as i64;
+        let t = Tensor::full([5], r as f64, (Kind::Float, Device::Cpu));
+        g.broadcast(&t, 2).unwrap();
+        let broadcast = Vec::<f32>::try_from(&t).unwrap();
+
+        let gathered = g.all_gather(&Tensor::from_slice(&[r, 10 * r]).view([1, 2])).unwrap();
+        let list = g.all_gather_list(&Tensor::from_slice(&[r])).unwrap();
+
+        let input = Tensor::arange(6, (Kind::Int64, Device::Cpu)) + r;
+        let scattered = g.reduce_scatter(&input, ReduceOp::Sum).unwrap();
+
+        let received = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+        if g.rank() == 0 {
+            g.send(&Tensor::from_slice(&[7.0f32, 8.0]), 1).unwrap();
+        } else if g.rank() == 1 {
+            g.recv(&received, 0).unwrap();
+        }
+        let words = g.all_gather_objects(&format!("rank{r}")).unwrap();
+        let config: (u32, String) =
+            g.broadcast_object((g.rank() == 1).then_some(&(5u32, "x".to_owned())), 1).unwrap();
+        g.barrier().unwrap();
+        (
+            broadcast,
+            gathered,
+            list.len(),
+            scattered,
+            Vec::<f32>::try_from(&received).unwrap(),
+            words,
+            config,
+        )
+    });
+    for (rank, (broadcast, gathered, list, scattered, received, words, config)) in
+        results.into_iter().enumerate()
+    {
+        assert_eq!(broadcast, [2.0; 5]);
+        assert_eq!(gathered.size(), [3, 2]);
+        assert_eq!(Vec::<i64>::try_from(gathered.flatten(0, -1)).unwrap(), [0, 0, 1, 10, 2, 20]);
+        assert_eq!(list, 3);
+        // sum over ranks of (i + r) for i in rank's slice [2·rank, 2·rank+2): 3i + 3
+        let expected: Vec<i64> =
+            (2 * rank as i64..2 * rank as i64 + 2).map(|i| 3 * i + 3).collect();
+        assert_eq!(Vec::<i64>::try_from(&scattered).unwrap(), expected);
+        if rank == 1 {
+            assert_eq!(received, [7.0, 8.0]);
+        }
+        assert_eq!(words, ["rank0", "rank1", "rank2"]);
+        assert_eq!(config, (5, "x".to_owned()));
+    }
+}
+
+#[test]
+fn async_handles_complete_in_order() {
+    let results = on_ranks(2, SECOND, |g| {
+        let a = Tensor::ones([1 << 16], (Kind::Float, Device::Cpu));
+        let b = Tensor::full([3], 2.0, (Kind::Float, Device::Cpu));
+        let wa = g.all_reduce_async(&a, ReduceOp::Sum).unwrap();
+        let wb = g.all_reduce_async(&b, ReduceOp::Max).unwrap();
+        wb.wait().unwrap();
+        wa.wait().unwrap();
+        (a.sum(Kind::Float).double_value(&[]), b.sum(Kind::Float).double_value(&[]))
+    });
+    assert_eq!(results, [(131072.0, 6.0), (131072.0, 6.0)]);
+}
+
+#[test]
+fn subgroups_run_their_own_collectives() {
+    let results = on_ranks(4, SECOND, |g| {
+        let even = g.new_subgroup(&[0, 2]).unwrap();
+        let odd = g.new_subgroup(&[1, 3]).unwrap();
+        let mine = even.or(odd).unwrap();
+        let t = Tensor::from_slice(&[g.rank() as f32]);
+        mine.all_reduce(&t, ReduceOp::Sum).unwrap();
+        (mine.members().to_vec(), t.double_value(&[0]))
+    });
+    assert_eq!(results[0], (vec![0, 2], 2.0));
+    assert_eq!(results[3], (vec![1, 3], 4.0));
+}
+
+#[test]
+fn mismatched_collectives_are_reported_not_corrupted() {
+    let results = on_ranks(2, Duration::from_secs(5), |g| {
+        if g.rank() == 0 {
+            g.all_reduce(&Tensor::ones([10], (Kind::Float, Device::Cpu)), ReduceOp::Sum)
+        } else {
+            g.all_reduce(&Tensor::ones([12], (Kind::Float, Device::Cpu)), ReduceOp::Sum)
+        }
+        .unwrap_err()
+        .to_string()
+    });
+    for err in &results {
+        assert!(err.contains("collective #1 all_reduce"), "{err}");
+        assert!(err.contains("of 10 × f32") && err.contains("of 12 × f32"), "{err}");
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_times_out_with_its_name() {
+    let results = on_ranks(3, Duration::from_millis(1500), |g| {
+        if g.rank() == 2 {
+            // Rank 2 skips the collective, then lingers so that its sockets stay open.
+            std::thread::sleep(Duration::from_millis(2500));
+            return String::new();
+        }
+        g.all_reduce(&Tensor::ones([4], (Kind::Float, Device::Cpu)), ReduceOp::Sum)
+            .unwrap_err()
+            .to_string()
+    });
+    for err in &results[..2] {
+        assert!(err.contains("timed out"), "{err}");
+        assert!(
+            err.contains("rank 2 (last at #0)") || err.contains("rank 2 (never reached"),
+            "{err}"
+        );
+        assert!(
+            err.contains("all_reduce") && err.contains("[4]") && err.contains("Float"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_never_starts_is_named_at_rendezvous() {
+    let port = free_port("127.0.0.1").unwrap();
+    let options = GroupOptions { timeout: Duration::from_millis(800) };
+    let err = ProcessGroup::new(&topology(0, 2, port), options).unwrap_err().to_string();
+    assert!(err.contains("rank(s) [1] of 2 never arrived"), "{err}");
+}
