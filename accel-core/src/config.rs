@@ -113,8 +113,10 @@ pub struct Config {
     /// Micro-batches per optimizer step (gradient accumulation), >= 1.
     pub accumulate: u32,
     /// Clip the global gradient L2 norm to this value before each optimizer step.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub clip_grad_norm: Option<f64>,
     /// Seed for torch's generators and data shuffling.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
     /// Run on CPU even where a GPU is available.
     pub cpu: bool,
@@ -139,16 +141,22 @@ impl Default for Config {
 #[serde(deny_unknown_fields)]
 pub struct PartialConfig {
     /// See [`Config::strategy`].
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub strategy: Option<Strategy>,
     /// See [`Config::precision`].
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
     /// See [`Config::accumulate`].
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub accumulate: Option<u32>,
     /// See [`Config::clip_grad_norm`].
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub clip_grad_norm: Option<f64>,
     /// See [`Config::seed`].
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
     /// See [`Config::cpu`].
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu: Option<bool>,
 }
 

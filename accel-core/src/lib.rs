@@ -17,6 +17,7 @@ pub mod cuda;
 pub mod data;
 pub mod device;
 mod error;
+pub mod launch;
 pub mod optim;
 pub mod precision;
 pub mod shim;

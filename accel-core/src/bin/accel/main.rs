@@ -1,10 +1,17 @@
-//! `accel`: the command-line tool of accel-core.
+//! `accel`: launch, configure and check distributed runs.
 
+mod bench;
 mod env;
+mod selftest;
 
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use clap::{Parser, Subcommand};
+use accel_core::config::{PartialConfig, Precision, Strategy};
+use accel_core::launch::config::{LaunchConfig, default_config_path};
+use accel_core::launch::{LaunchPlan, run};
+use clap::{Args, Parser, Subcommand};
 
 /// Distributed training for tch: launch, configure and check runs.
 #[derive(Debug, Parser)]
@@ -19,6 +26,167 @@ enum Command {
     /// Print versions, CUDA, NCCL, CPU and the distributed variables in effect: what to
     /// paste into a bug report.
     Env,
+    /// Start PROGRAM as the processes of a run (this machine's share).
+    Launch(LaunchArgs),
+    /// Write a launch config file: asks questions, or `accel config default`.
+    Config {
+        /// `default`: write the defaults without asking.
+        mode: Option<String>,
+        /// Where to write (default: ~/.config/accel/default_config.yaml).
+        #[arg(long)]
+        config_file: Option<PathBuf>,
+    },
+    /// Launch a multi-process self-check: every collective, data sharding, RNG agreement,
+    /// a short training parity. One line per check.
+    Test(LaunchArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Internal: what `accel test` / `accel bench` run in each process.
+    #[command(hide = true)]
+    Worker {
+        /// `test` or `allreduce`.
+        what: String,
+        /// Benchmark sizes.
+        #[arg(long, default_value = "1MiB,4MiB,16MiB,64MiB")]
+        sizes: String,
+        /// Benchmark dtype.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// All-reduce time and bandwidth per size, like nccl-tests' all_reduce_perf.
+    Allreduce {
+        #[command(flatten)]
+        launch: LaunchArgs,
+        /// Message sizes (KiB, MiB, GiB suffixes).
+        #[arg(long, default_value = "1MiB,4MiB,16MiB,64MiB")]
+        sizes: String,
+        /// Element type: f32, f64, f16, bf16, i64.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Also run torch.distributed's gloo on the same sizes (needs .venv) and print ratios.
+        #[arg(long)]
+        compare_gloo: bool,
+    },
+}
+
+/// Flags of `accel launch` (and of the commands that launch something).
+#[derive(Debug, Args, Clone)]
+struct LaunchArgs {
+    /// Processes on this machine.
+    #[arg(long)]
+    num_processes: Option<usize>,
+    /// Machines in the run.
+    #[arg(long)]
+    num_machines: Option<usize>,
+    /// This machine's index (0 hosts the rendezvous store).
+    #[arg(long)]
+    machine_rank: Option<usize>,
+    /// Address of machine 0.
+    #[arg(long)]
+    main_process_ip: Option<String>,
+    /// Port of the rendezvous store on machine 0 (0: a free port, one machine only).
+    #[arg(long)]
+    main_process_port: Option<u16>,
+    /// Launch config file (default: ~/.config/accel/default_config.yaml when it exists).
+    #[arg(long)]
+    config_file: Option<PathBuf>,
+    /// Distribution strategy, passed to the program as ACCEL_STRATEGY.
+    #[arg(long)]
+    strategy: Option<Strategy>,
+    /// Mixed precision, passed as ACCEL_PRECISION.
+    #[arg(long)]
+    precision: Option<Precision>,
+    /// Gradient accumulation steps, passed as ACCEL_ACCUMULATE.
+    #[arg(long)]
+    accumulate: Option<u32>,
+    /// Gradient clipping norm, passed as ACCEL_CLIP_GRAD_NORM.
+    #[arg(long)]
+    clip_grad_norm: Option<f64>,
+    /// Seed, passed as ACCEL_SEED.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// CPU only, passed as ACCEL_CPU.
+    #[arg(long)]
+    cpu: bool,
+    /// Timeout of rendezvous and collectives in seconds, passed as ACCEL_TIMEOUT_SECS.
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Show only rank 0's output.
+    #[arg(long)]
+    rank0_only: bool,
+    /// Restart the whole group this many times after a failure.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: usize,
+    /// Seconds between SIGTERM and SIGKILL when stopping processes.
+    #[arg(long, default_value_t = 5.0)]
+    grace: f64,
+    /// The program and its arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    program: Vec<String>,
+}
+
+impl LaunchArgs {
+    /// Flags over the config file over defaults.
+    fn plan(&self, program: Vec<String>) -> accel_core::Result<LaunchPlan> {
+        let file = match self.config_file.clone().or_else(|| default_config_path().filter(|p| p.exists())) {
+            Some(path) => LaunchConfig::from_file(&path)?,
+            None => LaunchConfig::default(),
+        };
+        let flags = LaunchConfig {
+            num_processes: self.num_processes,
+            num_machines: self.num_machines,
+            machine_rank: self.machine_rank,
+            main_process_ip: self.main_process_ip.clone(),
+            main_process_port: self.main_process_port,
+            training: PartialConfig {
+                strategy: self.strategy,
+                precision: self.precision,
+                accumulate: self.accumulate,
+                clip_grad_norm: self.clip_grad_norm,
+                seed: self.seed,
+                cpu: self.cpu.then_some(true),
+            },
+        };
+        let config = file.overlay(&flags);
+        config.training.build()?;
+        let mut env: Vec<(String, String)> =
+            config.training_env().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+        if let Some(t) = self.timeout {
+            env.push(("ACCEL_TIMEOUT_SECS".into(), t.to_string()));
+        }
+        Ok(LaunchPlan {
+            program,
+            num_processes: config.num_processes.unwrap_or(1),
+            num_machines: config.num_machines.unwrap_or(1),
+            machine_rank: config.machine_rank.unwrap_or(0),
+            main_process_ip: config.main_process_ip.unwrap_or_else(|| "127.0.0.1".into()),
+            main_process_port: config.main_process_port.unwrap_or(29500),
+            env,
+            rank0_only: self.rank0_only,
+            max_restarts: self.max_restarts,
+            grace: Duration::from_secs_f64(self.grace),
+        })
+    }
+}
+
+fn launch(args: &LaunchArgs, program: Vec<String>) -> ExitCode {
+    let result = args.plan(program).and_then(|plan| run(&plan));
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("accel launch: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn this_binary() -> String {
+    std::env::current_exe().map_or_else(|_| "accel".into(), |p| p.display().to_string())
 }
 
 fn main() -> ExitCode {
@@ -28,5 +196,96 @@ fn main() -> ExitCode {
             print!("{}", env::report());
             ExitCode::SUCCESS
         }
+        Command::Launch(args) => launch(&args, args.program.clone()),
+        Command::Test(args) => {
+            let mut args = args;
+            args.num_processes = args.num_processes.or(Some(2));
+            args.rank0_only = true;
+            launch(&args, vec![this_binary(), "worker".into(), "test".into()])
+        }
+        Command::Bench(BenchCommand::Allreduce { launch: args, sizes, dtype, compare_gloo }) => {
+            bench::allreduce(&args, &sizes, &dtype, compare_gloo)
+        }
+        Command::Config { mode, config_file } => match config::run(mode.as_deref(), config_file) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("accel config: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Worker { what, sizes, dtype } => {
+            let result = match what.as_str() {
+                "test" => selftest::run(),
+                "allreduce" => bench::worker(&sizes, &dtype),
+                other => Err(accel_core::Error::Config(format!("unknown worker `{other}`"))),
+            };
+            match result {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::FAILURE,
+                Err(e) => {
+                    eprintln!("accel: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+mod config {
+    //! `accel config`: a few questions, or the defaults, written as YAML.
+
+    use std::io::{BufRead, Write};
+    use std::path::PathBuf;
+
+    use accel_core::launch::config::{LaunchConfig, choices, default_config_path};
+
+    fn ask(question: &str, default: &str) -> String {
+        print!("{question} [{default}]: ");
+        let _ = std::io::stdout().flush();
+        let mut line = String::new();
+        let _ = std::io::stdin().lock().read_line(&mut line);
+        let answer = line.trim();
+        if answer.is_empty() { default.to_owned() } else { answer.to_owned() }
+    }
+
+    pub(crate) fn run(mode: Option<&str>, path: Option<PathBuf>) -> accel_core::Result<()> {
+        let path = path.or_else(default_config_path).ok_or_else(|| {
+            accel_core::Error::Config("no HOME or XDG_CONFIG_HOME; pass --config-file".into())
+        })?;
+        let yaml = match mode {
+            Some("default") => "num_processes: 1\nnum_machines: 1\nstrategy: single\nprecision: no\n".to_owned(),
+            None => {
+                let (strategies, precisions) = choices();
+                let gpu = tch::Cuda::is_available();
+                let mut text = String::new();
+                text.push_str(&format!("num_machines: {}\n", ask("How many machines?", "1")));
+                let machines: usize = text.trim().rsplit(' ').next().and_then(|n| n.parse().ok()).unwrap_or(1);
+                if machines > 1 {
+                    text.push_str(&format!("machine_rank: {}\n", ask("Rank of this machine?", "0")));
+                    text.push_str(&format!("main_process_ip: {}\n", ask("IP address of machine 0?", "127.0.0.1")));
+                    text.push_str(&format!("main_process_port: {}\n", ask("Port on machine 0?", "29500")));
+                }
+                let default_procs = if gpu { tch::Cuda::device_count().to_string() } else { "2".into() };
+                text.push_str(&format!("num_processes: {}\n", ask("How many processes on this machine?", &default_procs)));
+                text.push_str(&format!("strategy: {}\n", ask(&format!("Strategy ({})?", strategies.join(", ")), "ddp")));
+                text.push_str(&format!("precision: {}\n", ask(&format!("Mixed precision ({})?", precisions.join(", ")), "no")));
+                text.push_str(&format!("accumulate: {}\n", ask("Gradient accumulation steps?", "1")));
+                text.push_str(&format!("cpu: {}\n", ask("CPU only?", if gpu { "false" } else { "true" })));
+                text
+            }
+            Some(other) => {
+                return Err(accel_core::Error::Config(format!(
+                    "unknown mode `{other}`; use `accel config` (questions) or `accel config default`"
+                )));
+            }
+        };
+        // Check what we write by reading it back.
+        let config = LaunchConfig::from_yaml(&yaml)?;
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| accel_core::Error::Io { path: dir.into(), source })?;
+        }
+        std::fs::write(&path, config.to_yaml()).map_err(|source| accel_core::Error::Io { path: path.clone(), source })?;
+        println!("accel config: wrote {}", path.display());
+        Ok(())
     }
 }

@@ -1,0 +1,178 @@
+//! `accel test`: what each process runs. Every check is agreed across ranks (a rank that
+//! fails makes the check fail everywhere); rank 0 prints one line per check.
+
+use accel_core::comm::{GroupOptions, ProcessGroup, ReduceOp};
+use accel_core::data::{Sampler, ShardOptions, shard_batches};
+use accel_core::split_between;
+use accel_core::topology::Topology;
+use tch::{Device, Kind, Tensor};
+
+type Check = (&'static str, Box<dyn Fn(&ProcessGroup) -> accel_core::Result<bool>>);
+
+pub(crate) fn run() -> accel_core::Result<bool> {
+    let topology = Topology::from_env()?;
+    let group = ProcessGroup::new(&topology, GroupOptions::default())?;
+    if group.rank() == 0 {
+        println!(
+            "accel test: {} processes ({}), accel {}, libtorch {}",
+            group.size(),
+            topology.source,
+            accel_core::VERSION,
+            accel_core::shim::torch_version()
+        );
+    }
+    let checks: Vec<Check> = vec![
+        ("all_reduce sum/avg/min/max × f32, f64, f16, bf16, i64", Box::new(all_reduce)),
+        ("broadcast, all_gather, reduce_scatter", Box::new(broadcast_gather_scatter)),
+        ("send/recv around the ring", Box::new(send_recv_ring)),
+        ("objects: all_gather_objects, broadcast_object", Box::new(objects)),
+        ("data sharding (Accelerate's rules, every sample seen)", Box::new(sharding)),
+        ("RNG agreement (seeded torch and shuffle)", Box::new(rng)),
+        ("training parity: N processes = 1 process (1e-6)", Box::new(parity)),
+    ];
+    let mut all = true;
+    for (name, check) in checks {
+        let mine = match check(&group) {
+            Ok(ok) => ok,
+            Err(e) => {
+                eprintln!("accel test: {name}: {e}");
+                false
+            }
+        };
+        let flag = Tensor::from_slice(&[i64::from(mine)]);
+        group.all_reduce(&flag, ReduceOp::Min)?;
+        let ok = flag.int64_value(&[0]) == 1;
+        all &= ok;
+        if group.rank() == 0 {
+            println!("{} {name}", if ok { "PASS" } else { "FAIL" });
+        }
+    }
+    if group.rank() == 0 {
+        println!("{}", if all { "accel test: all checks passed" } else { "accel test: some checks FAILED" });
+    }
+    Ok(all)
+}
+
+fn close(a: &Tensor, b: &Tensor, tolerance: f64) -> bool {
+    let diff = (a.to_kind(Kind::Double) - b.to_kind(Kind::Double)).abs().max().double_value(&[]);
+    diff <= tolerance
+}
+
+fn all_reduce(g: &ProcessGroup) -> accel_core::Result<bool> {
+    let (r, w) = (g.rank() as f64, g.size() as f64);
+    let base = Tensor::arange(100, (Kind::Double, Device::Cpu));
+    let mut ok = true;
+    for kind in [Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16, Kind::Int64] {
+        let tolerance = match kind {
+            Kind::Half | Kind::BFloat16 => 100.0 * w * w / 64.0,
+            _ => 1e-9,
+        };
+        let cases = [
+            (ReduceOp::Sum, &base * (w * (w + 1.0) / 2.0)),
+            (ReduceOp::Avg, &base * ((w + 1.0) / 2.0)),
+            (ReduceOp::Min, base.shallow_clone()),
+            (ReduceOp::Max, &base * w),
+        ];
+        for (op, expected) in cases {
+            if op == ReduceOp::Avg && kind == Kind::Int64 {
+                continue;
+            }
+            let t = (&base * (r + 1.0)).to_kind(kind);
+            g.all_reduce(&t, op)?;
+            ok &= close(&t, &expected, tolerance);
+        }
+    }
+    Ok(ok)
+}
+
+fn broadcast_gather_scatter(g: &ProcessGroup) -> accel_core::Result<bool> {
+    let (r, w) = (g.rank() as i64, g.size() as i64);
+    let t = Tensor::full([7], r as f64, (Kind::Float, Device::Cpu));
+    g.broadcast(&t, (w - 1) as usize)?;
+    let mut ok = close(&t, &Tensor::full([7], (w - 1) as f64, (Kind::Float, Device::Cpu)), 0.0);
+    let gathered = g.all_gather(&Tensor::from_slice(&[r, r * r]))?;
+    let expected: Vec<i64> = (0..w).flat_map(|i| [i, i * i]).collect();
+    ok &= Vec::<i64>::try_from(&gathered).map_err(accel_core::Error::from)? == expected;
+    let input = Tensor::arange(2 * w, (Kind::Int64, Device::Cpu)) + r;
+    let mine = g.reduce_scatter(&input, ReduceOp::Sum)?;
+    let sum_r = w * (w - 1) / 2;
+    let expected: Vec<i64> = (2 * r..2 * r + 2).map(|i| w * i + sum_r).collect();
+    ok &= Vec::<i64>::try_from(&mine).map_err(accel_core::Error::from)? == expected;
+    Ok(ok)
+}
+
+fn send_recv_ring(g: &ProcessGroup) -> accel_core::Result<bool> {
+    let (r, w) = (g.rank(), g.size());
+    let out = Tensor::from_slice(&[r as f32; 4]);
+    let got = Tensor::zeros([4], (Kind::Float, Device::Cpu));
+    let (next, prev) = ((r + 1) % w, (r + w - 1) % w);
+    if r % 2 == 0 {
+        g.send(&out, next)?;
+        g.recv(&got, prev)?;
+    } else {
+        g.recv(&got, prev)?;
+        g.send(&out, next)?;
+    }
+    Ok(close(&got, &Tensor::full([4], prev as f64, (Kind::Float, Device::Cpu)), 0.0))
+}
+
+fn objects(g: &ProcessGroup) -> accel_core::Result<bool> {
+    let names = g.all_gather_objects(&format!("rank-{}", g.rank()))?;
+    let expected: Vec<String> = (0..g.size()).map(|r| format!("rank-{r}")).collect();
+    let value = (g.rank() == 0).then(|| vec![1.5f64, 2.5]);
+    let shared: Vec<f64> = g.broadcast_object(value.as_ref(), 0)?;
+    Ok(names == expected && shared == [1.5, 2.5])
+}
+
+fn sharding(g: &ProcessGroup) -> accel_core::Result<bool> {
+    let (r, w) = (g.rank(), g.size());
+    let all: Vec<usize> = (0..22).collect();
+    let batches: Vec<Vec<usize>> = all.chunks(3).map(<[usize]>::to_vec).collect();
+    let options = ShardOptions { rank: r, world: w, batch_size: 3, drop_last: false, even_batches: true, split_batches: false };
+    let mine = shard_batches(&batches, options);
+    let everyone: Vec<Vec<Vec<usize>>> = g.all_gather_objects(&mine)?;
+    let same_count = everyone.iter().all(|b| b.len() == mine.len());
+    let mut seen: Vec<usize> = everyone.iter().flatten().flatten().copied().collect();
+    seen.sort();
+    seen.dedup();
+    Ok(same_count && seen == all)
+}
+
+fn rng(g: &ProcessGroup) -> accel_core::Result<bool> {
+    tch::manual_seed(1234);
+    let t = Tensor::randn([5], (Kind::Float, Device::Cpu));
+    let all = g.all_gather_list(&t)?;
+    let torch_agrees = all.iter().all(|x| close(x, &all[0], 0.0));
+    let order = Sampler::Shuffled { seed: 7 }.indices(3, 50);
+    let orders = g.all_gather_objects(&order)?;
+    Ok(torch_agrees && orders.iter().all(|o| *o == order))
+}
+
+/// y = 2x + 3 + noise, plain gradient descent: each rank's gradient on its share of the
+/// data, averaged, must equal the full-batch gradient one process computes.
+fn parity(g: &ProcessGroup) -> accel_core::Result<bool> {
+    tch::manual_seed(0);
+    let n = 16 * g.size() as i64;
+    let x = Tensor::randn([n, 1], (Kind::Float, Device::Cpu));
+    let y = &x * 2.0 + 3.0 + Tensor::randn([n, 1], (Kind::Float, Device::Cpu)) * 0.1;
+    let indices: Vec<i64> = (0..n).collect();
+    let share = Tensor::from_slice(&split_between(&indices, g.rank(), g.size(), false));
+    let (xs, ys) = (x.index_select(0, &share), y.index_select(0, &share));
+    let step = |w: &Tensor, b: &Tensor, x: &Tensor, y: &Tensor| -> (Tensor, Tensor) {
+        let err = x * w + b - y;
+        ((&err * x).mean(Kind::Float) * 2.0, err.mean(Kind::Float) * 2.0)
+    };
+    let (mut w1, mut b1) = (Tensor::zeros([], (Kind::Float, Device::Cpu)), Tensor::zeros([], (Kind::Float, Device::Cpu)));
+    let (mut wn, mut bn) = (w1.copy(), b1.copy());
+    for _ in 0..20 {
+        let (gw, gb) = step(&w1, &b1, &x, &y);
+        w1 = &w1 - gw * 0.1;
+        b1 = &b1 - gb * 0.1;
+        let (gw, gb) = step(&wn, &bn, &xs, &ys);
+        let grads = Tensor::stack(&[gw, gb], 0);
+        g.all_reduce(&grads, ReduceOp::Avg)?;
+        wn = &wn - grads.get(0) * 0.1;
+        bn = &bn - grads.get(1) * 0.1;
+    }
+    Ok(close(&w1, &wn, 1e-6) && close(&b1, &bn, 1e-6) && close(&w1, &Tensor::from(2.0f32), 0.5))
+}

@@ -1,0 +1,276 @@
+//! The launch configuration file (`accel config` writes it, `accel launch` reads it): our
+//! keys, and Hugging Face Accelerate's `default_config.yaml` keys where they mean the same.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::config::{PartialConfig, Precision, Strategy, closest};
+use crate::error::{Error, Result};
+
+/// Settings of a launch; every field optional (flags and defaults fill the rest).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct LaunchConfig {
+    /// Processes per machine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_processes: Option<usize>,
+    /// Machines.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_machines: Option<usize>,
+    /// This machine's index.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub machine_rank: Option<usize>,
+    /// Address of machine 0 (rank 0's store listens there).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub main_process_ip: Option<String>,
+    /// Port of rank 0's store (0: a free one, single machine only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub main_process_port: Option<u16>,
+    /// Training settings passed to the program as `ACCEL_*` variables.
+    #[serde(flatten)]
+    pub training: PartialConfig,
+}
+
+/// Our keys.
+const OURS: &[&str] = &[
+    "num_processes",
+    "num_machines",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "strategy",
+    "precision",
+    "accumulate",
+    "clip_grad_norm",
+    "seed",
+    "cpu",
+];
+
+/// Accelerate keys we translate.
+const TRANSLATED: &[&str] = &[
+    "distributed_type",
+    "mixed_precision",
+    "use_cpu",
+    "gradient_accumulation_steps",
+    "fsdp_config",
+    "deepspeed_config",
+];
+
+/// Accelerate keys that have no meaning here; read and ignored.
+const IGNORED: &[&str] = &[
+    "compute_environment",
+    "debug",
+    "downcast_bf16",
+    "dynamo_config",
+    "enable_cpu_affinity",
+    "gpu_ids",
+    "ipex_config",
+    "main_training_function",
+    "mpirun_config",
+    "rdzv_backend",
+    "same_network",
+    "tpu_env",
+    "tpu_use_cluster",
+    "tpu_use_sudo",
+    "use_mps_device",
+    "megatron_lm_config",
+    "parallelism_config",
+];
+
+/// Where `accel config` writes and `accel launch` looks when no file is given:
+/// `$ACCEL_CONFIG_DIR`, else `$XDG_CONFIG_HOME/accel`, else `~/.config/accel`, then
+/// `default_config.yaml`.
+pub fn default_config_path() -> Option<PathBuf> {
+    let dir = std::env::var_os("ACCEL_CONFIG_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CONFIG_HOME").map(|d| PathBuf::from(d).join("accel")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config/accel")))?;
+    Some(dir.join("default_config.yaml"))
+}
+
+impl LaunchConfig {
+    /// Reads a YAML file of our keys and/or Accelerate's.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        Self::from_yaml(&text).map_err(|e| match e {
+            Error::Config(m) => Error::Config(format!("{}: {m}", path.display())),
+            other => other,
+        })
+    }
+
+    /// Parses YAML text; an unknown key is an error naming the closest valid one.
+    pub fn from_yaml(text: &str) -> Result<Self> {
+        let value: serde_yaml_ng::Value =
+            serde_yaml_ng::from_str(text).map_err(|e| Error::Config(format!("not YAML: {e}")))?;
+        let map = match value {
+            serde_yaml_ng::Value::Mapping(m) => m,
+            serde_yaml_ng::Value::Null => return Ok(Self::default()),
+            _ => return Err(Error::Config("the config must be a mapping of keys to values".into())),
+        };
+        let mut config = Self::default();
+        let mut accelerate_accumulate = None;
+        for (key, value) in &map {
+            let key = key.as_str().ok_or_else(|| Error::Config(format!("key {key:?} is not a string")))?;
+            let bad = |expected: &str| Error::Config(format!("`{key}`: expected {expected}, got {value:?}"));
+            let as_usize = || value.as_u64().map(|v| v as usize).ok_or_else(|| bad("a non-negative integer"));
+            let as_str = || value.as_str().map(str::to_owned).ok_or_else(|| bad("a string"));
+            match key {
+                "num_processes" => config.num_processes = Some(as_usize()?),
+                "num_machines" => config.num_machines = Some(as_usize()?),
+                "machine_rank" => config.machine_rank = Some(as_usize()?),
+                "main_process_ip" => config.main_process_ip = Some(as_str()?),
+                "main_process_port" => {
+                    config.main_process_port =
+                        Some(u16::try_from(as_usize()?).map_err(|_| bad("a port number"))?)
+                }
+                "strategy" => config.training.strategy = Some(as_str()?.parse()?),
+                "precision" => config.training.precision = Some(as_str()?.parse()?),
+                "accumulate" => config.training.accumulate = Some(as_usize()? as u32),
+                "clip_grad_norm" => config.training.clip_grad_norm = Some(value.as_f64().ok_or_else(|| bad("a number"))?),
+                "seed" => config.training.seed = Some(as_usize()? as u64),
+                "cpu" | "use_cpu" => config.training.cpu = Some(value.as_bool().ok_or_else(|| bad("true or false"))?),
+                "mixed_precision" => {
+                    let p = as_str()?;
+                    config.training.precision = Some(p.parse().map_err(|_| {
+                        Error::Config(format!("mixed_precision `{p}`: expected no, fp16, bf16 or fp8"))
+                    })?)
+                }
+                "distributed_type" => {
+                    let d = as_str()?;
+                    config.training.strategy = Some(match d.to_ascii_uppercase().as_str() {
+                        "NO" => Strategy::Single,
+                        "MULTI_CPU" | "MULTI_GPU" => Strategy::Ddp,
+                        "FSDP" => config.training.strategy.unwrap_or(Strategy::Fsdp),
+                        "DEEPSPEED" => config.training.strategy.unwrap_or(Strategy::Zero2),
+                        other => {
+                            return Err(Error::Config(format!(
+                                "distributed_type `{other}` has no accel equivalent; accel reads \
+                                 NO, MULTI_CPU, MULTI_GPU, FSDP and DEEPSPEED"
+                            )));
+                        }
+                    })
+                }
+                "gradient_accumulation_steps" => accelerate_accumulate = Some(as_usize()? as u32),
+                "deepspeed_config" => {
+                    if let Some(stage) = value.get("zero_stage").and_then(serde_yaml_ng::Value::as_u64) {
+                        config.training.strategy = Some(match stage {
+                            1 => Strategy::Zero1,
+                            2 => Strategy::Zero2,
+                            3 => Strategy::Zero3,
+                            _ => Strategy::Ddp,
+                        });
+                    }
+                    if let Some(n) = value.get("gradient_accumulation_steps").and_then(serde_yaml_ng::Value::as_u64) {
+                        accelerate_accumulate = Some(n as u32);
+                    }
+                }
+                "fsdp_config" => {
+                    if let Some(s) = value.get("fsdp_sharding_strategy") {
+                        let s = s.as_str().map(str::to_owned).or_else(|| s.as_u64().map(|n| n.to_string()));
+                        config.training.strategy = Some(match s.as_deref().map(str::to_ascii_uppercase).as_deref() {
+                            Some("FULL_SHARD" | "1") => Strategy::Zero3,
+                            Some("SHARD_GRAD_OP" | "2") => Strategy::Zero2,
+                            Some("NO_SHARD" | "3") => Strategy::Ddp,
+                            _ => Strategy::Fsdp,
+                        });
+                    }
+                }
+                k if IGNORED.contains(&k) => {}
+                other => {
+                    let valid: Vec<&str> = OURS.iter().chain(TRANSLATED).chain(IGNORED).copied().collect();
+                    let hint = closest(other, &valid).map(|c| format!(" — did you mean `{c}`?")).unwrap_or_default();
+                    return Err(Error::Config(format!(
+                        "unknown key `{other}`{hint} (accel's keys: {})",
+                        OURS.join(", ")
+                    )));
+                }
+            }
+        }
+        if config.training.accumulate.is_none() {
+            config.training.accumulate = accelerate_accumulate;
+        }
+        config.training.build()?;
+        Ok(config)
+    }
+
+    /// The YAML `accel config` writes (our keys only).
+    pub fn to_yaml(&self) -> String {
+        serde_yaml_ng::to_string(self).unwrap_or_default()
+    }
+
+    /// `self` with `stronger`'s values on top.
+    pub fn overlay(self, stronger: &LaunchConfig) -> LaunchConfig {
+        LaunchConfig {
+            num_processes: stronger.num_processes.or(self.num_processes),
+            num_machines: stronger.num_machines.or(self.num_machines),
+            machine_rank: stronger.machine_rank.or(self.machine_rank),
+            main_process_ip: stronger.main_process_ip.clone().or(self.main_process_ip),
+            main_process_port: stronger.main_process_port.or(self.main_process_port),
+            training: self.training.overlay(&stronger.training),
+        }
+    }
+
+    /// The `ACCEL_*` variables carrying the training settings to the program.
+    pub fn training_env(&self) -> Vec<(&'static str, String)> {
+        let t = &self.training;
+        let mut env = Vec::new();
+        if let Some(v) = t.strategy {
+            env.push(("ACCEL_STRATEGY", v.to_string()));
+        }
+        if let Some(v) = t.precision {
+            env.push(("ACCEL_PRECISION", v.to_string()));
+        }
+        if let Some(v) = t.accumulate {
+            env.push(("ACCEL_ACCUMULATE", v.to_string()));
+        }
+        if let Some(v) = t.clip_grad_norm {
+            env.push(("ACCEL_CLIP_GRAD_NORM", v.to_string()));
+        }
+        if let Some(v) = t.seed {
+            env.push(("ACCEL_SEED", v.to_string()));
+        }
+        if let Some(v) = t.cpu {
+            env.push(("ACCEL_CPU", v.to_string()));
+        }
+        env
+    }
+}
+
+/// Strategy and precision names, for prompts.
+pub fn choices() -> (&'static [&'static str], &'static [&'static str]) {
+    (Strategy::NAMES, Precision::NAMES)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accelerate_default_config_keys_are_translated() {
+        let yaml = "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\n\
+                    mixed_precision: bf16\nnum_processes: 4\nnum_machines: 1\nmachine_rank: 0\n\
+                    main_process_ip: 10.1.2.3\nmain_process_port: 29501\nuse_cpu: true\n\
+                    main_training_function: main\n";
+        let c = LaunchConfig::from_yaml(yaml).unwrap();
+        assert_eq!(c.num_processes, Some(4));
+        assert_eq!(c.main_process_ip.as_deref(), Some("10.1.2.3"));
+        assert_eq!(c.training.strategy, Some(Strategy::Ddp));
+        assert_eq!(c.training.precision, Some(Precision::Bf16));
+        assert_eq!(c.training.cpu, Some(true));
+        let c = LaunchConfig::from_yaml("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n  gradient_accumulation_steps: 4\n").unwrap();
+        assert_eq!((c.training.strategy, c.training.accumulate), (Some(Strategy::Zero3), Some(4)));
+        let c = LaunchConfig::from_yaml("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n").unwrap();
+        assert_eq!(c.training.strategy, Some(Strategy::Zero2));
+    }
+
+    #[test]
+    fn unknown_keys_name_the_closest_valid_one_and_round_trip_works() {
+        let err = LaunchConfig::from_yaml("num_proceses: 2\n").unwrap_err().to_string();
+        assert!(err.contains("unknown key `num_proceses`") && err.contains("did you mean `num_processes`"), "{err}");
+        let c = LaunchConfig { num_processes: Some(2), training: PartialConfig { precision: Some(Precision::Fp16), ..Default::default() }, ..Default::default() };
+        assert_eq!(LaunchConfig::from_yaml(&c.to_yaml()).unwrap(), c);
+        let err = LaunchConfig::from_yaml("accumulate: 0\n").unwrap_err().to_string();
+        assert!(err.contains("accumulate = 0"), "{err}");
+    }
+}

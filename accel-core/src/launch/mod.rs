@@ -1,0 +1,341 @@
+//! `accel launch`: starts this machine's processes of a run and watches them.
+//!
+//! Each process gets torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//! `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `MASTER_ADDR`, `MASTER_PORT`), the training settings as
+//! `ACCEL_*`, libtorch's lib dir on `LD_LIBRARY_PATH`, and `OMP_NUM_THREADS` = cores /
+//! processes unless set. Output lines are prefixed with the rank. When a process exits
+//! non-zero or dies, the others get SIGTERM, then SIGKILL after a grace period; the
+//! launcher names the failed rank, its exit code or signal and its last lines, and exits
+//! non-zero. Children die with the launcher (`PR_SET_PDEATHSIG`), so none is orphaned.
+
+pub mod config;
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+/// Lines of each rank's output kept for the failure report.
+const TAIL_LINES: usize = 20;
+
+/// Everything `accel launch` needs, resolved.
+#[derive(Debug, Clone)]
+pub struct LaunchPlan {
+    /// The program and its arguments.
+    pub program: Vec<String>,
+    /// Processes on this machine.
+    pub num_processes: usize,
+    /// Machines in the run.
+    pub num_machines: usize,
+    /// This machine's index.
+    pub machine_rank: usize,
+    /// Address of rank 0's store.
+    pub main_process_ip: String,
+    /// Its port (0: pick a free one; single machine only).
+    pub main_process_port: u16,
+    /// Extra variables for every process (training settings, timeouts ...).
+    pub env: Vec<(String, String)>,
+    /// Show only rank 0's output.
+    pub rank0_only: bool,
+    /// Whole-group restarts allowed after a failure.
+    pub max_restarts: usize,
+    /// Time between SIGTERM and SIGKILL when stopping processes.
+    pub grace: Duration,
+}
+
+/// Why a process ended.
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with code {code}"),
+        (None, Some(signal)) => format!("was killed by signal {signal} ({})", signal_name(signal)),
+        _ => "ended".into(),
+    }
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        _ => "signal",
+    }
+}
+
+/// The exit code the launcher reports for a failed process (shell convention for signals).
+fn exit_code(status: ExitStatus) -> i32 {
+    status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(1))
+}
+
+struct Rank {
+    rank: usize,
+    child: Child,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+    status: Option<ExitStatus>,
+}
+
+fn send_signal(child: &Child, signal: i32) {
+    // SAFETY: kill(2) on the pid of a child we have not reaped yet.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, signal);
+    }
+}
+
+/// Runs the plan; returns the exit code for the launcher.
+pub fn run(plan: &LaunchPlan) -> Result<i32> {
+    if plan.program.is_empty() {
+        return Err(Error::Config("accel launch needs a program to run".into()));
+    }
+    if plan.num_processes == 0 || plan.num_machines == 0 {
+        return Err(Error::Config("--num-processes and --num-machines must be at least 1".into()));
+    }
+    if plan.machine_rank >= plan.num_machines {
+        return Err(Error::Config(format!(
+            "--machine-rank {} is not below --num-machines {}",
+            plan.machine_rank, plan.num_machines
+        )));
+    }
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, interrupted.clone())
+            .map_err(|e| Error::Config(format!("cannot install signal handlers: {e}")))?;
+    }
+    let mut attempt = 0;
+    loop {
+        let port = resolve_port(plan)?;
+        let outcome = run_once(plan, port, attempt, &interrupted)?;
+        match outcome {
+            Outcome::Success => return Ok(0),
+            Outcome::Interrupted(code) => return Ok(code),
+            Outcome::Failed(code) if attempt < plan.max_restarts => {
+                attempt += 1;
+                eprintln!(
+                    "accel launch: restarting all processes (restart {attempt} of {}); programs that \
+                     call load_latest_checkpoint continue from their last checkpoint",
+                    plan.max_restarts
+                );
+                let _ = code;
+            }
+            Outcome::Failed(code) => return Ok(code),
+        }
+    }
+}
+
+fn resolve_port(plan: &LaunchPlan) -> Result<u16> {
+    if plan.main_process_port == 0 {
+        if plan.num_machines > 1 {
+            return Err(Error::Config(
+                "--main-process-port 0 (a free port) works on one machine only: the other machines \
+                 must be told the port; pick one"
+                    .into(),
+            ));
+        }
+        return crate::comm::free_port(&plan.main_process_ip);
+    }
+    // Only machine 0 hosts the store; check there that the port is free before starting.
+    if plan.machine_rank == 0 {
+        std::net::TcpListener::bind((plan.main_process_ip.as_str(), plan.main_process_port)).map_err(|e| {
+            Error::Rendezvous(if e.kind() == std::io::ErrorKind::AddrInUse {
+                format!(
+                    "port {} on {} is already in use (another run, or a leftover process?); pick \
+                     another with --main-process-port, or 0 for a free one",
+                    plan.main_process_port, plan.main_process_ip
+                )
+            } else {
+                format!("cannot listen on {}:{}: {e}", plan.main_process_ip, plan.main_process_port)
+            })
+        })?;
+    }
+    Ok(plan.main_process_port)
+}
+
+enum Outcome {
+    Success,
+    Failed(i32),
+    Interrupted(i32),
+}
+
+fn spawn(plan: &LaunchPlan, local_rank: usize, port: u16, attempt: usize, out: &Arc<Mutex<()>>) -> Result<Rank> {
+    let world = plan.num_processes * plan.num_machines;
+    let rank = plan.machine_rank * plan.num_processes + local_rank;
+    let mut command = Command::new(&plan.program[0]);
+    command
+        .args(&plan.program[1..])
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", local_rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_WORLD_SIZE", plan.num_processes.to_string())
+        .env("GROUP_RANK", plan.machine_rank.to_string())
+        .env("MASTER_ADDR", &plan.main_process_ip)
+        .env("MASTER_PORT", port.to_string())
+        .env("ACCEL_LAUNCHED", "1")
+        .env("ACCEL_RESTART_COUNT", attempt.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if std::env::var_os("OMP_NUM_THREADS").is_none() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        command.env("OMP_NUM_THREADS", (cores / plan.num_processes).max(1).to_string());
+    }
+    let lib = crate::cuda::libtorch_lib_dir();
+    let library_path = match std::env::var_os("LD_LIBRARY_PATH") {
+        Some(old) if !old.is_empty() => {
+            let mut joined = lib.into_os_string();
+            joined.push(":");
+            joined.push(old);
+            joined
+        }
+        _ => lib.into_os_string(),
+    };
+    command.env("LD_LIBRARY_PATH", library_path);
+    for (k, v) in &plan.env {
+        command.env(k, v);
+    }
+    // SAFETY: prctl is async-signal-safe; it only arranges for the child to be killed when
+    // the launcher dies, so no process outlives it.
+    unsafe {
+        command.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().map_err(|e| {
+        Error::Config(format!("cannot start `{}`: {e}", PathBuf::from(&plan.program[0]).display()))
+    })?;
+    let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
+    let show = !plan.rank0_only || rank == 0;
+    let mut readers = Vec::new();
+    let stdout = child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>);
+    let stderr = child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>);
+    for (stream, is_err) in [(stdout, false), (stderr, true)] {
+        let Some(stream) = stream else { continue };
+        let (tail, out) = (tail.clone(), out.clone());
+        readers.push(std::thread::spawn(move || {
+            let mut reader = BufReader::new(stream);
+            let mut line = Vec::new();
+            while reader.read_until(b'\n', &mut line).unwrap_or(0) > 0 {
+                let text = String::from_utf8_lossy(&line).trim_end_matches(['\n', '\r']).to_owned();
+                line.clear();
+                if show {
+                    let _guard = out.lock().unwrap_or_else(|e| e.into_inner());
+                    if is_err {
+                        let _ = writeln!(std::io::stderr(), "[rank{rank}] {text}");
+                    } else {
+                        let _ = writeln!(std::io::stdout(), "[rank{rank}] {text}");
+                    }
+                }
+                let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
+                if tail.len() == TAIL_LINES {
+                    tail.pop_front();
+                }
+                tail.push_back(text);
+            }
+        }));
+    }
+    Ok(Rank { rank, child, tail, readers, status: None })
+}
+
+fn run_once(plan: &LaunchPlan, port: u16, attempt: usize, interrupted: &AtomicBool) -> Result<Outcome> {
+    let out = Arc::new(Mutex::new(()));
+    let mut ranks = Vec::new();
+    for local in 0..plan.num_processes {
+        match spawn(plan, local, port, attempt, &out) {
+            Ok(r) => ranks.push(r),
+            Err(e) => {
+                stop(&mut ranks, plan.grace);
+                return Err(e);
+            }
+        }
+    }
+    let mut failed: Option<usize> = None;
+    loop {
+        for (i, r) in ranks.iter_mut().enumerate() {
+            if r.status.is_none() {
+                if let Ok(Some(status)) = r.child.try_wait() {
+                    r.status = Some(status);
+                    if !status.success() && failed.is_none() {
+                        failed = Some(i);
+                    }
+                }
+            }
+        }
+        if let Some(i) = failed {
+            stop(&mut ranks, plan.grace);
+            report_failure(&ranks, i);
+            return Ok(Outcome::Failed(exit_code(ranks[i].status.expect("failed rank has a status"))));
+        }
+        if interrupted.load(Ordering::SeqCst) {
+            eprintln!("accel launch: interrupted; stopping {} process(es)", ranks.len());
+            stop(&mut ranks, plan.grace);
+            return Ok(Outcome::Interrupted(130));
+        }
+        if ranks.iter().all(|r| r.status.is_some()) {
+            for r in &mut ranks {
+                for h in r.readers.drain(..) {
+                    let _ = h.join();
+                }
+            }
+            return Ok(Outcome::Success);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// SIGTERM to every live process, SIGKILL to those still there after `grace`; reaps all.
+fn stop(ranks: &mut [Rank], grace: Duration) {
+    for r in ranks.iter() {
+        if r.status.is_none() {
+            send_signal(&r.child, libc::SIGTERM);
+        }
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline && ranks.iter().any(|r| r.status.is_none()) {
+        for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+            if let Ok(Some(status)) = r.child.try_wait() {
+                r.status = Some(status);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+        let _ = r.child.kill();
+        r.status = r.child.wait().ok();
+    }
+    for r in ranks.iter_mut() {
+        for h in r.readers.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+fn report_failure(ranks: &[Rank], failed: usize) {
+    let r = &ranks[failed];
+    let status = r.status.expect("reaped");
+    let mut report = format!(
+        "accel launch: rank {} (pid {}) {}; stopped the other {} process(es)\n",
+        r.rank,
+        r.child.id(),
+        describe(status),
+        ranks.len() - 1
+    );
+    let tail = r.tail.lock().unwrap_or_else(|e| e.into_inner());
+    if tail.is_empty() {
+        report.push_str(&format!("  rank {} printed nothing\n", r.rank));
+    } else {
+        report.push_str(&format!("  last lines of rank {}:\n", r.rank));
+        for line in tail.iter() {
+            report.push_str(&format!("    | {line}\n"));
+        }
+    }
+    let _ = std::io::stderr().write_all(report.as_bytes());
+}
