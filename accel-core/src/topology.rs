@@ -16,7 +16,8 @@ pub struct Topology {
     pub local_world_size: usize,
     /// Address of rank 0's rendezvous store.
     pub master_addr: String,
-    /// Port of rank 0's rendezvous store.
+    /// Port of rank 0's rendezvous store (`MASTER_PORT`, or `MASTER_PORT + 1` under
+    /// torchrun, whose own store holds `MASTER_PORT`).
     pub master_port: u16,
     /// Which launcher's variables were read.
     pub source: &'static str,
@@ -102,9 +103,17 @@ impl Topology {
             local_world.unwrap_or(if local_rank == rank { world_size } else { 0 });
         let master_addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
         let port = get("MASTER_PORT").unwrap_or_else(|| "29500".into());
-        let master_port = port.trim().parse().map_err(|_| {
+        let mut master_port: u16 = port.trim().parse().map_err(|_| {
             Error::Config(format!("MASTER_PORT={port:?} is not a port number (1-65535)"))
         })?;
+        // torchrun's agent already serves its own store on MASTER_PORT; ours takes the next.
+        if get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+            master_port = master_port.checked_add(1).ok_or_else(|| {
+                Error::Config(
+                    "MASTER_PORT=65535 leaves no port for accel's store under torchrun".into(),
+                )
+            })?;
+        }
         let topology = Self {
             rank,
             world_size,

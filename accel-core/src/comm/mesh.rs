@@ -121,6 +121,46 @@ pub(crate) struct Mesh {
     pub world: usize,
     readers: Vec<Option<TcpStream>>,
     writers: Vec<Option<TcpStream>>,
+    /// Process ids of the members when all share this machine and may read each other's
+    /// memory (`process_vm_readv`): the single-copy fast path.
+    pids: Option<Vec<i32>>,
+}
+
+/// Something to read from a peer: the probe for `process_vm_readv`.
+static PROBE: [u8; 8] = *b"accelCMA";
+
+/// Address of this process's probe bytes.
+pub(crate) fn probe_address() -> u64 {
+    PROBE.as_ptr() as u64
+}
+
+/// Copies `len` bytes at `remote` in process `pid` into `local`.
+fn read_peer(pid: i32, remote: u64, local: &mut [u8]) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < local.len() {
+        let local_iov = libc::iovec {
+            iov_base: local[done..].as_mut_ptr().cast(),
+            iov_len: local.len() - done,
+        };
+        let remote_iov = libc::iovec {
+            iov_base: (remote + done as u64) as *mut libc::c_void,
+            iov_len: local.len() - done,
+        };
+        // SAFETY: the local iovec covers our own writable slice; the kernel checks the
+        // remote range against the peer's address space and fails with EFAULT if invalid.
+        let n = unsafe { libc::process_vm_readv(pid, &local_iov, 1, &remote_iov, 1, 0) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "process_vm_readv read nothing",
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(())
 }
 
 /// What the mesh knows went wrong, before the group adds op names and diagnoses.
@@ -248,7 +288,7 @@ impl Mesh {
             .map(|r| r.as_ref().map(TcpStream::try_clone).transpose())
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| fail(e.to_string()))?;
-        Ok(Self { rank, world, readers, writers })
+        Ok(Self { rank, world, readers, writers, pids: None })
     }
 
     fn writer(&self, peer: usize) -> &TcpStream {
@@ -444,6 +484,105 @@ fn chunks(count: usize, n: usize, elem: usize) -> Vec<std::ops::Range<usize>> {
 }
 
 impl Mesh {
+    /// Turns on the single-copy path if every member is on this machine (`pids`) and this
+    /// process can read every peer's probe (`probes`); all ranks agree on the outcome.
+    pub fn enable_local(&mut self, pids: Option<Vec<i32>>, probes: &[u64]) -> Result<bool> {
+        let mut ok = pids.is_some();
+        if let Some(pids) = &pids {
+            for (peer, (&pid, &address)) in pids.iter().zip(probes).enumerate() {
+                if peer == self.rank || !ok {
+                    continue;
+                }
+                let mut bytes = [0u8; 8];
+                ok = read_peer(pid, address, &mut bytes).is_ok() && bytes == PROBE;
+            }
+        }
+        let tag = Tag { seq: 0, op: OP_BYTES, kind: 0, numel: 0 };
+        let votes = self.all_to_all(tag, &[u8::from(ok)]).map_err(|_| {
+            Error::Rendezvous("the members could not agree on the shared-memory path".into())
+        })?;
+        let all = ok && votes.iter().all(|v| v.first() == Some(&1));
+        self.pids = if all { pids } else { None };
+        Ok(all)
+    }
+
+    /// Sends `data` to every peer and returns what each sent (own entry: `data`).
+    fn all_to_all(&self, tag: Tag, data: &[u8]) -> FaultResult<Vec<Vec<u8>>> {
+        for peer in (0..self.world).filter(|&p| p != self.rank) {
+            self.send(peer, tag, data)?;
+        }
+        (0..self.world)
+            .map(
+                |peer| {
+                    if peer == self.rank { Ok(data.to_vec()) } else { self.recv_bytes(peer, tag) }
+                },
+            )
+            .collect()
+    }
+
+    /// Addresses of every member's buffer (for reading it), exchanged over TCP.
+    fn addresses(&self, buf: &Buffer, tag: Tag) -> FaultResult<Vec<u64>> {
+        let mine = (buf.ptr as u64).to_le_bytes();
+        Ok(self
+            .all_to_all(tag, &mine)?
+            .iter()
+            .map(|b| b.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0))
+            .collect())
+    }
+
+    fn local_barrier(&self, tag: Tag, phase: u8) -> FaultResult<()> {
+        self.all_to_all(tag, &[phase]).map(|_| ())
+    }
+
+    fn read(&self, peer: usize, remote: u64, local: &mut [u8]) -> FaultResult<()> {
+        let pid = self.pids.as_ref().expect("local path enabled")[peer];
+        read_peer(pid, remote, local)
+            .map_err(|e| Fault::Lost { peer, detail: format!("reading its memory: {e}") })
+    }
+
+    /// Reduce-scatter by reading each peer's chunk `rank` straight from its memory.
+    fn local_reduce_scatter(
+        &self,
+        buf: &Buffer,
+        chunks: &[std::ops::Range<usize>],
+        addrs: &[u64],
+        op: ReduceOp,
+    ) -> FaultResult<()> {
+        let mine = chunks[self.rank].clone();
+        let mut scratch = vec![0u64; (256 << 10) / 8];
+        // SAFETY: a u64 buffer viewed as bytes.
+        let scratch =
+            unsafe { std::slice::from_raw_parts_mut(scratch.as_mut_ptr().cast::<u8>(), 256 << 10) };
+        for step in 1..self.world {
+            let peer = (self.rank + step) % self.world;
+            let mut offset = mine.start;
+            while offset < mine.end {
+                let n = scratch.len().min(mine.end - offset);
+                self.read(peer, addrs[peer] + offset as u64, &mut scratch[..n])?;
+                buf.reduce_into(offset, &scratch[..n], op)?;
+                offset += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// All-gather by reading each peer's chunk `peer` straight into ours.
+    fn local_all_gather(
+        &self,
+        buf: &Buffer,
+        chunks: &[std::ops::Range<usize>],
+        addrs: &[u64],
+    ) -> FaultResult<()> {
+        for step in 1..self.world {
+            let peer = (self.rank + step) % self.world;
+            let range = chunks[peer].clone();
+            if !range.is_empty() {
+                self.read(peer, addrs[peer] + range.start as u64, buf.bytes_mut(range))?;
+            }
+        }
+        Ok(())
+    }
+
     fn next(&self) -> usize {
         (self.rank + 1) % self.world
     }
@@ -509,8 +648,18 @@ impl Mesh {
             return Ok(());
         }
         let chunks = chunks(buf.len / buf.elem, self.world, buf.elem);
-        self.ring_reduce_scatter(buf, &chunks, op, tag)?;
-        self.ring_all_gather(buf, &chunks, tag)?;
+        if self.pids.is_some() {
+            // Peers read our chunks while we read theirs; the barriers keep anyone from
+            // overwriting a chunk that another rank still reads.
+            let addrs = self.addresses(buf, tag)?;
+            self.local_reduce_scatter(buf, &chunks, &addrs, op)?;
+            self.local_barrier(tag, 1)?;
+            self.local_all_gather(buf, &chunks, &addrs)?;
+            self.local_barrier(tag, 2)?;
+        } else {
+            self.ring_reduce_scatter(buf, &chunks, op, tag)?;
+            self.ring_all_gather(buf, &chunks, tag)?;
+        }
         if op == ReduceOp::Avg {
             let _ = buf.tensor.shallow_clone().f_div_scalar_(self.world as f64)?;
         }
@@ -524,6 +673,11 @@ impl Mesh {
             return Ok(());
         }
         let chunks = chunks(buf.len / buf.elem, self.world, buf.elem);
+        if self.pids.is_some() {
+            let addrs = self.addresses(buf, tag)?;
+            self.local_reduce_scatter(buf, &chunks, &addrs, op)?;
+            return self.local_barrier(tag, 1);
+        }
         self.ring_reduce_scatter(buf, &chunks, op, tag)
     }
 
@@ -533,6 +687,11 @@ impl Mesh {
             return Ok(());
         }
         let chunks = chunks(buf.len / buf.elem, self.world, buf.elem);
+        if self.pids.is_some() {
+            let addrs = self.addresses(buf, tag)?;
+            self.local_all_gather(buf, &chunks, &addrs)?;
+            return self.local_barrier(tag, 2);
+        }
         self.ring_all_gather(buf, &chunks, tag)
     }
 

@@ -25,14 +25,20 @@ fn on_ranks<T: Send + 'static>(
     timeout: Duration,
     body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
+    on_ranks_with(world, GroupOptions { timeout, direct_copy: true }, body)
+}
+
+fn on_ranks_with<T: Send + 'static>(
+    world: usize,
+    options: GroupOptions,
+    body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
     let port = free_port("127.0.0.1").unwrap();
     let handles: Vec<_> = (0..world)
         .map(|rank| {
-            let body = body.clone();
+            let (body, options) = (body.clone(), options.clone());
             std::thread::spawn(move || {
-                let group =
-                    ProcessGroup::new(&topology(rank, world, port), GroupOptions { timeout })
-                        .unwrap();
+                let group = ProcessGroup::new(&topology(rank, world, port), options).unwrap();
                 body(group)
             })
         })
@@ -48,9 +54,11 @@ fn values(rank: usize, n: i64, kind: Kind) -> Tensor {
 const SECOND: Duration = Duration::from_secs(20);
 
 #[test]
-fn all_reduce_every_op_and_dtype_on_2_3_and_4_ranks() {
-    for world in [2, 3, 4] {
-        let results = on_ranks(world, SECOND, move |g| {
+fn all_reduce_every_op_and_dtype_on_2_3_and_4_ranks_by_direct_copy_and_by_tcp() {
+    for (world, direct_copy) in [(2, true), (3, true), (4, true), (2, false), (3, false)] {
+        let options = GroupOptions { timeout: SECOND, direct_copy };
+        let results = on_ranks_with(world, options, move |g| {
+            assert_eq!(g.direct_copy(), direct_copy, "the path under test is in use");
             let mut failures = Vec::new();
             for kind in [Kind::Float, Kind::Double, Kind::Half, Kind::BFloat16, Kind::Int64] {
                 for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max] {
@@ -94,7 +102,10 @@ fn all_reduce_every_op_and_dtype_on_2_3_and_4_ranks() {
             failures
         });
         for (rank, failures) in results.iter().enumerate() {
-            assert!(failures.is_empty(), "world {world} rank {rank}: {failures:?}");
+            assert!(
+                failures.is_empty(),
+                "world {world} direct {direct_copy} rank {rank}: {failures:?}"
+            );
         }
     }
 }
@@ -113,7 +124,13 @@ fn non_contiguous_tensors_are_reduced_in_place() {
 
 #[test]
 fn broadcast_all_gather_reduce_scatter_send_recv_and_objects() {
-    let results = on_ranks(3, SECOND, |g| {
+    for direct_copy in [true, false] {
+        check_the_other_collectives(direct_copy);
+    }
+}
+
+fn check_the_other_collectives(direct_copy: bool) {
+    let results = on_ranks_with(3, GroupOptions { timeout: SECOND, direct_copy }, |g| {
         let r = g.rank() as i64;
         let t = Tensor::full([5], r as f64, (Kind::Float, Device::Cpu));
         g.broadcast(&t, 2).unwrap();
@@ -237,7 +254,7 @@ fn a_rank_that_never_arrives_times_out_with_its_name() {
 #[test]
 fn a_rank_that_never_starts_is_named_at_rendezvous() {
     let port = free_port("127.0.0.1").unwrap();
-    let options = GroupOptions { timeout: Duration::from_millis(800) };
+    let options = GroupOptions { timeout: Duration::from_millis(800), direct_copy: true };
     let err = ProcessGroup::new(&topology(0, 2, port), options).unwrap_err().to_string();
     assert!(err.contains("rank(s) [1] of 2 never arrived"), "{err}");
 }

@@ -106,14 +106,21 @@ impl LaunchConfig {
         let map = match value {
             serde_yaml_ng::Value::Mapping(m) => m,
             serde_yaml_ng::Value::Null => return Ok(Self::default()),
-            _ => return Err(Error::Config("the config must be a mapping of keys to values".into())),
+            _ => {
+                return Err(Error::Config("the config must be a mapping of keys to values".into()));
+            }
         };
         let mut config = Self::default();
         let mut accelerate_accumulate = None;
         for (key, value) in &map {
-            let key = key.as_str().ok_or_else(|| Error::Config(format!("key {key:?} is not a string")))?;
-            let bad = |expected: &str| Error::Config(format!("`{key}`: expected {expected}, got {value:?}"));
-            let as_usize = || value.as_u64().map(|v| v as usize).ok_or_else(|| bad("a non-negative integer"));
+            let key = key
+                .as_str()
+                .ok_or_else(|| Error::Config(format!("key {key:?} is not a string")))?;
+            let bad = |expected: &str| {
+                Error::Config(format!("`{key}`: expected {expected}, got {value:?}"))
+            };
+            let as_usize =
+                || value.as_u64().map(|v| v as usize).ok_or_else(|| bad("a non-negative integer"));
             let as_str = || value.as_str().map(str::to_owned).ok_or_else(|| bad("a string"));
             match key {
                 "num_processes" => config.num_processes = Some(as_usize()?),
@@ -127,13 +134,20 @@ impl LaunchConfig {
                 "strategy" => config.training.strategy = Some(as_str()?.parse()?),
                 "precision" => config.training.precision = Some(as_str()?.parse()?),
                 "accumulate" => config.training.accumulate = Some(as_usize()? as u32),
-                "clip_grad_norm" => config.training.clip_grad_norm = Some(value.as_f64().ok_or_else(|| bad("a number"))?),
+                "clip_grad_norm" => {
+                    config.training.clip_grad_norm =
+                        Some(value.as_f64().ok_or_else(|| bad("a number"))?)
+                }
                 "seed" => config.training.seed = Some(as_usize()? as u64),
-                "cpu" | "use_cpu" => config.training.cpu = Some(value.as_bool().ok_or_else(|| bad("true or false"))?),
+                "cpu" | "use_cpu" => {
+                    config.training.cpu = Some(value.as_bool().ok_or_else(|| bad("true or false"))?)
+                }
                 "mixed_precision" => {
                     let p = as_str()?;
                     config.training.precision = Some(p.parse().map_err(|_| {
-                        Error::Config(format!("mixed_precision `{p}`: expected no, fp16, bf16 or fp8"))
+                        Error::Config(format!(
+                            "mixed_precision `{p}`: expected no, fp16, bf16 or fp8"
+                        ))
                     })?)
                 }
                 "distributed_type" => {
@@ -153,7 +167,9 @@ impl LaunchConfig {
                 }
                 "gradient_accumulation_steps" => accelerate_accumulate = Some(as_usize()? as u32),
                 "deepspeed_config" => {
-                    if let Some(stage) = value.get("zero_stage").and_then(serde_yaml_ng::Value::as_u64) {
+                    if let Some(stage) =
+                        value.get("zero_stage").and_then(serde_yaml_ng::Value::as_u64)
+                    {
                         config.training.strategy = Some(match stage {
                             1 => Strategy::Zero1,
                             2 => Strategy::Zero2,
@@ -161,25 +177,35 @@ impl LaunchConfig {
                             _ => Strategy::Ddp,
                         });
                     }
-                    if let Some(n) = value.get("gradient_accumulation_steps").and_then(serde_yaml_ng::Value::as_u64) {
+                    if let Some(n) = value
+                        .get("gradient_accumulation_steps")
+                        .and_then(serde_yaml_ng::Value::as_u64)
+                    {
                         accelerate_accumulate = Some(n as u32);
                     }
                 }
                 "fsdp_config" => {
                     if let Some(s) = value.get("fsdp_sharding_strategy") {
-                        let s = s.as_str().map(str::to_owned).or_else(|| s.as_u64().map(|n| n.to_string()));
-                        config.training.strategy = Some(match s.as_deref().map(str::to_ascii_uppercase).as_deref() {
-                            Some("FULL_SHARD" | "1") => Strategy::Zero3,
-                            Some("SHARD_GRAD_OP" | "2") => Strategy::Zero2,
-                            Some("NO_SHARD" | "3") => Strategy::Ddp,
-                            _ => Strategy::Fsdp,
-                        });
+                        let s = s
+                            .as_str()
+                            .map(str::to_owned)
+                            .or_else(|| s.as_u64().map(|n| n.to_string()));
+                        config.training.strategy =
+                            Some(match s.as_deref().map(str::to_ascii_uppercase).as_deref() {
+                                Some("FULL_SHARD" | "1") => Strategy::Zero3,
+                                Some("SHARD_GRAD_OP" | "2") => Strategy::Zero2,
+                                Some("NO_SHARD" | "3") => Strategy::Ddp,
+                                _ => Strategy::Fsdp,
+                            });
                     }
                 }
                 k if IGNORED.contains(&k) => {}
                 other => {
-                    let valid: Vec<&str> = OURS.iter().chain(TRANSLATED).chain(IGNORED).copied().collect();
-                    let hint = closest(other, &valid).map(|c| format!(" — did you mean `{c}`?")).unwrap_or_default();
+                    let valid: Vec<&str> =
+                        OURS.iter().chain(TRANSLATED).chain(IGNORED).copied().collect();
+                    let hint = closest(other, &valid)
+                        .map(|c| format!(" — did you mean `{c}`?"))
+                        .unwrap_or_default();
                     return Err(Error::Config(format!(
                         "unknown key `{other}`{hint} (accel's keys: {})",
                         OURS.join(", ")
@@ -260,15 +286,26 @@ mod tests {
         assert_eq!(c.training.cpu, Some(true));
         let c = LaunchConfig::from_yaml("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 3\n  gradient_accumulation_steps: 4\n").unwrap();
         assert_eq!((c.training.strategy, c.training.accumulate), (Some(Strategy::Zero3), Some(4)));
-        let c = LaunchConfig::from_yaml("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n").unwrap();
+        let c = LaunchConfig::from_yaml(
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n",
+        )
+        .unwrap();
         assert_eq!(c.training.strategy, Some(Strategy::Zero2));
     }
 
     #[test]
     fn unknown_keys_name_the_closest_valid_one_and_round_trip_works() {
         let err = LaunchConfig::from_yaml("num_proceses: 2\n").unwrap_err().to_string();
-        assert!(err.contains("unknown key `num_proceses`") && err.contains("did you mean `num_processes`"), "{err}");
-        let c = LaunchConfig { num_processes: Some(2), training: PartialConfig { precision: Some(Precision::Fp16), ..Default::default() }, ..Default::default() };
+        assert!(
+            err.contains("unknown key `num_proceses`")
+                && err.contains("did you mean `num_processes`"),
+            "{err}"
+        );
+        let c = LaunchConfig {
+            num_processes: Some(2),
+            training: PartialConfig { precision: Some(Precision::Fp16), ..Default::default() },
+            ..Default::default()
+        };
         assert_eq!(LaunchConfig::from_yaml(&c.to_yaml()).unwrap(), c);
         let err = LaunchConfig::from_yaml("accumulate: 0\n").unwrap_err().to_string();
         assert!(err.contains("accumulate = 0"), "{err}");

@@ -84,10 +84,12 @@ struct Rank {
     status: Option<ExitStatus>,
 }
 
+/// Signals the child's whole process group: the program and anything it started (a shell
+/// script's children included), so nothing is left behind holding the output pipes.
 fn send_signal(child: &Child, signal: i32) {
-    // SAFETY: kill(2) on the pid of a child we have not reaped yet.
+    // SAFETY: killpg(2) on the process group the child leads (set up in `spawn`).
     unsafe {
-        libc::kill(child.id() as libc::pid_t, signal);
+        libc::killpg(child.id() as libc::pid_t, signal);
     }
 }
 
@@ -165,7 +167,13 @@ enum Outcome {
     Interrupted(i32),
 }
 
-fn spawn(plan: &LaunchPlan, local_rank: usize, port: u16, attempt: usize, out: &Arc<Mutex<()>>) -> Result<Rank> {
+fn spawn(
+    plan: &LaunchPlan,
+    local_rank: usize,
+    port: u16,
+    attempt: usize,
+    out: &Arc<Mutex<()>>,
+) -> Result<Rank> {
     let world = plan.num_processes * plan.num_machines;
     let rank = plan.machine_rank * plan.num_processes + local_rank;
     let mut command = Command::new(&plan.program[0]);
@@ -201,10 +209,11 @@ fn spawn(plan: &LaunchPlan, local_rank: usize, port: u16, attempt: usize, out: &
     for (k, v) in &plan.env {
         command.env(k, v);
     }
-    // SAFETY: prctl is async-signal-safe; it only arranges for the child to be killed when
-    // the launcher dies, so no process outlives it.
+    // SAFETY: setpgid and prctl are async-signal-safe. The child leads its own process
+    // group (so stopping it reaches what it starts) and is killed if the launcher dies.
     unsafe {
         command.pre_exec(|| {
+            libc::setpgid(0, 0);
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
             Ok(())
         });
@@ -245,7 +254,12 @@ fn spawn(plan: &LaunchPlan, local_rank: usize, port: u16, attempt: usize, out: &
     Ok(Rank { rank, child, tail, readers, status: None })
 }
 
-fn run_once(plan: &LaunchPlan, port: u16, attempt: usize, interrupted: &AtomicBool) -> Result<Outcome> {
+fn run_once(
+    plan: &LaunchPlan,
+    port: u16,
+    attempt: usize,
+    interrupted: &AtomicBool,
+) -> Result<Outcome> {
     let out = Arc::new(Mutex::new(()));
     let mut ranks = Vec::new();
     for local in 0..plan.num_processes {
@@ -259,20 +273,32 @@ fn run_once(plan: &LaunchPlan, port: u16, attempt: usize, interrupted: &AtomicBo
     }
     let mut failed: Option<usize> = None;
     loop {
+        let mut newly_failed = Vec::new();
         for (i, r) in ranks.iter_mut().enumerate() {
             if r.status.is_none() {
                 if let Ok(Some(status)) = r.child.try_wait() {
                     r.status = Some(status);
-                    if !status.success() && failed.is_none() {
-                        failed = Some(i);
+                    if !status.success() {
+                        newly_failed.push(i);
                     }
                 }
             }
         }
+        // When several fail at once, the one killed by a signal is the likely cause; the
+        // others usually exit because they lost it.
+        if failed.is_none() {
+            failed = newly_failed
+                .iter()
+                .copied()
+                .find(|&i| ranks[i].status.is_some_and(|s| s.signal().is_some()))
+                .or(newly_failed.first().copied());
+        }
         if let Some(i) = failed {
             stop(&mut ranks, plan.grace);
             report_failure(&ranks, i);
-            return Ok(Outcome::Failed(exit_code(ranks[i].status.expect("failed rank has a status"))));
+            return Ok(Outcome::Failed(exit_code(
+                ranks[i].status.expect("failed rank has a status"),
+            )));
         }
         if interrupted.load(Ordering::SeqCst) {
             eprintln!("accel launch: interrupted; stopping {} process(es)", ranks.len());
@@ -280,11 +306,7 @@ fn run_once(plan: &LaunchPlan, port: u16, attempt: usize, interrupted: &AtomicBo
             return Ok(Outcome::Interrupted(130));
         }
         if ranks.iter().all(|r| r.status.is_some()) {
-            for r in &mut ranks {
-                for h in r.readers.drain(..) {
-                    let _ = h.join();
-                }
-            }
+            join_readers(&mut ranks);
             return Ok(Outcome::Success);
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -307,13 +329,28 @@ fn stop(ranks: &mut [Rank], grace: Duration) {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
-        let _ = r.child.kill();
-        r.status = r.child.wait().ok();
+    for r in ranks.iter_mut() {
+        // Also the group's leftovers when the leader itself has already exited.
+        send_signal(&r.child, libc::SIGKILL);
+        if r.status.is_none() {
+            r.status = r.child.wait().ok();
+        }
     }
+    join_readers(ranks);
+}
+
+/// Waits for the output threads to drain (a bounded time: a process that escaped its group
+/// could hold a pipe open).
+fn join_readers(ranks: &mut [Rank]) {
+    let deadline = Instant::now() + Duration::from_secs(2);
     for r in ranks.iter_mut() {
         for h in r.readers.drain(..) {
-            let _ = h.join();
+            while !h.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            }
         }
     }
 }

@@ -19,9 +19,12 @@ fn parse_size(text: &str) -> accel_core::Result<u64> {
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
-        other => return Err(accel_core::Error::Config(format!("unknown size unit `{other}` in `{t}`"))),
+        other => {
+            return Err(accel_core::Error::Config(format!("unknown size unit `{other}` in `{t}`")));
+        }
     };
-    let n: f64 = number.trim().parse().map_err(|_| accel_core::Error::Config(format!("bad size `{t}`")))?;
+    let n: f64 =
+        number.trim().parse().map_err(|_| accel_core::Error::Config(format!("bad size `{t}`")))?;
     Ok((n * scale as f64) as u64)
 }
 
@@ -32,7 +35,11 @@ fn parse_kind(dtype: &str) -> accel_core::Result<Kind> {
         "f16" => Kind::Half,
         "bf16" => Kind::BFloat16,
         "i64" => Kind::Int64,
-        other => return Err(accel_core::Error::Config(format!("unknown dtype `{other}`; use f32, f64, f16, bf16 or i64"))),
+        other => {
+            return Err(accel_core::Error::Config(format!(
+                "unknown dtype `{other}`; use f32, f64, f16, bf16 or i64"
+            )));
+        }
     })
 }
 
@@ -49,7 +56,14 @@ pub(crate) fn worker(sizes: &str, dtype: &str) -> accel_core::Result<bool> {
     let world = group.size() as f64;
     let mut results = Vec::new();
     if group.rank() == 0 {
-        println!("{:>10} {:>10} {:>12} {:>12}   ({} processes, {dtype})", "size", "time ms", "algbw GB/s", "busbw GB/s", group.size());
+        println!(
+            "{:>10} {:>10} {:>12} {:>12}   ({} processes, {dtype})",
+            "size",
+            "time ms",
+            "algbw GB/s",
+            "busbw GB/s",
+            group.size()
+        );
     }
     for bytes in sizes {
         let n = (bytes as usize / kind.elt_size_in_bytes()).max(1) as i64;
@@ -94,12 +108,25 @@ fn venv_tool(name: &str) -> Option<PathBuf> {
     path.exists().then_some(path)
 }
 
-pub(crate) fn allreduce(args: &LaunchArgs, sizes: &str, dtype: &str, compare_gloo: bool) -> ExitCode {
+pub(crate) fn allreduce(
+    args: &LaunchArgs,
+    sizes: &str,
+    dtype: &str,
+    compare_gloo: bool,
+) -> ExitCode {
     let mut args = args.clone();
     args.num_processes = args.num_processes.or(Some(2));
     args.rank0_only = true;
     let out = std::env::temp_dir().join(format!("accel-bench-{}.json", std::process::id()));
-    let program = vec![this_binary(), "worker".into(), "allreduce".into(), "--sizes".into(), sizes.into(), "--dtype".into(), dtype.into()];
+    let program = vec![
+        this_binary(),
+        "worker".into(),
+        "allreduce".into(),
+        "--sizes".into(),
+        sizes.into(),
+        "--dtype".into(),
+        dtype.into(),
+    ];
     let plan = match args.plan(program) {
         Ok(mut plan) => {
             plan.env.push(("ACCEL_BENCH_OUT".into(), out.display().to_string()));
@@ -131,8 +158,10 @@ pub(crate) fn allreduce(args: &LaunchArgs, sizes: &str, dtype: &str, compare_glo
         eprintln!("accel bench: --compare-gloo needs .venv/bin/torchrun (run `cargo xtask setup`)");
         return ExitCode::FAILURE;
     };
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/reference/allreduce_gloo.py");
-    let bytes: Vec<String> = ours.iter().filter_map(|r| r["bytes"].as_u64()).map(|b| b.to_string()).collect();
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/reference/allreduce_gloo.py");
+    let bytes: Vec<String> =
+        ours.iter().filter_map(|r| r["bytes"].as_u64()).map(|b| b.to_string()).collect();
     let output = Command::new(torchrun)
         .arg(format!("--nproc-per-node={}", plan.num_processes))
         .arg(format!("--master-port={}", accel_core::comm::free_port("127.0.0.1").unwrap_or(29600)))
@@ -150,13 +179,19 @@ pub(crate) fn allreduce(args: &LaunchArgs, sizes: &str, dtype: &str, compare_glo
             return ExitCode::FAILURE;
         }
     };
-    let gloo: Vec<serde_json::Value> =
-        String::from_utf8_lossy(&output.stdout).lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let gloo: Vec<serde_json::Value> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
     let world = plan.num_processes as f64;
-    println!("\n{:>10} {:>16} {:>16} {:>8}", "size", "accel busbw GB/s", "gloo busbw GB/s", "ratio");
+    println!(
+        "\n{:>10} {:>16} {:>16} {:>8}",
+        "size", "accel busbw GB/s", "gloo busbw GB/s", "ratio"
+    );
     for (a, g) in ours.iter().zip(&gloo) {
         let bytes = a["bytes"].as_f64().unwrap_or(0.0);
-        let (ta, tg) = (a["seconds"].as_f64().unwrap_or(f64::NAN), g["seconds"].as_f64().unwrap_or(f64::NAN));
+        let (ta, tg) =
+            (a["seconds"].as_f64().unwrap_or(f64::NAN), g["seconds"].as_f64().unwrap_or(f64::NAN));
         let (ba, bg) = (busbw(bytes, ta, world), busbw(bytes, tg, world));
         println!("{:>10} {:>16.2} {:>16.2} {:>7.2}x", human(bytes as u64), ba, bg, ba / bg);
     }

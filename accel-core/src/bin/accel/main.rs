@@ -133,10 +133,12 @@ struct LaunchArgs {
 impl LaunchArgs {
     /// Flags over the config file over defaults.
     fn plan(&self, program: Vec<String>) -> accel_core::Result<LaunchPlan> {
-        let file = match self.config_file.clone().or_else(|| default_config_path().filter(|p| p.exists())) {
-            Some(path) => LaunchConfig::from_file(&path)?,
-            None => LaunchConfig::default(),
-        };
+        let file =
+            match self.config_file.clone().or_else(|| default_config_path().filter(|p| p.exists()))
+            {
+                Some(path) => LaunchConfig::from_file(&path)?,
+                None => LaunchConfig::default(),
+            };
         let flags = LaunchConfig {
             num_processes: self.num_processes,
             num_machines: self.num_machines,
@@ -217,6 +219,7 @@ fn main() -> ExitCode {
             let result = match what.as_str() {
                 "test" => selftest::run(),
                 "allreduce" => bench::worker(&sizes, &dtype),
+                "spin" => selftest::spin(),
                 other => Err(accel_core::Error::Config(format!("unknown worker `{other}`"))),
             };
             match result {
@@ -253,24 +256,52 @@ mod config {
             accel_core::Error::Config("no HOME or XDG_CONFIG_HOME; pass --config-file".into())
         })?;
         let yaml = match mode {
-            Some("default") => "num_processes: 1\nnum_machines: 1\nstrategy: single\nprecision: no\n".to_owned(),
+            Some("default") => {
+                "num_processes: 1\nnum_machines: 1\nstrategy: single\nprecision: no\n".to_owned()
+            }
             None => {
                 let (strategies, precisions) = choices();
                 let gpu = tch::Cuda::is_available();
                 let mut text = String::new();
                 text.push_str(&format!("num_machines: {}\n", ask("How many machines?", "1")));
-                let machines: usize = text.trim().rsplit(' ').next().and_then(|n| n.parse().ok()).unwrap_or(1);
+                let machines: usize =
+                    text.trim().rsplit(' ').next().and_then(|n| n.parse().ok()).unwrap_or(1);
                 if machines > 1 {
-                    text.push_str(&format!("machine_rank: {}\n", ask("Rank of this machine?", "0")));
-                    text.push_str(&format!("main_process_ip: {}\n", ask("IP address of machine 0?", "127.0.0.1")));
-                    text.push_str(&format!("main_process_port: {}\n", ask("Port on machine 0?", "29500")));
+                    text.push_str(&format!(
+                        "machine_rank: {}\n",
+                        ask("Rank of this machine?", "0")
+                    ));
+                    text.push_str(&format!(
+                        "main_process_ip: {}\n",
+                        ask("IP address of machine 0?", "127.0.0.1")
+                    ));
+                    text.push_str(&format!(
+                        "main_process_port: {}\n",
+                        ask("Port on machine 0?", "29500")
+                    ));
                 }
-                let default_procs = if gpu { tch::Cuda::device_count().to_string() } else { "2".into() };
-                text.push_str(&format!("num_processes: {}\n", ask("How many processes on this machine?", &default_procs)));
-                text.push_str(&format!("strategy: {}\n", ask(&format!("Strategy ({})?", strategies.join(", ")), "ddp")));
-                text.push_str(&format!("precision: {}\n", ask(&format!("Mixed precision ({})?", precisions.join(", ")), "no")));
-                text.push_str(&format!("accumulate: {}\n", ask("Gradient accumulation steps?", "1")));
-                text.push_str(&format!("cpu: {}\n", ask("CPU only?", if gpu { "false" } else { "true" })));
+                let default_procs =
+                    if gpu { tch::Cuda::device_count().to_string() } else { "2".into() };
+                text.push_str(&format!(
+                    "num_processes: {}\n",
+                    ask("How many processes on this machine?", &default_procs)
+                ));
+                text.push_str(&format!(
+                    "strategy: {}\n",
+                    ask(&format!("Strategy ({})?", strategies.join(", ")), "ddp")
+                ));
+                text.push_str(&format!(
+                    "precision: {}\n",
+                    ask(&format!("Mixed precision ({})?", precisions.join(", ")), "no")
+                ));
+                text.push_str(&format!(
+                    "accumulate: {}\n",
+                    ask("Gradient accumulation steps?", "1")
+                ));
+                text.push_str(&format!(
+                    "cpu: {}\n",
+                    ask("CPU only?", if gpu { "false" } else { "true" })
+                ));
                 text
             }
             Some(other) => {
@@ -282,9 +313,11 @@ mod config {
         // Check what we write by reading it back.
         let config = LaunchConfig::from_yaml(&yaml)?;
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|source| accel_core::Error::Io { path: dir.into(), source })?;
+            std::fs::create_dir_all(dir)
+                .map_err(|source| accel_core::Error::Io { path: dir.into(), source })?;
         }
-        std::fs::write(&path, config.to_yaml()).map_err(|source| accel_core::Error::Io { path: path.clone(), source })?;
+        std::fs::write(&path, config.to_yaml())
+            .map_err(|source| accel_core::Error::Io { path: path.clone(), source })?;
         println!("accel config: wrote {}", path.display());
         Ok(())
     }

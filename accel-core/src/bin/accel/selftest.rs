@@ -48,7 +48,10 @@ pub(crate) fn run() -> accel_core::Result<bool> {
         }
     }
     if group.rank() == 0 {
-        println!("{}", if all { "accel test: all checks passed" } else { "accel test: some checks FAILED" });
+        println!(
+            "{}",
+            if all { "accel test: all checks passed" } else { "accel test: some checks FAILED" }
+        );
     }
     Ok(all)
 }
@@ -128,7 +131,14 @@ fn sharding(g: &ProcessGroup) -> accel_core::Result<bool> {
     let (r, w) = (g.rank(), g.size());
     let all: Vec<usize> = (0..22).collect();
     let batches: Vec<Vec<usize>> = all.chunks(3).map(<[usize]>::to_vec).collect();
-    let options = ShardOptions { rank: r, world: w, batch_size: 3, drop_last: false, even_batches: true, split_batches: false };
+    let options = ShardOptions {
+        rank: r,
+        world: w,
+        batch_size: 3,
+        drop_last: false,
+        even_batches: true,
+        split_batches: false,
+    };
     let mine = shard_batches(&batches, options);
     let everyone: Vec<Vec<Vec<usize>>> = g.all_gather_objects(&mine)?;
     let same_count = everyone.iter().all(|b| b.len() == mine.len());
@@ -162,7 +172,10 @@ fn parity(g: &ProcessGroup) -> accel_core::Result<bool> {
         let err = x * w + b - y;
         ((&err * x).mean(Kind::Float) * 2.0, err.mean(Kind::Float) * 2.0)
     };
-    let (mut w1, mut b1) = (Tensor::zeros([], (Kind::Float, Device::Cpu)), Tensor::zeros([], (Kind::Float, Device::Cpu)));
+    let (mut w1, mut b1) = (
+        Tensor::zeros([], (Kind::Float, Device::Cpu)),
+        Tensor::zeros([], (Kind::Float, Device::Cpu)),
+    );
     let (mut wn, mut bn) = (w1.copy(), b1.copy());
     for _ in 0..20 {
         let (gw, gb) = step(&w1, &b1, &x, &y);
@@ -175,4 +188,19 @@ fn parity(g: &ProcessGroup) -> accel_core::Result<bool> {
         bn = &bn - grads.get(1) * 0.1;
     }
     Ok(close(&w1, &wn, 1e-6) && close(&b1, &bn, 1e-6) && close(&w1, &Tensor::from(2.0f32), 0.5))
+}
+
+/// For the launcher's fault tests: writes its pid to `$ACCEL_PID_DIR/$RANK`, then
+/// all-reduces forever.
+pub(crate) fn spin() -> accel_core::Result<bool> {
+    let topology = Topology::from_env()?;
+    let group = ProcessGroup::new(&topology, GroupOptions::default())?;
+    if let Some(dir) = std::env::var_os("ACCEL_PID_DIR") {
+        let path = std::path::Path::new(&dir).join(topology.rank.to_string());
+        let _ = std::fs::write(path, std::process::id().to_string());
+    }
+    let t = Tensor::ones([1 << 20], (Kind::Float, Device::Cpu));
+    loop {
+        group.all_reduce(&t, ReduceOp::Avg)?;
+    }
 }

@@ -1,0 +1,268 @@
+//! `accel launch`, `accel test` and multi-process runs, with real processes: failures are
+//! reported within bounded time and leave no process behind.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn accel() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_accel"));
+    c.env_remove("RANK").env_remove("WORLD_SIZE").env("ACCEL_CONFIG_DIR", scratch("no-config"));
+    c
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("launch").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks for existence.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+#[test]
+fn accel_test_passes_on_2_3_and_4_processes() {
+    for n in ["2", "3", "4"] {
+        let output = accel()
+            .args(["test", "--main-process-port", "0", "--num-processes", n])
+            .output()
+            .unwrap();
+        let out = text(&output);
+        assert!(output.status.success(), "{out}");
+        assert_eq!(out.matches("PASS").count(), 7, "{out}");
+        assert!(out.contains(&format!("{n} processes (accel launch)")), "{out}");
+    }
+}
+
+#[test]
+fn a_failing_rank_is_named_with_its_exit_code_and_last_lines() {
+    let script = "echo starting rank $RANK; if [ $RANK = 1 ]; then echo about to fail >&2; exit 3; fi; sleep 60";
+    let start = Instant::now();
+    let output = accel()
+        .args(["launch", "--num-processes", "3", "--main-process-port", "0", "sh", "-c", script])
+        .output()
+        .unwrap();
+    let out = text(&output);
+    assert_eq!(output.status.code(), Some(3), "{out}");
+    assert!(start.elapsed() < Duration::from_secs(20), "took {:?}", start.elapsed());
+    assert!(out.contains("rank 1 (pid") && out.contains("exited with code 3"), "{out}");
+    assert!(out.contains("    | about to fail"), "{out}");
+    assert!(out.contains("[rank0] starting rank 0"), "{out}");
+}
+
+#[test]
+fn kill_9_in_a_collective_stops_the_run_within_30_s_and_leaves_no_process() {
+    let pids = scratch("kill9");
+    let launcher = accel()
+        .args(["launch", "--num-processes", "3", "--main-process-port", "0"])
+        .arg(env!("CARGO_BIN_EXE_accel"))
+        .args(["worker", "spin"])
+        .env("ACCEL_PID_DIR", &pids)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let read = |r: usize| {
+        std::fs::read_to_string(pids.join(r.to_string())).ok().and_then(|p| p.parse::<i32>().ok())
+    };
+    while (0..3).any(|r| read(r).is_none()) {
+        assert!(Instant::now() < deadline, "the ranks never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let ranks: Vec<i32> = (0..3).map(|r| read(r).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(300)); // well inside the all-reduce loop
+    let killed_at = Instant::now();
+    // SAFETY: a pid of one of our grandchildren.
+    unsafe { libc::kill(ranks[1], libc::SIGKILL) };
+    let output = launcher.wait_with_output().unwrap();
+    let out = text(&output);
+    assert!(killed_at.elapsed() < Duration::from_secs(30), "took {:?}", killed_at.elapsed());
+    assert_eq!(output.status.code(), Some(128 + 9), "{out}");
+    assert!(out.contains("rank 1") && out.contains("killed by signal 9 (SIGKILL)"), "{out}");
+    std::thread::sleep(Duration::from_millis(200));
+    for pid in ranks {
+        assert!(!alive(pid), "process {pid} is still running");
+    }
+}
+
+#[test]
+fn a_rank_that_never_starts_is_a_timeout_naming_it() {
+    // Only rank 0 of 2 runs (torchrun-style variables, no launcher).
+    let start = Instant::now();
+    let port = accel_core::comm::free_port("127.0.0.1").unwrap();
+    let output = accel()
+        .args(["worker", "test"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("ACCEL_TIMEOUT_SECS", "2")
+        .output()
+        .unwrap();
+    let out = text(&output);
+    assert!(!output.status.success());
+    assert!(out.contains("rank(s) [1] of 2 never arrived"), "{out}");
+    assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn a_master_port_in_use_is_a_clear_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let output = accel()
+        .args(["launch", "--num-processes", "2", "--main-process-port", &port, "true"])
+        .output()
+        .unwrap();
+    let out = text(&output);
+    assert!(!output.status.success());
+    assert!(out.contains(&format!("port {port} on 127.0.0.1 is already in use")), "{out}");
+}
+
+#[test]
+fn torchrun_style_variables_work_without_the_launcher() {
+    let port = accel_core::comm::free_port("127.0.0.1").unwrap().to_string();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            accel()
+                .args(["worker", "test"])
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<Output> =
+        children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    for o in &outputs {
+        assert!(o.status.success(), "{}", text(o));
+    }
+    let out = text(&outputs[0]);
+    assert!(
+        out.contains("2 processes (RANK/WORLD_SIZE)") && out.contains("all checks passed"),
+        "{out}"
+    );
+}
+
+#[test]
+fn torchrun_itself_can_launch_accel_programs() {
+    let torchrun = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/torchrun");
+    assert!(torchrun.exists(), "{} is missing: run `cargo xtask setup`", torchrun.display());
+    let port = accel_core::comm::free_port("127.0.0.1").unwrap();
+    let output = Command::new(torchrun)
+        .args(["--no-python", "--nproc-per-node", "2", &format!("--master-port={port}")])
+        .arg(env!("CARGO_BIN_EXE_accel"))
+        .args(["worker", "test"])
+        .output()
+        .unwrap();
+    let out = text(&output);
+    assert!(output.status.success(), "{out}");
+    assert!(out.contains("2 processes (torchrun)") && out.contains("all checks passed"), "{out}");
+}
+
+#[test]
+fn sigterm_to_the_launcher_stops_every_process() {
+    let pids = scratch("sigterm");
+    let mut launcher = accel()
+        .args([
+            "launch",
+            "--num-processes",
+            "2",
+            "--main-process-port",
+            "0",
+            "--grace",
+            "2",
+            "sh",
+            "-c",
+        ])
+        .arg("echo $$ > $ACCEL_PID_DIR/$RANK; trap '' TERM; sleep 60 & wait")
+        .env("ACCEL_PID_DIR", &pids)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let read = |r: usize| {
+        std::fs::read_to_string(pids.join(r.to_string()))
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while (0..2).any(|r| read(r).is_none()) {
+        assert!(Instant::now() < deadline, "the ranks never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SAFETY: the launcher is our child.
+    unsafe { libc::kill(launcher.id() as i32, libc::SIGTERM) };
+    let status = launcher.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    for pid in (0..2).map(|r| read(r).unwrap()) {
+        assert!(
+            !alive(pid),
+            "rank process {pid} survived (it ignores SIGTERM: SIGKILL must follow)"
+        );
+    }
+}
+
+#[test]
+fn max_restarts_restarts_the_group() {
+    let output = accel()
+        .args(["launch", "--num-processes", "2", "--main-process-port", "0", "--max-restarts", "1", "sh", "-c"])
+        .arg("if [ $ACCEL_RESTART_COUNT = 0 ] && [ $RANK = 1 ]; then exit 5; fi; echo attempt $ACCEL_RESTART_COUNT ok")
+        .output()
+        .unwrap();
+    let out = text(&output);
+    assert!(output.status.success(), "{out}");
+    assert!(out.contains("restarting all processes (restart 1 of 1)"), "{out}");
+    assert!(out.contains("[rank1] attempt 1 ok"), "{out}");
+}
+
+#[test]
+fn training_settings_reach_the_program_and_config_files_are_read() {
+    let dir = scratch("config");
+    std::fs::write(
+        dir.join("c.yaml"),
+        "num_processes: 2\nmixed_precision: bf16\ngradient_accumulation_steps: 4\n",
+    )
+    .unwrap();
+    let output = accel()
+        .args(["launch", "--config-file"])
+        .arg(dir.join("c.yaml"))
+        .args([
+            "--main-process-port",
+            "0",
+            "--accumulate",
+            "8",
+            "sh",
+            "-c",
+            "echo $RANK/$WORLD_SIZE $ACCEL_PRECISION $ACCEL_ACCUMULATE",
+        ])
+        .output()
+        .unwrap();
+    let out = text(&output);
+    assert!(out.contains("[rank1] 1/2 bf16 8"), "flag > file: {out}");
+    std::fs::write(dir.join("bad.yaml"), "num_proceses: 2\n").unwrap();
+    let output = accel()
+        .args(["launch", "--config-file"])
+        .arg(dir.join("bad.yaml"))
+        .args(["true"])
+        .output()
+        .unwrap();
+    assert!(text(&output).contains("did you mean `num_processes`"), "{}", text(&output));
+}
