@@ -21,13 +21,14 @@ pub mod launch;
 pub mod optim;
 pub mod precision;
 pub mod shim;
+pub mod strategy;
 pub mod topology;
 pub mod tracking;
 
 pub use accel_macros::ToDevice;
 pub use accelerator::{
     AcceleratedOptimizer, Accelerator, AcceleratorBuilder, DataPosition, PreparedBatches,
-    PreparedIter, PreparedLoader, ProcessInfo, StepCounters, current, split_between,
+    PreparedIter, PreparedLoader, StepCounters, current, split_between,
 };
 pub use config::{Config, Precision, Strategy};
 pub use device::ToDevice;

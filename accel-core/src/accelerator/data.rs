@@ -52,6 +52,7 @@ pub struct PreparedIter<I: Iterator> {
     state: Arc<GradientState>,
     position: Arc<Mutex<DataPosition>>,
     device: Device,
+    remainder: Option<usize>,
 }
 
 impl<I: Iterator> PreparedIter<I> {
@@ -61,7 +62,7 @@ impl<I: Iterator> PreparedIter<I> {
         position: Arc<Mutex<DataPosition>>,
         device: Device,
     ) -> Self {
-        Self { lookahead: Lookahead::new(inner), state, position, device }
+        Self { lookahead: Lookahead::new(inner), state, position, device, remainder: None }
     }
 }
 
@@ -80,6 +81,7 @@ where
         self.state.set_end_of_dataloader(last);
         position.batches += 1;
         if last {
+            self.state.set_remainder(self.remainder);
             *position = DataPosition { epoch: position.epoch + 1, batches: 0 };
         }
         Some(item.to_device(self.device))

@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use tch::{Device, Tensor};
 
+use crate::comm::{GroupOptions, ProcessGroup, ReduceOp};
 use crate::config::{Config, PartialConfig, Precision, Strategy, config_file_from_env};
 use crate::data::{DataLoader, Dataset};
 use crate::device::ToDevice;
@@ -20,47 +21,13 @@ use crate::error::{Error, Result};
 use crate::optim::{Optimizer, Param, named_params};
 use crate::precision::{self, GradScaler, ScalerConfig, ToFp32};
 use crate::shim::AutocastGuard;
+use crate::strategy::ddp::{Ddp, DdpOptions};
+use crate::topology::Topology;
 
 pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader};
 pub use optimizer::AcceleratedOptimizer;
+pub(crate) use state::GradientState;
 pub use state::StepCounters;
-
-/// Where this process stands among the others.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ProcessInfo {
-    /// Global rank (`RANK`).
-    pub rank: usize,
-    /// Rank on this machine (`LOCAL_RANK`).
-    pub local_rank: usize,
-    /// Number of processes (`WORLD_SIZE`).
-    pub world_size: usize,
-}
-
-impl ProcessInfo {
-    /// Reads `RANK`, `LOCAL_RANK` and `WORLD_SIZE` (one process when unset).
-    pub fn from_env() -> Result<Self> {
-        let read = |name: &str, default: usize| -> Result<usize> {
-            match std::env::var(name) {
-                Err(_) => Ok(default),
-                Ok(v) => v.trim().parse().map_err(|_| {
-                    Error::Config(format!("{name}={v:?} is not a non-negative integer"))
-                }),
-            }
-        };
-        let info = Self {
-            rank: read("RANK", 0)?,
-            local_rank: read("LOCAL_RANK", 0)?,
-            world_size: read("WORLD_SIZE", 1)?,
-        };
-        if info.world_size == 0 || info.rank >= info.world_size {
-            return Err(Error::Config(format!(
-                "RANK={} must be below WORLD_SIZE={} (ranks count from 0)",
-                info.rank, info.world_size
-            )));
-        }
-        Ok(info)
-    }
-}
 
 /// Builds an [`Accelerator`]; every setting left out comes from the environment
 /// (`ACCEL_*`, set by `accel launch`), the config file, or the defaults.
@@ -71,9 +38,15 @@ pub struct AcceleratorBuilder {
     device: Option<Device>,
     checkpoint_dir: Option<PathBuf>,
     checkpoint_limit: Option<usize>,
+    ddp: DdpOptions,
 }
 
 impl AcceleratorBuilder {
+    /// DDP settings (bucket size, unused parameters, gradient compression).
+    pub fn ddp(mut self, options: DdpOptions) -> Self {
+        self.ddp = options;
+        self
+    }
     /// Distribution strategy.
     pub fn strategy(mut self, strategy: Strategy) -> Self {
         self.explicit.strategy = Some(strategy);
@@ -125,7 +98,7 @@ impl AcceleratorBuilder {
     /// Resolves the configuration and the device and makes the accelerator (also reachable
     /// afterwards through [`crate::current`]).
     pub fn build(self) -> Result<Accelerator> {
-        let process = ProcessInfo::from_env()?;
+        let process = Topology::from_env()?;
         let file = match self.config_file.clone().or_else(config_file_from_env) {
             Some(path) => PartialConfig::from_file(&path)?,
             None => PartialConfig::default(),
@@ -142,16 +115,15 @@ impl AcceleratorBuilder {
                 );
             }
         }
-        if process.world_size > 1 {
-            return Err(Error::Unsupported(format!(
-                "WORLD_SIZE={} asks for several processes; this release trains on one process \
-                 only (the process group and DDP are in progress). Run without a launcher",
-                process.world_size
-            )));
-        }
         let device = self.device.unwrap_or_else(|| default_device(&config, &process));
         let device = crate::cuda::check_device(device)?;
         precision::check_precision(config.precision, device)?;
+        let group = if process.world_size > 1 {
+            check_multi_process(&config, device)?;
+            Some(ProcessGroup::new(&process, GroupOptions::default())?)
+        } else {
+            None
+        };
         if let Some(seed) = config.seed {
             tch::manual_seed(seed as i64);
         }
@@ -167,6 +139,9 @@ impl AcceleratorBuilder {
                 registry: Mutex::new(Registry::default()),
                 checkpoint_dir: self.checkpoint_dir,
                 checkpoint_limit: self.checkpoint_limit,
+                group,
+                ddp_options: self.ddp,
+                ddp: Mutex::new(Vec::new()),
             }),
         };
         let _ = CURRENT.set(Mutex::new(None));
@@ -177,7 +152,24 @@ impl AcceleratorBuilder {
     }
 }
 
-fn default_device(config: &Config, process: &ProcessInfo) -> Device {
+/// What this release can do with several processes: data parallelism on CPU.
+fn check_multi_process(config: &Config, device: Device) -> Result<()> {
+    if !matches!(config.strategy, Strategy::Single | Strategy::Ddp) {
+        return Err(Error::Unsupported(format!(
+            "strategy {} with several processes: ZeRO/FSDP sharding is not built yet; use ddp",
+            config.strategy
+        )));
+    }
+    if device != Device::Cpu {
+        return Err(Error::Unsupported(format!(
+            "DDP on {device:?}: the NCCL backend exists (accel_core::comm::nccl) but DDP is wired to \
+             the cpu backend only so far; run with --cpu"
+        )));
+    }
+    Ok(())
+}
+
+fn default_device(config: &Config, process: &Topology) -> Device {
     if config.cpu {
         return Device::Cpu;
     }
@@ -203,13 +195,16 @@ pub(crate) struct Registry {
 
 pub(crate) struct Inner {
     pub(crate) config: Config,
-    pub(crate) process: ProcessInfo,
+    pub(crate) process: Topology,
     pub(crate) device: Device,
     pub(crate) state: Arc<state::GradientState>,
     pub(crate) scaler: Option<Arc<Mutex<GradScaler>>>,
     pub(crate) registry: Mutex<Registry>,
     pub(crate) checkpoint_dir: Option<PathBuf>,
     pub(crate) checkpoint_limit: Option<usize>,
+    pub(crate) group: Option<ProcessGroup>,
+    ddp_options: DdpOptions,
+    ddp: Mutex<Vec<Ddp>>,
 }
 
 /// Distributed training for one process of a run; cheap to clone (a shared handle).
@@ -276,7 +271,83 @@ impl Accelerator {
 
     /// Waits until every process gets here (a barrier; immediate with one process).
     pub fn wait_for_everyone(&self) -> Result<()> {
-        Ok(())
+        match &self.inner.group {
+            Some(group) => group.barrier(),
+            None => Ok(()),
+        }
+    }
+
+    /// The process group of the run (`None` with one process).
+    pub fn process_group(&self) -> Option<&ProcessGroup> {
+        self.inner.group.as_ref()
+    }
+
+    /// Every process's `tensor` (same shape on all) concatenated along dim 0; a scalar
+    /// becomes one element per process.
+    pub fn gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        match &self.inner.group {
+            Some(group) => group.all_gather(tensor),
+            None => {
+                Ok(if tensor.dim() == 0 { tensor.f_reshape([1])? } else { tensor.shallow_clone() })
+            }
+        }
+    }
+
+    /// [`gather`](Self::gather), minus the samples that padded the last round of a
+    /// prepared loader (Accelerate's `gather_for_metrics`): over an epoch, exactly the
+    /// data set's samples come back.
+    pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor> {
+        let gathered = self.gather(tensor)?;
+        if self.inner.state.end_of_dataloader() {
+            if let Some(remainder) = self.inner.state.remainder() {
+                return Ok(gathered.f_narrow(0, 0, (remainder as i64).min(gathered.size()[0]))?);
+            }
+        }
+        Ok(gathered)
+    }
+
+    /// The reduction of `tensor` over processes (a new tensor).
+    pub fn reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let out = tensor.f_detach_copy()?;
+        if let Some(group) = &self.inner.group {
+            group.all_reduce(&out, op)?;
+        }
+        Ok(out)
+    }
+
+    /// Rank `from`'s `tensor` on every process (a new tensor).
+    pub fn broadcast(&self, tensor: &Tensor, from: usize) -> Result<Tensor> {
+        let out = tensor.f_detach_copy()?;
+        if let Some(group) = &self.inner.group {
+            group.broadcast(&out, from)?;
+        }
+        Ok(out)
+    }
+
+    /// Pads `tensor` along `dim` to the largest size any process has, with `pad_value`, at
+    /// the end (or the start with `pad_first`), so that it can be gathered.
+    pub fn pad_across_processes(
+        &self,
+        tensor: &Tensor,
+        dim: i64,
+        pad_value: f64,
+        pad_first: bool,
+    ) -> Result<Tensor> {
+        let Some(group) = &self.inner.group else { return Ok(tensor.shallow_clone()) };
+        let size = tensor.size();
+        let d = if dim < 0 { dim + size.len() as i64 } else { dim } as usize;
+        let len = Tensor::from_slice(&[size[d]]);
+        group.all_reduce(&len, ReduceOp::Max)?;
+        let max = len.int64_value(&[0]);
+        if max == size[d] {
+            return Ok(tensor.shallow_clone());
+        }
+        let mut padded_shape = size.clone();
+        padded_shape[d] = max;
+        let out = Tensor::f_full(&padded_shape, pad_value, (tensor.kind(), tensor.device()))?;
+        let start = if pad_first { max - size[d] } else { 0 };
+        out.f_narrow(d as i64, start, size[d])?.f_copy_(tensor)?;
+        Ok(out)
     }
 
     /// Runs `f` on the main process first, then on the others (e.g. a download or a cache
@@ -306,6 +377,8 @@ impl Accelerator {
 
     /// Places the model's variables on this process's device (in place: tensors keep their
     /// identity, so the model's layers see the move) and registers them for checkpoints.
+    /// With several processes it also makes the model data-parallel: rank 0's values are
+    /// broadcast, and every sync step's gradients are averaged (see `strategy/ddp`).
     pub fn prepare_model(&self, vs: &tch::nn::VarStore) -> Result<()> {
         let params: Vec<Param> = {
             let mut all: Vec<Param> =
@@ -321,6 +394,11 @@ impl Accelerator {
                 }
                 Ok(())
             })?;
+        }
+        if let Some(group) = &self.inner.group {
+            let ddp =
+                Ddp::new(&params, group.clone(), self.inner.state.clone(), self.inner.ddp_options)?;
+            self.inner.ddp.lock().unwrap_or_else(|e| e.into_inner()).push(ddp);
         }
         self.registry().models.push(params);
         Ok(())
@@ -404,7 +482,13 @@ impl Accelerator {
             Some(scaler) => scaler.lock().unwrap_or_else(|e| e.into_inner()).scale_loss(&loss)?,
             None => loss,
         };
-        loss.f_backward().map_err(|e| Error::Training(format!("backward failed: {e}")))
+        loss.f_backward().map_err(|e| Error::Training(format!("backward failed: {e}")))?;
+        if self.inner.state.sync_gradients() {
+            for ddp in self.inner.ddp.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                ddp.finish()?;
+            }
+        }
+        Ok(())
     }
 
     /// Whether the current micro-step ends an accumulation window (optimizers step).

@@ -23,6 +23,9 @@ struct Inner {
     counters: StepCounters,
     sync_gradients: bool,
     end_of_dataloader: bool,
+    /// Samples in the last round that are real (not padding), when known: the data set's
+    /// length modulo the total batch size across processes (Accelerate's `remainder`).
+    remainder: Option<usize>,
 }
 
 /// Shared by every handle of one accelerator.
@@ -72,6 +75,14 @@ impl GradientState {
 
     pub(crate) fn end_of_dataloader(&self) -> bool {
         self.lock().end_of_dataloader
+    }
+
+    pub(crate) fn set_remainder(&self, remainder: Option<usize>) {
+        self.lock().remainder = remainder;
+    }
+
+    pub(crate) fn remainder(&self) -> Option<usize> {
+        self.lock().remainder
     }
 
     pub(crate) fn record_optimizer_step(&self, skipped: bool) {

@@ -259,6 +259,19 @@ impl<D: Dataset> DataLoader<D> {
         )
     }
 
+    /// Real samples in the last round across all ranks (the rest is padding), if the last
+    /// round is padded: `len % (batch × world)` (`len % batch` with split batches).
+    pub fn remainder(&self) -> Option<usize> {
+        let len = self.dataset.as_ref().map_or(0, Dataset::len);
+        let total = if self.options.split_batches {
+            self.options.batch_size
+        } else {
+            self.options.batch_size * self.world
+        };
+        let remainder = len % total;
+        (!self.options.drop_last && self.options.even_batches && remainder > 0).then_some(remainder)
+    }
+
     /// Batches per epoch on this rank.
     pub fn len(&self) -> usize {
         self.batch_indices(self.epoch).len()

@@ -1,0 +1,227 @@
+//! Data-parallel gradient averaging; see README.md beside this file.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tch::{Kind, Tensor};
+
+use crate::accelerator::GradientState;
+use crate::comm::{ProcessGroup, ReduceOp, Work};
+use crate::error::{Error, Result};
+use crate::optim::Param;
+use crate::shim::{PostAccumulateGradHook, add_post_accumulate_grad_hook};
+
+/// DDP settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DdpOptions {
+    /// Target gradient bytes per bucket (torch: 25 MB).
+    pub bucket_bytes: usize,
+    /// Parameters may go without a gradient in a step (they contribute zeros).
+    pub allow_unused: bool,
+    /// All-reduce in this dtype instead of the gradients' own (bf16 or f16).
+    pub compression: Option<Kind>,
+}
+
+impl Default for DdpOptions {
+    fn default() -> Self {
+        Self { bucket_bytes: 25 << 20, allow_unused: false, compression: None }
+    }
+}
+
+struct Slot {
+    name: String,
+    param: Tensor,
+    offset: i64,
+    numel: i64,
+}
+
+struct Bucket {
+    slots: Vec<Slot>,
+    flat: Tensor,
+    ready: usize,
+    fired: Vec<bool>,
+    work: Option<Work>,
+}
+
+struct Pending {
+    buckets: Vec<Bucket>,
+    error: Option<String>,
+}
+
+/// Installed on a model by the accelerator when the strategy is DDP and there are several
+/// processes.
+pub(crate) struct Ddp {
+    pending: Arc<Mutex<Pending>>,
+    group: ProcessGroup,
+    options: DdpOptions,
+    _hooks: Vec<PostAccumulateGradHook>,
+}
+
+fn lock(p: &Mutex<Pending>) -> MutexGuard<'_, Pending> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn launch(bucket: &mut Bucket, group: &ProcessGroup) -> Result<()> {
+    bucket.work = Some(group.all_reduce_async(&bucket.flat, ReduceOp::Avg)?);
+    Ok(())
+}
+
+impl Ddp {
+    /// Broadcasts rank 0's parameters and hooks every trainable one into a bucket.
+    pub(crate) fn new(
+        params: &[Param],
+        group: ProcessGroup,
+        state: Arc<GradientState>,
+        options: DdpOptions,
+    ) -> Result<Self> {
+        tch::no_grad(|| -> Result<()> {
+            for p in params {
+                group.broadcast(&p.tensor, 0)?;
+            }
+            Ok(())
+        })?;
+        let trainable: Vec<&Param> =
+            params.iter().rev().filter(|p| p.tensor.requires_grad()).collect();
+        let mut buckets = Vec::new();
+        let mut current: Vec<Slot> = Vec::new();
+        let mut bytes = 0;
+        let mut kinds = Vec::new();
+        for p in trainable {
+            let kind = options.compression.unwrap_or(p.tensor.kind());
+            let size = p.tensor.numel() * kind.elt_size_in_bytes();
+            if !current.is_empty()
+                && (bytes + size > options.bucket_bytes || kinds.last() != Some(&kind))
+            {
+                buckets.push(Self::bucket(
+                    std::mem::take(&mut current),
+                    *kinds.last().expect("kind"),
+                )?);
+                bytes = 0;
+            }
+            let offset = current.last().map_or(0, |s| s.offset + s.numel);
+            current.push(Slot {
+                name: p.name.clone(),
+                param: p.tensor.shallow_clone(),
+                offset,
+                numel: p.tensor.numel() as i64,
+            });
+            bytes += size;
+            kinds.push(kind);
+        }
+        if !current.is_empty() {
+            buckets.push(Self::bucket(current, *kinds.last().expect("kind"))?);
+        }
+        let pending = Arc::new(Mutex::new(Pending { buckets, error: None }));
+        let mut hooks = Vec::new();
+        let layout: Vec<(usize, usize, Tensor)> = lock(&pending)
+            .buckets
+            .iter()
+            .enumerate()
+            .flat_map(|(b, bucket)| {
+                bucket.slots.iter().enumerate().map(move |(i, s)| (b, i, s.param.shallow_clone()))
+            })
+            .collect();
+        for (b, i, param) in layout {
+            let (pending, group, state) = (pending.clone(), group.clone(), state.clone());
+            let hook = move |p: &Tensor| {
+                if !state.sync_gradients() {
+                    return;
+                }
+                let mut guard = lock(&pending);
+                let bucket = &mut guard.buckets[b];
+                let slot = &bucket.slots[i];
+                let copied = tch::no_grad(|| {
+                    bucket
+                        .flat
+                        .f_narrow(0, slot.offset, slot.numel)?
+                        .f_copy_(&p.grad().f_reshape([-1])?)
+                });
+                let result = copied.map_err(Error::from).and_then(|()| {
+                    bucket.fired[i] = true;
+                    bucket.ready += 1;
+                    if bucket.ready == bucket.slots.len() { launch(bucket, &group) } else { Ok(()) }
+                });
+                if let Err(e) = result {
+                    guard.error.get_or_insert(e.to_string());
+                }
+            };
+            hooks.push(add_post_accumulate_grad_hook(&param, hook)?);
+        }
+        Ok(Self { pending, group, options, _hooks: hooks })
+    }
+
+    fn bucket(slots: Vec<Slot>, kind: Kind) -> Result<Bucket> {
+        let numel = slots.last().map_or(0, |s| s.offset + s.numel);
+        let device = slots[0].param.device();
+        let fired = vec![false; slots.len()];
+        Ok(Bucket {
+            slots,
+            flat: Tensor::f_zeros([numel], (kind, device))?,
+            ready: 0,
+            fired,
+            work: None,
+        })
+    }
+
+    /// After backward on a sync step: launches what is left, waits, and writes the averaged
+    /// gradients back.
+    pub(crate) fn finish(&self) -> Result<()> {
+        let mut guard = lock(&self.pending);
+        let pending = &mut *guard;
+        if let Some(e) = pending.error.take() {
+            return Err(Error::Training(format!("DDP gradient hook failed: {e}")));
+        }
+        let unused: Vec<&str> = pending
+            .buckets
+            .iter()
+            .flat_map(|b| {
+                b.slots.iter().zip(&b.fired).filter(|(_, f)| !**f).map(|(s, _)| s.name.as_str())
+            })
+            .collect();
+        if !unused.is_empty() && !self.options.allow_unused {
+            let message = format!(
+                "DDP: parameter(s) {unused:?} received no gradient in this step on rank {}; every \
+                 rank must produce a gradient for every parameter (or set DdpOptions::allow_unused, \
+                 like find_unused_parameters=True)",
+                self.group.rank()
+            );
+            for b in &mut pending.buckets {
+                b.ready = 0;
+                b.fired.iter_mut().for_each(|f| *f = false);
+            }
+            return Err(Error::Training(message));
+        }
+        for bucket in &mut pending.buckets {
+            if bucket.work.is_none() {
+                for (slot, fired) in bucket.slots.iter().zip(&bucket.fired) {
+                    if !fired {
+                        let _ = bucket.flat.f_narrow(0, slot.offset, slot.numel)?.f_zero_()?;
+                    }
+                }
+                launch(bucket, &self.group)?;
+            }
+        }
+        for bucket in &mut pending.buckets {
+            let work = bucket.work.take().expect("launched above");
+            work.wait()?;
+            tch::no_grad(|| -> Result<()> {
+                for slot in &bucket.slots {
+                    let averaged = bucket.flat.f_narrow(0, slot.offset, slot.numel)?;
+                    let averaged = averaged
+                        .f_view(slot.param.size().as_slice())?
+                        .f_to_kind(slot.param.kind())?;
+                    let grad = slot.param.grad();
+                    if grad.defined() {
+                        let mut grad = grad;
+                        grad.f_copy_(&averaged)?;
+                    } else {
+                        crate::shim::set_grad(&slot.param, Some(&averaged))?;
+                    }
+                }
+                Ok(())
+            })?;
+            bucket.ready = 0;
+            bucket.fired.iter_mut().for_each(|f| *f = false);
+        }
+        Ok(())
+    }
+}

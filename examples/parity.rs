@@ -1,0 +1,187 @@
+//! An MLP classifier trained from files, so that any other implementation can run exactly the
+//! same work: python/reference/parity_accelerate.py is PyTorch + Accelerate's version, and
+//! examples/tests/parity.rs checks that both give the same losses and weights.
+//!
+//! `W.safetensors` holds `layers.{i}.weight` ([out, in]) and `layers.{i}.bias` of the i-th
+//! Linear (ReLU between them); `D.safetensors` holds `x` (f32 [n, d]) and `y` (i64 [n]).
+//! Data are used in file order. Rank 0 writes one JSONL line `{"step": k, "loss": v}` per
+//! batch it processes (the loss before division by accumulate) and the final weights.
+//!
+//! One process:    cargo run -p accel-examples --example parity -- --init W.safetensors \
+//!                     --data D.safetensors --out final.safetensors --losses losses.jsonl
+//! Two processes:  accel launch --num-processes 2 target/debug/examples/parity -- --init ...
+//! or torchrun:    torchrun --no-python --nproc-per-node 2 target/debug/examples/parity ...
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
+use accel_core::optim::{AdamConfig, AdamW, Sgd, SgdConfig, named_params};
+use accel_core::{Accelerator, Precision, Strategy};
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use tch::nn::{self, Module};
+use tch::{Device, Tensor};
+
+/// Train an MLP from W and D files.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Initial weights.
+    #[arg(long)]
+    init: PathBuf,
+    /// Training data.
+    #[arg(long)]
+    data: PathBuf,
+    /// Hidden widths, comma separated (checked against the weights).
+    #[arg(long, default_value = "64,64")]
+    hidden: String,
+    /// `adamw` or `sgd`.
+    #[arg(long, default_value = "adamw")]
+    optimizer: String,
+    /// Learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// Weight decay (decoupled for AdamW, L2 for SGD).
+    #[arg(long, default_value_t = 0.01)]
+    weight_decay: f64,
+    /// Batch size per process.
+    #[arg(long, default_value_t = 8)]
+    batch_size: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    accumulate: u32,
+    /// Passes over the data.
+    #[arg(long, default_value_t = 1)]
+    epochs: u64,
+    /// Strategy.
+    #[arg(long, default_value = "ddp")]
+    strategy: Strategy,
+    /// Mixed precision.
+    #[arg(long, default_value = "no")]
+    precision: Precision,
+    /// Clip the global gradient norm (0: off).
+    #[arg(long, default_value_t = 0.0)]
+    clip_grad_norm: f64,
+    /// Split each batch across processes instead of dealing whole batches.
+    #[arg(long)]
+    split_batches: bool,
+    /// Final weights (rank 0).
+    #[arg(long)]
+    out: PathBuf,
+    /// Loss log (rank 0).
+    #[arg(long)]
+    losses: PathBuf,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let mut builder = Accelerator::builder()
+        .strategy(args.strategy)
+        .precision(args.precision)
+        .accumulate(args.accumulate)
+        .cpu(true);
+    if args.clip_grad_norm > 0.0 {
+        builder = builder.clip_grad_norm(args.clip_grad_norm);
+    }
+    let acc = builder.build()?;
+
+    let init: Vec<(String, Tensor)> = Tensor::read_safetensors(&args.init)
+        .with_context(|| format!("reading {}", args.init.display()))?;
+    let weight =
+        |i: usize| init.iter().find(|(n, _)| *n == format!("layers.{i}.weight")).map(|(_, t)| t);
+    let layers = (0..).take_while(|&i| weight(i).is_some()).count();
+    if layers == 0 {
+        bail!("{} has no layers.0.weight", args.init.display());
+    }
+    let hidden: Vec<i64> = args
+        .hidden
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    let widths: Vec<i64> = (0..layers - 1).map(|i| weight(i).expect("counted").size()[0]).collect();
+    if hidden != widths {
+        bail!("--hidden {hidden:?} does not match the weights' hidden widths {widths:?}");
+    }
+
+    let vs = nn::VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let mut net = nn::seq();
+    for i in 0..layers {
+        let [out, inp] = weight(i).expect("counted").size()[..] else {
+            bail!("layers.{i}.weight is not 2-D")
+        };
+        net = net.add(nn::linear(&root / "layers" / i, inp, out, Default::default()));
+        if i + 1 < layers {
+            net = net.add_fn(|x| x.relu());
+        }
+    }
+    tch::no_grad(|| -> Result<()> {
+        for (name, mut var) in vs.variables() {
+            let (_, value) = init
+                .iter()
+                .find(|(n, _)| *n == name)
+                .with_context(|| format!("{} lacks {name}", args.init.display()))?;
+            var.f_copy_(value)?;
+        }
+        Ok(())
+    })?;
+    acc.prepare_model(&vs)?;
+    let params = named_params(&vs);
+    let mut opt = match args.optimizer.as_str() {
+        "adamw" => acc.prepare_optimizer(AdamW::new(
+            params,
+            AdamConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamConfig::adamw() },
+        )?),
+        "sgd" => acc.prepare_optimizer(Sgd::new(
+            params,
+            SgdConfig { lr: args.lr, weight_decay: args.weight_decay, ..Default::default() },
+        )?),
+        other => bail!("unknown optimizer `{other}`; use adamw or sgd"),
+    };
+
+    let data: Vec<(String, Tensor)> = Tensor::read_safetensors(&args.data)
+        .with_context(|| format!("reading {}", args.data.display()))?;
+    let get = |name: &str| {
+        data.iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t.shallow_clone())
+            .with_context(|| format!("{} lacks `{name}`", args.data.display()))
+    };
+    let options = LoaderOptions {
+        batch_size: args.batch_size,
+        split_batches: args.split_batches,
+        prefetch: 0,
+        ..Default::default()
+    };
+    let loader = DataLoader::new(TensorDataset::new(vec![get("x")?, get("y")?])?, options)?;
+    let mut loader = acc.prepare_loader(loader)?;
+
+    let mut log = acc.is_main_process().then(|| std::fs::File::create(&args.losses)).transpose()?;
+    let mut step = 0u64;
+    for _ in 0..args.epochs {
+        for batch in loader.iter() {
+            let batch = batch?;
+            let logits = acc.forward(|| net.forward(&batch[0]))?;
+            let loss = logits.cross_entropy_for_logits(&batch[1]);
+            if let Some(log) = &mut log {
+                writeln!(
+                    log,
+                    "{}",
+                    serde_json::json!({ "step": step, "loss": loss.double_value(&[]) })
+                )?;
+            }
+            acc.backward(&loss)?;
+            opt.step()?;
+            opt.zero_grad()?;
+            step += 1;
+        }
+    }
+    if acc.is_main_process() {
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        Tensor::write_safetensors(&named, &args.out)?;
+    }
+    acc.wait_for_everyone()?;
+    Ok(())
+}

@@ -1,0 +1,226 @@
+//! Data-parallel training against references, with real processes:
+//! - Accelerate's own check: 1 process with batch 8·N trains the regression model to the
+//!   same parameters as N processes with batch 8 (1e-6), also with accumulation and
+//!   split batches; bf16 within a stated tolerance;
+//! - side by side with PyTorch + Accelerate: examples/parity.rs vs
+//!   python/reference/parity_accelerate.py (torchrun, .venv) for 1, 2 and 3 processes,
+//!   accumulation 1 and 3, an uneven data set: every loss and every weight within 1e-5.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use accel_core::launch::{LaunchPlan, run};
+
+/// target/debug (or wherever this test binary's deps/ folder sits).
+fn build_dir() -> PathBuf {
+    std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+fn example(name: &str) -> String {
+    let path = build_dir().join("examples").join(name);
+    assert!(path.exists(), "{} is missing: `cargo test` builds the examples first", path.display());
+    path.display().to_string()
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("parity").join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn launch(processes: usize, program: Vec<String>) {
+    let plan = LaunchPlan {
+        program,
+        num_processes: processes,
+        num_machines: 1,
+        machine_rank: 0,
+        main_process_ip: "127.0.0.1".into(),
+        main_process_port: 0,
+        env: vec![("ACCEL_TIMEOUT_SECS".into(), "60".into())],
+        rank0_only: true,
+        max_restarts: 0,
+        grace: Duration::from_secs(2),
+    };
+    assert_eq!(run(&plan).unwrap(), 0, "accel launch of {:?} failed", plan.program);
+}
+
+fn regression(processes: usize, args: &[&str]) -> (f64, f64) {
+    let dir = scratch(&format!("regression-{processes}-{}", args.join("_").replace("--", "")));
+    let out = dir.join("ab.json");
+    let mut program = vec![example("regression")];
+    program.extend(args.iter().map(|s| s.to_string()));
+    program.extend(["--out".into(), out.display().to_string()]);
+    launch(processes, program);
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(out).unwrap()).unwrap();
+    (v["a"].as_f64().unwrap(), v["b"].as_f64().unwrap())
+}
+
+fn assert_close(one: (f64, f64), many: (f64, f64), tolerance: f64, what: &str) {
+    let diff = (one.0 - many.0).abs().max((one.1 - many.1).abs());
+    assert!(
+        diff <= tolerance,
+        "{what}: 1 process {one:?} vs N processes {many:?} differ by {diff}"
+    );
+}
+
+#[test]
+fn one_process_with_batch_8n_equals_n_processes_with_batch_8() {
+    for n in [2usize, 3] {
+        let single = regression(1, &["--batch-size", &(8 * n).to_string(), "--samples", "96"]);
+        let many = regression(n, &["--batch-size", "8", "--samples", "96"]);
+        assert_close(single, many, 1e-6, &format!("{n} processes"));
+        assert!((single.0 - 2.0).abs() < 0.2, "the model learned nothing: {single:?}");
+    }
+    let single = regression(1, &["--batch-size", "16", "--accumulate", "2"]);
+    let many = regression(2, &["--batch-size", "8", "--accumulate", "2"]);
+    assert_close(single, many, 1e-6, "accumulation 2");
+    let single = regression(1, &["--batch-size", "16"]);
+    let split = regression(2, &["--batch-size", "16", "--split-batches"]);
+    assert_close(single, split, 1e-6, "split batches");
+    // bf16 rounds activations to 8 bits of mantissa; the runs agree to about that.
+    let single = regression(1, &["--batch-size", "16", "--precision", "bf16"]);
+    let many = regression(2, &["--batch-size", "8", "--precision", "bf16"]);
+    assert_close(single, many, 2e-2, "bf16");
+}
+
+fn read_losses(path: &Path) -> Vec<f64> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect()
+}
+
+fn read_weights(path: &Path) -> BTreeMap<String, Vec<f32>> {
+    tch::Tensor::read_safetensors(path)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(t.flatten(0, -1)).unwrap()))
+        .collect()
+}
+
+#[test]
+fn parity_example_matches_pytorch_and_accelerate() {
+    let python = root().join(".venv/bin/python");
+    let torchrun = root().join(".venv/bin/torchrun");
+    assert!(torchrun.exists(), "{} is missing: run `cargo xtask setup`", torchrun.display());
+    let script = root().join("python/reference/parity_accelerate.py");
+    let dir = scratch("accelerate");
+    let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
+    let made = Command::new(&python)
+        .arg(&script)
+        .args([
+            "make",
+            "--n",
+            "45",
+            "--d",
+            "10",
+            "--hidden",
+            "16,16",
+            "--classes",
+            "3",
+            "--seed",
+            "0",
+        ])
+        .arg("--init")
+        .arg(&w)
+        .arg("--data")
+        .arg(&d)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let cases: &[(usize, &str, &str)] = &[
+        (1, "adamw", "1"),
+        (1, "adamw", "3"),
+        (2, "adamw", "1"),
+        (2, "adamw", "3"),
+        (3, "adamw", "1"),
+        (3, "adamw", "3"),
+        (2, "sgd", "3"),
+    ];
+    for &(n, optimizer, accumulate) in cases {
+        let common: Vec<String> = [
+            "--init",
+            w.to_str().unwrap(),
+            "--data",
+            d.to_str().unwrap(),
+            "--hidden",
+            "16,16",
+            "--optimizer",
+            optimizer,
+            "--lr",
+            "1e-2",
+            "--weight-decay",
+            "0.01",
+            "--batch-size",
+            "4",
+            "--accumulate",
+            accumulate,
+            "--epochs",
+            "2",
+            "--precision",
+            "no",
+            "--clip-grad-norm",
+            "1.0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let tag = format!("{n}-{optimizer}-{accumulate}");
+        let (py_out, py_losses) =
+            (dir.join(format!("py-{tag}.safetensors")), dir.join(format!("py-{tag}.jsonl")));
+        let (rs_out, rs_losses) =
+            (dir.join(format!("rs-{tag}.safetensors")), dir.join(format!("rs-{tag}.jsonl")));
+        let port = accel_core::comm::free_port("127.0.0.1").unwrap();
+        let output = Command::new(&torchrun)
+            .args([format!("--nproc-per-node={n}"), format!("--master-port={port}")])
+            .arg(&script)
+            .args(&common)
+            .arg("--out")
+            .arg(&py_out)
+            .arg("--losses")
+            .arg(&py_losses)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "Accelerate run {tag} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let mut program = vec![example("parity")];
+        program.extend(common);
+        program.extend([
+            "--out".into(),
+            rs_out.display().to_string(),
+            "--losses".into(),
+            rs_losses.display().to_string(),
+        ]);
+        launch(n, program);
+
+        let (py, rs) = (read_losses(&py_losses), read_losses(&rs_losses));
+        assert_eq!(py.len(), rs.len(), "{tag}: number of batches on rank 0");
+        for (step, (a, b)) in py.iter().zip(&rs).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "{tag}: loss at step {step}: Accelerate {a} vs accel {b}"
+            );
+        }
+        let (pw, rw) = (read_weights(&py_out), read_weights(&rs_out));
+        assert_eq!(
+            pw.keys().collect::<Vec<_>>(),
+            rw.keys().collect::<Vec<_>>(),
+            "{tag}: weight names"
+        );
+        for (name, a) in &pw {
+            let diff = a.iter().zip(&rw[name]).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(diff <= 1e-5, "{tag}: {name} differs from Accelerate's by {diff}");
+        }
+    }
+}

@@ -1,0 +1,111 @@
+"""PyTorch + Accelerate's side of examples/parity.rs: the same MLP, data, optimizer and
+logging, so the two can be compared number by number.
+
+    .venv/bin/torchrun --nproc-per-node 2 python/reference/parity_accelerate.py \
+        --init W.safetensors --data D.safetensors --hidden 64,64 --optimizer adamw \
+        --lr 1e-3 --weight-decay 0.01 --batch-size 8 --accumulate 2 --epochs 1 \
+        --precision no --clip-grad-norm 1.0 --out final.safetensors --losses losses.jsonl
+
+It can also write a fresh W and D: `parity_accelerate.py make W D --n 45 --d 10 --hidden
+16,16 --classes 3 --seed 0`.
+"""
+import argparse
+import json
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def make(args):
+    g = torch.Generator().manual_seed(args.seed)
+    widths = [args.d] + [int(h) for h in args.hidden.split(",") if h] + [args.classes]
+    weights = {}
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        weights[f"layers.{i}.weight"] = torch.randn(b, a, generator=g) / a**0.5
+        weights[f"layers.{i}.bias"] = torch.randn(b, generator=g) * 0.1
+    save_file(weights, args.init)
+    x = torch.randn(args.n, args.d, generator=g)
+    y = torch.randint(0, args.classes, (args.n,), generator=g)
+    save_file({"x": x, "y": y}, args.data)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, shapes):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(i, o) for o, i in shapes)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i + 1 < len(self.layers):
+                x = torch.relu(x)
+        return x
+
+
+def train(args):
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    acc = Accelerator(
+        gradient_accumulation_steps=args.accumulate,
+        cpu=True,
+        mixed_precision=args.precision,
+        dataloader_config=DataLoaderConfiguration(split_batches=args.split_batches),
+    )
+    init = load_file(args.init)
+    layers = sum(1 for k in init if k.endswith(".weight"))
+    model = MLP([tuple(init[f"layers.{i}.weight"].shape) for i in range(layers)])
+    model.load_state_dict(init)
+    data = load_file(args.data)
+    if args.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    dl = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(data["x"], data["y"]), batch_size=args.batch_size, shuffle=False
+    )
+    model, opt, dl = acc.prepare(model, opt, dl)
+    log = open(args.losses, "w") if acc.is_main_process else None
+    step = 0
+    for _ in range(args.epochs):
+        for x, y in dl:
+            with acc.accumulate(model):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                if log:
+                    log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+                acc.backward(loss)
+                if acc.sync_gradients and args.clip_grad_norm > 0:
+                    acc.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+                opt.step()
+                opt.zero_grad()
+            step += 1
+    if acc.is_main_process:
+        state = acc.unwrap_model(model).state_dict()
+        save_file({k: v.contiguous() for k, v in state.items()}, args.out)
+    acc.wait_for_everyone()
+
+
+p = argparse.ArgumentParser()
+p.add_argument("mode", nargs="?", default="train", choices=["train", "make"])
+p.add_argument("--init")
+p.add_argument("--data")
+p.add_argument("--hidden", default="64,64")
+p.add_argument("--optimizer", default="adamw")
+p.add_argument("--lr", type=float, default=1e-3)
+p.add_argument("--weight-decay", type=float, default=0.01)
+p.add_argument("--batch-size", type=int, default=8)
+p.add_argument("--accumulate", type=int, default=1)
+p.add_argument("--epochs", type=int, default=1)
+p.add_argument("--strategy", default="ddp")
+p.add_argument("--precision", default="no")
+p.add_argument("--clip-grad-norm", type=float, default=0.0)
+p.add_argument("--split-batches", action="store_true")
+p.add_argument("--out")
+p.add_argument("--losses")
+p.add_argument("--n", type=int, default=45)
+p.add_argument("--d", type=int, default=10)
+p.add_argument("--classes", type=int, default=3)
+p.add_argument("--seed", type=int, default=0)
+args = p.parse_args()
+make(args) if args.mode == "make" else train(args)
