@@ -266,3 +266,20 @@ fn training_settings_reach_the_program_and_config_files_are_read() {
         .unwrap();
     assert!(text(&output).contains("did you mean `num_processes`"), "{}", text(&output));
 }
+
+#[test]
+fn ddp_through_the_accelerator_on_2_and_3_processes() {
+    for n in ["2", "3"] {
+        let output = accel()
+            .args(["launch", "--num-processes", n, "--main-process-port", "0", "--rank0-only"])
+            .arg(env!("CARGO_BIN_EXE_accel"))
+            .args(["worker", "ddp"])
+            .output()
+            .unwrap();
+        let out = text(&output);
+        assert!(output.status.success(), "{out}");
+        assert!(!out.contains("FAIL"), "{out}");
+        let expected = if n == "2" { 6 } else { 5 };
+        assert_eq!(out.matches("PASS").count(), expected, "{out}");
+    }
+}

@@ -143,15 +143,12 @@ where
         let start = *self.position.lock().unwrap_or_else(|e| e.into_inner());
         self.loader.set_epoch(start.epoch);
         self.loader.skip_first_batches(start.batches as usize);
+        let remainder = self.loader.remainder();
         let batches = self.loader.iter();
-        PreparedBatches {
-            inner: PreparedIter::new(
-                batches,
-                self.state.clone(),
-                self.position.clone(),
-                self.device,
-            ),
-        }
+        let mut inner =
+            PreparedIter::new(batches, self.state.clone(), self.position.clone(), self.device);
+        inner.remainder = remainder;
+        PreparedBatches { inner }
     }
 }
 

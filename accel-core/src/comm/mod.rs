@@ -564,6 +564,11 @@ impl ProcessGroup {
         self.direct
     }
 
+    /// Collectives issued on this group so far (point-to-point messages not counted).
+    pub fn collectives_issued(&self) -> u64 {
+        self.seq.load(Ordering::SeqCst) - 1
+    }
+
     /// The group's id (0 for the world).
     pub fn id(&self) -> u64 {
         self.id

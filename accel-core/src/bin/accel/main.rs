@@ -220,6 +220,7 @@ fn main() -> ExitCode {
                 "test" => selftest::run(),
                 "allreduce" => bench::worker(&sizes, &dtype),
                 "spin" => selftest::spin(),
+                "ddp" => selftest::ddp(),
                 other => Err(accel_core::Error::Config(format!("unknown worker `{other}`"))),
             };
             match result {

@@ -170,6 +170,11 @@ impl Ddp {
         if let Some(e) = pending.error.take() {
             return Err(Error::Training(format!("DDP gradient hook failed: {e}")));
         }
+        // A model none of whose parameters got a gradient was not part of this backward
+        // (e.g. the discriminator's pass of a GAN): nothing to do.
+        if pending.buckets.iter().all(|b| b.ready == 0) {
+            return Ok(());
+        }
         let unused: Vec<&str> = pending
             .buckets
             .iter()
