@@ -139,14 +139,15 @@ fn adam_equals_torch_over_100_steps() {
 
 #[test]
 fn adamw_equals_torch_over_100_steps_unfused_fused_and_with_groups() {
-    let config = AdamConfig { lr: 1e-2, weight_decay: 0.1, ..AdamConfig::adamw() };
+    let config = AdamConfig { lr: 1e-2, weight_decay: 0.1, fused: false, ..AdamConfig::adamw() };
     check_optimizer("adamw", |p| Box::new(AdamW::new(unnamed_params(&p), config).unwrap()));
     check_optimizer("adamw_fused", |p| {
         Box::new(AdamW::new(unnamed_params(&p), AdamConfig { fused: true, ..config }).unwrap())
     });
     check_optimizer("adamw_groups", |p| {
         let named = unnamed_params(&p);
-        let config = AdamConfig { lr: 1e-2, weight_decay: 0.05, ..AdamConfig::adamw() };
+        let config =
+            AdamConfig { lr: 1e-2, weight_decay: 0.05, fused: false, ..AdamConfig::adamw() };
         let mut opt = AdamW::new(vec![named[0].clone()], config).unwrap();
         opt.add_param_group(vec![named[1].clone()], AdamConfig { lr: 3e-2, ..config }).unwrap();
         Box::new(opt)

@@ -5,6 +5,8 @@
 //!   torch-sys as `LIBTORCH`. Runs once; later calls only check it.
 //! - `cargo xtask test [ARGS]`   setup, then `cargo test --workspace [ARGS]`.
 //! - `cargo xtask train [ARGS]`  setup, then the main job (the `train` example).
+//! - `cargo xtask bench`         setup, release build, then accel and PyTorch + Accelerate on
+//!   the same work in the same run, as a table of ratios.
 //!
 //! Only std is used so that this builds in seconds, before libtorch exists.
 
@@ -33,11 +35,13 @@ fn main() -> ExitCode {
                 &rest,
             )
         }),
+        "bench" => setup().and_then(|_| bench()),
         _ => Err(format!(
             "unknown command `{command}`; the commands are:\n  \
              cargo xtask setup         install libtorch into .venv (once)\n  \
              cargo xtask test [ARGS]   every test (cargo test --workspace ARGS)\n  \
-             cargo xtask train [ARGS]  the main job"
+             cargo xtask train [ARGS]  the main job\n  \
+             cargo xtask bench         accel vs PyTorch + Accelerate, same machine, same run"
         )),
     };
     match result {
@@ -176,4 +180,95 @@ fn run(command: &mut Command) -> Result<(), String> {
 fn cargo(args: &[&str], rest: &[OsString]) -> Result<(), String> {
     let cargo = std::env::var_os("CARGO").unwrap_or("cargo".into());
     run(Command::new(cargo).current_dir(root()).args(args).args(rest))
+}
+
+/// Runs `command`, echoes its output, and returns the `samples_per_s=` figure it printed.
+fn samples_per_second(command: &mut Command) -> Result<f64, String> {
+    let output = command.output().map_err(|e| format!("cannot run {command:?}: {e}"))?;
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    if !output.status.success() {
+        return Err(format!(
+            "{command:?} failed:\n{text}{}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    text.split_whitespace()
+        .find_map(|w| w.strip_prefix("samples_per_s="))
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("{command:?} printed no samples_per_s:\n{text}"))
+}
+
+fn bench() -> Result<(), String> {
+    let root = root();
+    cargo(
+        &[
+            "build",
+            "--release",
+            "-p",
+            "accel-core",
+            "--bin",
+            "accel",
+            "-p",
+            "accel-examples",
+            "--example",
+            "mlp_bench",
+        ],
+        &[],
+    )?;
+    let accel = root.join("target/release/accel");
+    let example = root.join("target/release/examples/mlp_bench");
+    let python = root.join(".venv/bin/python");
+    let torchrun = root.join(".venv/bin/torchrun");
+    let script = root.join("python/reference/accelerate_mlp.py");
+    eprintln!("xtask: measuring (about a minute) ...");
+    let ours1 = samples_per_second(&mut Command::new(&example))?;
+    let ours2 = samples_per_second(
+        Command::new(&accel)
+            .args(["launch", "--num-processes", "2", "--main-process-port", "0", "--rank0-only"])
+            .arg(&example),
+    )?;
+    let theirs = |procs: usize, fused: bool| -> Result<f64, String> {
+        let mut command = if procs == 1 {
+            let mut c = Command::new(&python);
+            c.arg(&script);
+            c
+        } else {
+            let mut c = Command::new(&torchrun);
+            c.args(["--nproc-per-node", "2", "--master-port", "29731"]).arg(&script);
+            c
+        };
+        if fused {
+            command.arg("fused");
+        }
+        samples_per_second(&mut command)
+    };
+    let (acc1, acc2) = (theirs(1, false)?, theirs(2, false)?);
+    let (accf1, accf2) = (theirs(1, true)?, theirs(2, true)?);
+    println!(
+        "MLP 784-1024-1024-10, batch 64 per process, AdamW, fp32, 1 thread per process, CPU (samples/s)"
+    );
+    println!("{:<28} {:>10} {:>12} {:>9}", "", "1 process", "2 processes", "scaling");
+    for (name, one, two) in [
+        ("accel (fused AdamW, default)", ours1, ours2),
+        ("Accelerate (AdamW default)", acc1, acc2),
+        ("Accelerate (AdamW fused)", accf1, accf2),
+    ] {
+        println!("{name:<28} {one:>10.0} {two:>12.0} {:>8.2}x", two / one);
+    }
+    println!(
+        "accel / Accelerate with 2 processes: {:.2}x (Accelerate's default AdamW), {:.2}x (its fused AdamW)\n",
+        ours2 / acc2,
+        ours2 / accf2
+    );
+    run(Command::new(&accel).args([
+        "bench",
+        "allreduce",
+        "--num-processes",
+        "2",
+        "--main-process-port",
+        "0",
+        "--sizes",
+        "1MiB,4MiB,16MiB,64MiB",
+        "--compare-gloo",
+    ]))
 }

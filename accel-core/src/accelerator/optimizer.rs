@@ -150,11 +150,25 @@ impl AcceleratedOptimizer {
         Ok(())
     }
 
-    /// Clears gradients (set to none), on sync steps only.
+    /// Clears gradients, on sync steps only: sets them to none, or, with several processes
+    /// (DDP), zeroes them in place so that they stay views of the all-reduce buckets.
     pub fn zero_grad(&mut self) -> Result<()> {
         if !self.state.sync_gradients() {
             return Ok(());
         }
-        self.lock().optimizer.zero_grad()
+        let mut slot = self.lock();
+        if self.num_processes > 1 {
+            tch::no_grad(|| -> Result<()> {
+                for p in slot.optimizer.params() {
+                    let mut grad = p.grad();
+                    if grad.defined() {
+                        let _ = grad.f_zero_()?;
+                    }
+                }
+                Ok(())
+            })
+        } else {
+            slot.optimizer.zero_grad()
+        }
     }
 }

@@ -129,13 +129,20 @@ impl Ddp {
                 let mut guard = lock(&pending);
                 let bucket = &mut guard.buckets[b];
                 let slot = &bucket.slots[i];
-                let copied = tch::no_grad(|| {
-                    bucket
-                        .flat
-                        .f_narrow(0, slot.offset, slot.numel)?
-                        .f_copy_(&p.grad().f_reshape([-1])?)
+                let copied = tch::no_grad(|| -> Result<()> {
+                    let mut view = bucket.flat.f_narrow(0, slot.offset, slot.numel)?;
+                    let grad = p.grad();
+                    if grad.data_ptr() != view.data_ptr() {
+                        view.f_copy_(&grad.f_reshape([-1])?)?;
+                        // From now on autograd accumulates straight into the bucket (the
+                        // optimizer zeroes grads in place under DDP), so no copy is needed.
+                        if view.kind() == grad.kind() {
+                            crate::shim::set_grad(p, Some(&view.f_view(grad.size().as_slice())?))?;
+                        }
+                    }
+                    Ok(())
                 });
-                let result = copied.map_err(Error::from).and_then(|()| {
+                let result = copied.and_then(|()| {
                     bucket.fired[i] = true;
                     bucket.ready += 1;
                     if bucket.ready == bucket.slots.len() { launch(bucket, &group) } else { Ok(()) }
@@ -215,7 +222,9 @@ impl Ddp {
                         .f_view(slot.param.size().as_slice())?
                         .f_to_kind(slot.param.kind())?;
                     let grad = slot.param.grad();
-                    if grad.defined() {
+                    if grad.defined() && grad.data_ptr() == averaged.data_ptr() {
+                        // The gradient is a view of the bucket: already averaged in place.
+                    } else if grad.defined() {
                         let mut grad = grad;
                         grad.f_copy_(&averaged)?;
                     } else {

@@ -1,0 +1,55 @@
+//! The speed benchmark's accel side: MLP 784-1024-1024-10, batch 64 per process, AdamW,
+//! fp32, one thread per process, 400 batches of random data in all (as
+//! python/reference/accelerate_mlp.py does with Accelerate). `cargo xtask bench` runs both.
+//!
+//! One process:    target/release/examples/mlp_bench
+//! Two processes:  target/release/accel launch --num-processes 2 target/release/examples/mlp_bench
+
+use accel_core::Accelerator;
+use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
+use accel_core::optim::{AdamConfig, AdamW};
+use anyhow::Result;
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+fn main() -> Result<()> {
+    let acc = Accelerator::builder().seed(0).cpu(true).build()?;
+    tch::set_num_threads(1);
+    let x = Tensor::randn([64 * 400, 784], (Kind::Float, Device::Cpu));
+    let y = Tensor::randint(10, [64 * 400], (Kind::Int64, Device::Cpu));
+    let vs = nn::VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let net = nn::seq()
+        .add(nn::linear(&root / "layers" / 0, 784, 1024, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&root / "layers" / 1, 1024, 1024, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(&root / "layers" / 2, 1024, 10, Default::default()));
+    acc.prepare_model(&vs)?;
+    let mut opt = acc.prepare_optimizer(AdamW::new(
+        acc.params(&vs),
+        AdamConfig { lr: 1e-3, ..AdamConfig::adamw() },
+    )?);
+    let options = LoaderOptions { batch_size: 64, prefetch: 2, ..Default::default() };
+    let mut loader =
+        acc.prepare_loader(DataLoader::new(TensorDataset::new(vec![x, y])?, options)?)?;
+    let started = std::time::Instant::now();
+    let (mut steps, mut last) = (0u64, 0.0);
+    for batch in loader.iter() {
+        let batch = batch?;
+        let loss = net.forward(&batch[0]).cross_entropy_for_logits(&batch[1]);
+        acc.backward(&loss)?;
+        opt.step()?;
+        opt.zero_grad()?;
+        steps += 1;
+        last = loss.double_value(&[]);
+    }
+    acc.wait_for_everyone()?;
+    let seconds = started.elapsed().as_secs_f64();
+    acc.print(format!(
+        "procs={} steps_per_proc={steps} samples_per_s={:.1} loss={last:.4}",
+        acc.num_processes(),
+        (steps * 64 * acc.num_processes() as u64) as f64 / seconds
+    ));
+    Ok(())
+}
