@@ -89,3 +89,13 @@ pub enum Error {
         source: std::io::Error,
     },
 }
+
+/// So that `?` on accel calls works in functions returning tch's `Result`.
+impl From<Error> for tch::TchError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Torch(inner) => inner,
+            other => tch::TchError::Torch(other.to_string()),
+        }
+    }
+}

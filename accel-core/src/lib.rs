@@ -25,10 +25,11 @@ pub mod strategy;
 pub mod topology;
 pub mod tracking;
 
-pub use accel_macros::ToDevice;
+pub use accel_macros::{ToDevice, accelerate};
 pub use accelerator::{
-    AcceleratedOptimizer, Accelerator, AcceleratorBuilder, DataPosition, PreparedBatches,
-    PreparedIter, PreparedLoader, StepCounters, current, split_between,
+    AcceleratedOptimizer, Accelerator, AcceleratorBuilder, DataPosition, ExitGuard,
+    IntoAccelOptimizer, PreparedBatches, PreparedIter, PreparedLoader, StepCounters, current,
+    split_between,
 };
 pub use config::{Config, Precision, Strategy};
 pub use device::ToDevice;
@@ -44,4 +45,10 @@ pub const TCH_VERSION: &str = "0.24.0";
 #[doc(hidden)]
 pub mod __private {
     pub use tch::Device;
+}
+
+/// Everything `#[accelerate]` generated code needs, under one stable path.
+#[doc(hidden)]
+pub mod __macro_support {
+    pub use crate::{Accelerator, Precision, Strategy};
 }

@@ -46,6 +46,36 @@ impl<I: Iterator> Lookahead<I> {
     }
 }
 
+/// This rank's share of an iterator shared by `world` processes: items are dealt
+/// round-robin (item k to rank k mod world); a last round too short to give every rank an
+/// item is dropped, since items cannot be duplicated to pad it (a `DataLoader` pads, as
+/// Accelerate does).
+pub struct Rounds<I: Iterator> {
+    inner: I,
+    rank: usize,
+    world: usize,
+}
+
+impl<I: Iterator> Rounds<I> {
+    pub(crate) fn new(inner: I, rank: usize, world: usize) -> Self {
+        Self { inner, rank, world }
+    }
+}
+
+impl<I: Iterator> Iterator for Rounds<I> {
+    type Item = I::Item;
+    fn next(&mut self) -> Option<I::Item> {
+        let mut mine = None;
+        for k in 0..self.world {
+            let item = self.inner.next()?;
+            if k == self.rank {
+                mine = Some(item);
+            }
+        }
+        mine
+    }
+}
+
 /// Any iterator of batches, prepared ([`super::Accelerator::prepare_iter`]).
 pub struct PreparedIter<I: Iterator> {
     lookahead: Lookahead<I>,

@@ -3,6 +3,7 @@
 //! backward passes with loss scaling and accumulation, and saves and restores the whole
 //! training state.
 
+mod attribute;
 mod data;
 mod optimizer;
 mod state;
@@ -24,7 +25,8 @@ use crate::shim::AutocastGuard;
 use crate::strategy::ddp::{Ddp, DdpOptions};
 use crate::topology::Topology;
 
-pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader};
+pub use attribute::{ExitGuard, IntoAccelOptimizer};
+pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader, Rounds};
 pub use optimizer::AcceleratedOptimizer;
 pub(crate) use state::GradientState;
 pub use state::StepCounters;
@@ -39,6 +41,7 @@ pub struct AcceleratorBuilder {
     checkpoint_dir: Option<PathBuf>,
     checkpoint_limit: Option<usize>,
     ddp: DdpOptions,
+    offload: bool,
 }
 
 impl AcceleratorBuilder {
@@ -77,6 +80,12 @@ impl AcceleratorBuilder {
         self.explicit.cpu = Some(cpu);
         self
     }
+    /// Offload optimizer state (and ZeRO-3 parameters) to CPU memory. Needs a sharded
+    /// strategy, which this release does not have yet: `build` refuses it with an error.
+    pub fn offload(mut self, offload: bool) -> Self {
+        self.offload = offload;
+        self
+    }
     /// Read settings from this YAML file (else from `ACCEL_CONFIG_FILE`, if set).
     pub fn config_file(mut self, path: impl Into<PathBuf>) -> Self {
         self.config_file = Some(path.into());
@@ -98,6 +107,11 @@ impl AcceleratorBuilder {
     /// Resolves the configuration and the device and makes the accelerator (also reachable
     /// afterwards through [`crate::current`]).
     pub fn build(self) -> Result<Accelerator> {
+        if self.offload {
+            return Err(Error::Unsupported(
+                "offload: CPU offload comes with ZeRO/FSDP sharding, which is not built yet".into(),
+            ));
+        }
         let process = Topology::from_env()?;
         let file = match self.config_file.clone().or_else(config_file_from_env) {
             Some(path) => PartialConfig::from_file(&path)?,
@@ -407,8 +421,15 @@ impl Accelerator {
     /// Wraps `optimizer` so that it follows accumulation, loss scaling and clipping, and
     /// registers it for checkpoints.
     pub fn prepare_optimizer(&self, optimizer: impl Optimizer + 'static) -> AcceleratedOptimizer {
+        self.prepare_boxed_optimizer(Box::new(optimizer))
+    }
+
+    pub(crate) fn prepare_boxed_optimizer(
+        &self,
+        optimizer: Box<dyn Optimizer>,
+    ) -> AcceleratedOptimizer {
         let prepared = AcceleratedOptimizer::new(
-            Box::new(optimizer),
+            optimizer,
             self.inner.state.clone(),
             self.inner.scaler.clone(),
             self.inner.config.clip_grad_norm,
@@ -416,6 +437,34 @@ impl Accelerator {
         );
         self.registry().optimizers.push(prepared.clone());
         prepared
+    }
+
+    /// Prepares the model in `vs` (once) and wraps `optimizer`: what building one of accel's
+    /// optimizers over the model becomes under `#[accelerate]`.
+    pub fn prepare_optimizer_for(
+        &self,
+        vs: &tch::nn::VarStore,
+        optimizer: impl Optimizer + 'static,
+    ) -> Result<AcceleratedOptimizer> {
+        self.prepare_model_once(vs)?;
+        Ok(self.prepare_optimizer(optimizer))
+    }
+
+    /// [`prepare_model`](Self::prepare_model) unless this `VarStore` was prepared already.
+    pub fn prepare_model_once(&self, vs: &tch::nn::VarStore) -> Result<()> {
+        let first = vs.variables().into_values().next();
+        let prepared = first.is_some_and(|t| {
+            self.registry().models.iter().flatten().any(|p| p.tensor.data_ptr() == t.data_ptr())
+        });
+        if prepared { Ok(()) } else { self.prepare_model(vs) }
+    }
+
+    /// Stops taking part in collectives at once: other ranks waiting for this one get an
+    /// error instead of waiting for their timeout. Used when a run fails.
+    pub fn abort(&self) {
+        if let Some(group) = &self.inner.group {
+            group.abort();
+        }
     }
 
     /// The trainable variables of `vs` as named parameters for an optimizer (sorted by name).
@@ -436,15 +485,17 @@ impl Accelerator {
     }
 
     /// Any iterable of batches: moved to the device, with the look-ahead that closes the
-    /// accumulation window on the last batch. (Not sharded: each process iterates what it
-    /// is given. Use a [`DataLoader`] for sharding and resumable positions.)
-    pub fn prepare_iter<I>(&self, iterable: I) -> PreparedIter<I::IntoIter>
+    /// accumulation window on the last batch. With several processes, batches are dealt
+    /// round-robin (batch k to rank k mod N) and a last round too short for every rank is
+    /// dropped; use a [`DataLoader`] for Accelerate's padding and for resumable positions.
+    pub fn prepare_iter<I>(&self, iterable: I) -> PreparedIter<Rounds<I::IntoIter>>
     where
         I: IntoIterator,
         I::Item: ToDevice,
     {
         let position = Arc::new(Mutex::new(DataPosition::default()));
-        PreparedIter::new(iterable.into_iter(), self.inner.state.clone(), position, self.device())
+        let rounds = Rounds::new(iterable.into_iter(), self.process_index(), self.num_processes());
+        PreparedIter::new(rounds, self.inner.state.clone(), position, self.device())
     }
 
     /// Autocast for the configured precision until the guard is dropped (`None` in fp32).

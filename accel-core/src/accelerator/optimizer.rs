@@ -79,6 +79,14 @@ impl AcceleratedOptimizer {
         (0..slot.optimizer.num_groups()).map(|g| slot.optimizer.lr(g)).collect()
     }
 
+    /// Sets the learning rate of every group (as tch's `Optimizer::set_lr`).
+    pub fn set_lr(&mut self, lr: f64) {
+        let mut slot = self.lock();
+        for g in 0..slot.optimizer.num_groups() {
+            slot.optimizer.set_lr(g, lr);
+        }
+    }
+
     /// Whether the last sync step was skipped because of inf/NaN gradients (fp16).
     pub fn step_was_skipped(&self) -> bool {
         self.lock().step_was_skipped

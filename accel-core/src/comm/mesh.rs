@@ -291,6 +291,11 @@ impl Mesh {
         Ok(Self { rank, world, readers, writers, pids: None })
     }
 
+    /// Clones of the sockets, so that another thread can shut them down (abort).
+    pub fn shutdown_handles(&self) -> Vec<TcpStream> {
+        self.readers.iter().flatten().filter_map(|s| s.try_clone().ok()).collect()
+    }
+
     fn writer(&self, peer: usize) -> &TcpStream {
         self.writers[peer].as_ref().expect("a connection to every other rank")
     }

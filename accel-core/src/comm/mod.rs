@@ -98,6 +98,7 @@ pub struct ProcessGroup {
     seq: Arc<AtomicU64>,
     jobs: Sender<Queued>,
     direct: bool,
+    sockets: Arc<Vec<std::net::TcpStream>>,
     /// Point-to-point messages are numbered per peer and direction, apart from the
     /// collectives (which not every rank takes part in).
     p2p: Arc<Mutex<std::collections::HashMap<(usize, bool), u64>>>,
@@ -195,6 +196,7 @@ impl ProcessGroup {
             (same_host && options.direct_copy).then(|| parsed.iter().map(|(_, p, _)| *p).collect());
         let probes: Vec<u64> = parsed.iter().map(|(_, _, a)| *a).collect();
         let direct = mesh.enable_local(pids, &probes)?;
+        let sockets = Arc::new(mesh.shutdown_handles());
         let (jobs, queue) = channel::<Queued>();
         let worker_shared = shared.clone();
         let worker_members = members.clone();
@@ -234,6 +236,7 @@ impl ProcessGroup {
             jobs,
             p2p: Arc::new(Mutex::new(std::collections::HashMap::new())),
             direct,
+            sockets,
             shared,
             options,
         })
@@ -562,6 +565,14 @@ impl ProcessGroup {
     /// Whether this group copies directly between processes (all members on one machine).
     pub fn direct_copy(&self) -> bool {
         self.direct
+    }
+
+    /// Shuts this group's connections down: every rank waiting on this one gets an error
+    /// at once (instead of at its timeout). The group is unusable afterwards.
+    pub fn abort(&self) {
+        for socket in self.sockets.iter() {
+            let _ = socket.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// Collectives issued on this group so far (point-to-point messages not counted).

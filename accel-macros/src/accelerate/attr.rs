@@ -1,0 +1,200 @@
+//! Parsing the attribute's arguments (syntax only): `key = value, ...` into raw values that
+//! keep their spans. Validation of values and of combinations lives in `check.rs`.
+
+use proc_macro2::{Span, TokenStream};
+use syn::parse::Parser;
+use syn::punctuated::Punctuated;
+use syn::{Expr, ExprLit, Lit, MetaNameValue, Token};
+
+/// Every key, for "did you mean" and the list in messages.
+pub(crate) const KEYS: &[&str] = &[
+    "strategy",
+    "sharding",
+    "precision",
+    "accumulate",
+    "clip_grad_norm",
+    "seed",
+    "cpu",
+    "offload",
+    "config",
+    "name",
+    "model",
+    "crate",
+];
+
+/// A value as written, with where it was written.
+#[derive(Clone)]
+pub(crate) struct Spanned<T> {
+    pub value: T,
+    pub span: Span,
+}
+
+/// The arguments as written; each `None` when left out.
+#[derive(Default)]
+pub(crate) struct RawArgs {
+    pub strategy: Option<Spanned<String>>,
+    pub sharding: Option<Spanned<String>>,
+    pub precision: Option<Spanned<String>>,
+    pub accumulate: Option<Spanned<u64>>,
+    pub clip_grad_norm: Option<Spanned<f64>>,
+    pub seed: Option<Spanned<u64>>,
+    pub cpu: Option<Spanned<bool>>,
+    pub offload: Option<Spanned<bool>>,
+    pub config: Option<Spanned<String>>,
+    pub name: Option<syn::Ident>,
+    pub model: Option<syn::Ident>,
+    pub krate: Option<syn::Path>,
+}
+
+fn lit(expr: &Expr) -> Option<&Lit> {
+    match expr {
+        Expr::Lit(ExprLit { lit, .. }) => Some(lit),
+        _ => None,
+    }
+}
+
+fn expect_str(expr: &Expr, key: &str, example: &str) -> syn::Result<Spanned<String>> {
+    match lit(expr) {
+        Some(Lit::Str(s)) => Ok(Spanned { value: s.value(), span: s.span() }),
+        _ => Err(syn::Error::new_spanned(
+            expr,
+            format!("`{key}` takes a string, e.g. `{key} = {example}`"),
+        )),
+    }
+}
+
+fn expect_u64(expr: &Expr, key: &str, example: &str) -> syn::Result<Spanned<u64>> {
+    match lit(expr) {
+        Some(Lit::Int(i)) => {
+            i.base10_parse::<u64>().map(|value| Spanned { value, span: i.span() }).map_err(|_| {
+                syn::Error::new(
+                    i.span(),
+                    format!("`{key}` takes a non-negative integer, e.g. `{key} = {example}`"),
+                )
+            })
+        }
+        _ => Err(syn::Error::new_spanned(
+            expr,
+            format!("`{key}` takes a non-negative integer, e.g. `{key} = {example}`"),
+        )),
+    }
+}
+
+fn expect_f64(expr: &Expr, key: &str, example: &str) -> syn::Result<Spanned<f64>> {
+    let parsed = match lit(expr) {
+        Some(Lit::Float(f)) => f.base10_parse::<f64>().ok().map(|v| (v, f.span())),
+        Some(Lit::Int(i)) => i.base10_parse::<f64>().ok().map(|v| (v, i.span())),
+        _ => None,
+    };
+    parsed.map(|(value, span)| Spanned { value, span }).ok_or_else(|| {
+        syn::Error::new_spanned(expr, format!("`{key}` takes a number, e.g. `{key} = {example}`"))
+    })
+}
+
+fn expect_bool(expr: &Expr, key: &str) -> syn::Result<Spanned<bool>> {
+    match lit(expr) {
+        Some(Lit::Bool(b)) => Ok(Spanned { value: b.value, span: b.span }),
+        _ => Err(syn::Error::new_spanned(expr, format!("`{key}` takes `true` or `false`"))),
+    }
+}
+
+fn expect_ident(expr: &Expr, key: &str) -> syn::Result<syn::Ident> {
+    match expr {
+        Expr::Path(p) if p.path.get_ident().is_some() => {
+            Ok(p.path.get_ident().cloned().expect("checked"))
+        }
+        Expr::Lit(ExprLit { lit: Lit::Str(s), .. }) => s.parse::<syn::Ident>(),
+        _ => Err(syn::Error::new_spanned(
+            expr,
+            format!("`{key}` takes an identifier, e.g. `{key} = acc`"),
+        )),
+    }
+}
+
+/// Parses `key = value, ...`, collecting every error rather than stopping at the first.
+pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
+    let mut raw = RawArgs::default();
+    let mut errors: Option<syn::Error> = None;
+    let mut push = |e: syn::Error| match &mut errors {
+        Some(all) => all.combine(e),
+        None => errors = Some(e),
+    };
+    let pairs = match Punctuated::<MetaNameValue, Token![,]>::parse_terminated.parse2(args) {
+        Ok(pairs) => pairs,
+        Err(e) => {
+            let hint = syn::Error::new(
+                e.span(),
+                format!(
+                    "{e}; #[accelerate] takes `key = value` pairs, e.g. `#[accelerate(strategy = \"ddp\", precision = \"bf16\")]`"
+                ),
+            );
+            return (raw, Some(hint));
+        }
+    };
+    let mut seen: Vec<(String, Span)> = Vec::new();
+    for pair in pairs {
+        let key = match pair.path.get_ident() {
+            Some(ident) => ident.to_string(),
+            None if pair.path.segments.len() == 1 => pair.path.segments[0].ident.to_string(),
+            None => {
+                push(syn::Error::new_spanned(
+                    &pair.path,
+                    "a key is a single word, e.g. `strategy`",
+                ));
+                continue;
+            }
+        };
+        let key = key.trim_start_matches("r#").to_owned();
+        let span = pair.path.segments[0].ident.span();
+        if let Some((_, first)) = seen.iter().find(|(k, _)| *k == key) {
+            let mut e =
+                syn::Error::new(span, format!("duplicate key `{key}`: each key may be given once"));
+            e.combine(syn::Error::new(*first, format!("`{key}` is first set here")));
+            push(e);
+            continue;
+        }
+        seen.push((key.clone(), span));
+        let v = &pair.value;
+        let result: syn::Result<()> = (|| {
+            match key.as_str() {
+                "strategy" => raw.strategy = Some(expect_str(v, &key, "\"ddp\"")?),
+                "sharding" => raw.sharding = Some(expect_str(v, &key, "\"full_shard\"")?),
+                "precision" => raw.precision = Some(expect_str(v, &key, "\"bf16\"")?),
+                "accumulate" => raw.accumulate = Some(expect_u64(v, &key, "4")?),
+                "clip_grad_norm" => raw.clip_grad_norm = Some(expect_f64(v, &key, "1.0")?),
+                "seed" => raw.seed = Some(expect_u64(v, &key, "42")?),
+                "cpu" => raw.cpu = Some(expect_bool(v, &key)?),
+                "offload" => raw.offload = Some(expect_bool(v, &key)?),
+                "config" => raw.config = Some(expect_str(v, &key, "\"accel.yaml\"")?),
+                "name" => raw.name = Some(expect_ident(v, &key)?),
+                "model" => raw.model = Some(expect_ident(v, &key)?),
+                "crate" => {
+                    raw.krate = Some(match v {
+                        Expr::Path(p) => p.path.clone(),
+                        Expr::Lit(ExprLit { lit: Lit::Str(s), .. }) => s.parse()?,
+                        other => {
+                            return Err(syn::Error::new_spanned(
+                                other,
+                                "`crate` takes a path, e.g. `crate = ::accel_core`",
+                            ));
+                        }
+                    })
+                }
+                other => {
+                    let list = KEYS.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
+                    let hint = super::check::did_you_mean(other, KEYS);
+                    let hint = hint.replace('"', "`");
+                    return Err(syn::Error::new(
+                        span,
+                        format!("unknown key `{other}`; the keys are {list}{hint}"),
+                    ));
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            push(e);
+        }
+    }
+    (raw, errors)
+}

@@ -1,0 +1,162 @@
+//! Validation: each value against its choices, each combination that makes no sense, and
+//! the shape of the annotated function. One small function per rule, each saying why.
+
+use proc_macro2::Span;
+use syn::spanned::Spanned as _;
+
+use super::attr::{RawArgs, Spanned};
+
+pub(crate) const STRATEGIES: &[&str] = &["single", "ddp", "zero1", "zero2", "zero3", "fsdp"];
+pub(crate) const SHARDINGS: &[&str] = &["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"];
+pub(crate) const PRECISIONS: &[&str] = &["no", "fp16", "bf16", "fp8"];
+
+/// " — did you mean `x`?" when a valid choice is close to what was written.
+pub(crate) fn did_you_mean(got: &str, valid: &[&str]) -> String {
+    valid
+        .iter()
+        .map(|v| (strsim::jaro_winkler(got, v), *v))
+        .filter(|(score, _)| *score > 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, v)| format!(" — did you mean \"{v}\"?"))
+        .unwrap_or_default()
+}
+
+fn choice(
+    value: &Option<Spanned<String>>,
+    what: &str,
+    plural: &str,
+    valid: &[&str],
+    errors: &mut Vec<syn::Error>,
+) {
+    if let Some(v) = value {
+        if !valid.contains(&v.value.as_str()) {
+            let list = valid.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ");
+            let hint = did_you_mean(&v.value, valid);
+            errors.push(syn::Error::new(
+                v.span,
+                format!("unknown {what} \"{}\"; the {plural} are {list}{hint}", v.value),
+            ));
+        }
+    }
+}
+
+/// Accumulating zero micro-batches per step would never step the optimizer.
+fn accumulate_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
+    if let Some(a) = &raw.accumulate {
+        if a.value == 0 {
+            errors.push(syn::Error::new(a.span, "`accumulate = 0`: the number of micro-batches per optimizer step must be at least 1"));
+        }
+    }
+}
+
+/// A norm limit of zero or less would zero every gradient.
+fn clip_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
+    if let Some(c) = &raw.clip_grad_norm {
+        if !(c.value > 0.0 && c.value.is_finite()) {
+            errors
+                .push(syn::Error::new(c.span, "`clip_grad_norm` must be a finite number above 0"));
+        }
+    }
+}
+
+/// FSDP's sharding strategies are an FSDP option; other strategies already say how they shard.
+fn sharding_needs_fsdp(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
+    if let Some(s) = &raw.sharding {
+        let strategy = raw.strategy.as_ref().map(|s| s.value.as_str());
+        if strategy != Some("fsdp") {
+            errors.push(syn::Error::new(
+                s.span,
+                format!(
+                    "`sharding` applies to `strategy = \"fsdp\"` only (the strategy here is {}); for \
+                     other strategies the name says the sharding: zero1, zero2, zero3",
+                    strategy.map_or("not set".to_owned(), |s| format!("\"{s}\""))
+                ),
+            ));
+        }
+    }
+}
+
+/// Offloading moves sharded state to CPU; without sharding there is nothing to offload.
+fn offload_needs_sharding(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
+    if let Some(o) = &raw.offload {
+        let strategy = raw.strategy.as_ref().map(|s| s.value.as_str());
+        if o.value && !matches!(strategy, Some("zero1" | "zero2" | "zero3" | "fsdp")) {
+            errors.push(syn::Error::new(
+                o.span,
+                "`offload = true` needs a sharded strategy: \"zero1\", \"zero2\", \"zero3\" or \"fsdp\"",
+            ));
+        }
+    }
+}
+
+/// fp8 needs fp8 tensor cores; a CPU-only run cannot have them.
+fn fp8_not_on_cpu(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
+    if let (Some(p), Some(c)) = (&raw.precision, &raw.cpu) {
+        if p.value == "fp8" && c.value {
+            errors.push(syn::Error::new(
+                p.span,
+                "`precision = \"fp8\"` needs an Ada or Hopper GPU, but `cpu = true`",
+            ));
+        }
+    }
+}
+
+/// Checks values and combinations.
+pub(crate) fn args(raw: &RawArgs) -> Vec<syn::Error> {
+    let mut errors = Vec::new();
+    choice(&raw.strategy, "strategy", "strategies", STRATEGIES, &mut errors);
+    choice(&raw.sharding, "sharding", "sharding strategies", SHARDINGS, &mut errors);
+    choice(&raw.precision, "precision", "precisions", PRECISIONS, &mut errors);
+    accumulate_positive(raw, &mut errors);
+    clip_positive(raw, &mut errors);
+    sharding_needs_fsdp(raw, &mut errors);
+    offload_needs_sharding(raw, &mut errors);
+    fp8_not_on_cpu(raw, &mut errors);
+    errors
+}
+
+/// What the function returns, as far as the rewrite cares.
+pub(crate) enum Returns {
+    /// `()`: failures panic with the message.
+    Unit,
+    /// `Result<_, E>` (any path ending in `Result`): failures come back through `?`.
+    Result(Box<syn::Type>),
+}
+
+/// The function must be something a training loop can run in: a plain, synchronous fn
+/// with a body, returning `()` or a `Result`.
+pub(crate) fn function(f: &syn::ItemFn) -> (Option<Returns>, Vec<syn::Error>) {
+    let mut errors = Vec::new();
+    if let Some(a) = &f.sig.asyncness {
+        errors.push(syn::Error::new(a.span, "#[accelerate] does not support async fn: training steps run synchronously; remove `async`"));
+    }
+    if let Some(c) = &f.sig.constness {
+        errors.push(syn::Error::new(
+            c.span,
+            "#[accelerate] cannot go on a const fn: training cannot run at compile time",
+        ));
+    }
+    let returns = match &f.sig.output {
+        syn::ReturnType::Default => Some(Returns::Unit),
+        syn::ReturnType::Type(_, ty) => match &**ty {
+            syn::Type::Tuple(t) if t.elems.is_empty() => Some(Returns::Unit),
+            syn::Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "Result") => {
+                Some(Returns::Result(ty.clone()))
+            }
+            other => {
+                errors.push(syn::Error::new(
+                    other.span(),
+                    "#[accelerate] needs a function returning `()` or a `Result` (e.g. \
+                     `anyhow::Result<()>`), so that failures can end the run cleanly",
+                ));
+                None
+            }
+        },
+    };
+    (returns, errors)
+}
+
+/// The span of the function's name, for errors about its body.
+pub(crate) fn name_span(f: &syn::ItemFn) -> Span {
+    f.sig.ident.span()
+}

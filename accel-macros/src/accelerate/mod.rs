@@ -1,0 +1,143 @@
+//! `#[accelerate(...)]`: parse (attr.rs) → check (check.rs) → expand (expand.rs).
+//!
+//! On any error the user's function is still emitted unchanged, followed by every error
+//! as `compile_error!`, so that editors keep working inside the body.
+
+mod attr;
+mod check;
+mod expand;
+
+use proc_macro2::TokenStream;
+use quote::{ToTokens, quote};
+use syn::parse_quote;
+
+/// The attribute on `item`, with arguments `args`.
+pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
+    let mut errors: Vec<syn::Error> = Vec::new();
+    let (raw, parse_error) = attr::parse(args);
+    errors.extend(parse_error);
+    errors.extend(check::args(&raw));
+
+    let function = match syn::parse2::<syn::ItemFn>(item.clone()) {
+        Ok(f) => f,
+        Err(_) => {
+            let what = describe_item(&item);
+            let message = format!(
+                "#[accelerate] goes on a training function with a body (`fn train(..) {{ .. }}`); \
+                 this is {what}"
+            );
+            errors.push(syn::Error::new_spanned(first_token(&item), message));
+            return with_errors(item, errors);
+        }
+    };
+    let (returns, shape_errors) = check::function(&function);
+    errors.extend(shape_errors);
+    // Emitted as written on error, but without `const`/`async`, which would bury our
+    // message under errors about the body.
+    let item = {
+        let mut plain = function.clone();
+        plain.sig.constness = None;
+        plain.sig.asyncness = None;
+        plain.into_token_stream()
+    };
+
+    let varstores = expand::find_varstores(&function);
+    let model = match (&raw.model, varstores.as_slice()) {
+        (Some(m), _) => Some(m.clone()),
+        (None, [one]) => Some(one.clone()),
+        (None, []) => None,
+        (None, [first, second, ..]) => {
+            // The optimizer's VarStore is the likely model: suggest it.
+            let trained = expand::optimizer_varstores(&function)
+                .into_iter()
+                .find(|v| varstores.contains(v))
+                .unwrap_or_else(|| first.clone());
+            errors.push(syn::Error::new(
+                second.span(),
+                format!(
+                    "two VarStores (`{first}` and `{second}`): say which one holds the model being \
+                     trained, e.g. #[accelerate(model = {trained})]"
+                ),
+            ));
+            None
+        }
+    };
+    let optimizers = expand::find_optimizers(&function, &model);
+    if !has_any_backward(&function, &optimizers) {
+        errors.push(syn::Error::new(
+            check::name_span(&function),
+            "#[accelerate] found no `loss.backward()` (or `opt.backward_step(&loss)`) in this \
+             function: it rewrites the loop that computes a loss and calls `.backward()` on it \
+             (wrapping the loop's data, running its forward pass under autocast and syncing \
+             gradients), so the training loop must be written in the function itself",
+        ));
+    }
+    if !errors.is_empty() {
+        return with_errors(item, errors);
+    }
+    let Some(returns) = returns else { return with_errors(item, errors) };
+    let context = expand::Context {
+        krate: raw.krate.clone().unwrap_or_else(|| parse_quote!(::accel_core)),
+        name: raw
+            .name
+            .clone()
+            .unwrap_or_else(|| syn::Ident::new("accelerator", proc_macro2::Span::call_site())),
+        model,
+    };
+    match expand::function(function, &raw, context, returns) {
+        Ok(tokens) => tokens,
+        Err(e) => with_errors(item, vec![e]),
+    }
+}
+
+fn has_any_backward(f: &syn::ItemFn, optimizers: &[syn::Ident]) -> bool {
+    struct Finder<'o>(bool, &'o [syn::Ident]);
+    impl<'a> syn::visit::Visit<'a> for Finder<'_> {
+        fn visit_expr_method_call(&mut self, m: &'a syn::ExprMethodCall) {
+            let method = m.method.to_string();
+            let on_optimizer = matches!(&*m.receiver, syn::Expr::Path(p) if p.path.get_ident().is_some_and(|i| self.1.contains(i)));
+            if (method == "backward" && m.args.is_empty())
+                || (method.starts_with("backward_step") && on_optimizer)
+            {
+                self.0 = true;
+            }
+            syn::visit::visit_expr_method_call(self, m);
+        }
+    }
+    let mut finder = Finder(false, optimizers);
+    syn::visit::Visit::visit_block(&mut finder, &f.block);
+    finder.0
+}
+
+fn first_token(item: &TokenStream) -> TokenStream {
+    item.clone().into_iter().take(1).collect()
+}
+
+/// "a struct", "a trait method without a body", ... for the error on non-functions.
+fn describe_item(item: &TokenStream) -> String {
+    if let Ok(f) = syn::parse2::<syn::TraitItemFn>(item.clone()) {
+        if f.default.is_none() {
+            return "a function without a body (a trait method declaration)".into();
+        }
+    }
+    match syn::parse2::<syn::Item>(item.clone()) {
+        Ok(syn::Item::Struct(_)) => "a struct".into(),
+        Ok(syn::Item::Enum(_)) => "an enum".into(),
+        Ok(syn::Item::Impl(_)) => "an impl block (put the attribute on the method instead)".into(),
+        Ok(syn::Item::Mod(_)) => "a module".into(),
+        Ok(syn::Item::Trait(_)) => "a trait".into(),
+        Ok(syn::Item::Const(_) | syn::Item::Static(_)) => "a constant or static".into(),
+        Ok(syn::Item::Type(_)) => "a type alias".into(),
+        _ => "not a function".into(),
+    }
+}
+
+fn with_errors(item: TokenStream, errors: Vec<syn::Error>) -> TokenStream {
+    let errors = errors.into_iter().map(|e| e.to_compile_error());
+    let mut out = item.into_token_stream();
+    out.extend(quote!(#(#errors)*));
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,73 @@
+//! Expansion snapshots: every pass case in ui-tests/pass/ and every annotated example,
+//! expanded and pretty-printed, must equal its copy in the `expanded/` folder beside it. Regenerate
+//! after an intended change with `ACCEL_BLESS=1 cargo test -p accel-macros` and review
+//! the diff.
+
+use std::path::{Path, PathBuf};
+
+use quote::ToTokens;
+
+fn annotated_files() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = Vec::new();
+    for dir in ["ui-tests/pass", "examples"] {
+        let Ok(entries) = std::fs::read_dir(root.join(dir)) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if name.ends_with(".rs") {
+                let text = std::fs::read_to_string(&path).unwrap();
+                if text.contains("#[accelerate") || text.contains("::accelerate(") {
+                    files.push(path);
+                }
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// Expands every `#[accelerate(..)]` function of a file.
+fn expand_file(text: &str) -> String {
+    let mut file: syn::File = syn::parse_str(text).expect("the file parses");
+    for item in &mut file.items {
+        let syn::Item::Fn(f) = item else { continue };
+        let Some(index) = f
+            .attrs
+            .iter()
+            .position(|a| a.path().segments.last().is_some_and(|s| s.ident == "accelerate"))
+        else {
+            continue;
+        };
+        let attr = f.attrs.remove(index);
+        let args = match attr.meta {
+            syn::Meta::List(list) => list.tokens,
+            _ => proc_macro2::TokenStream::new(),
+        };
+        let expanded = super::expand(args, f.to_token_stream());
+        *item = syn::parse2(expanded).expect("the expansion parses as an item");
+    }
+    prettyplease::unparse(&file)
+}
+
+#[test]
+fn expansions_match_their_snapshots() {
+    let bless = std::env::var_os("ACCEL_BLESS").is_some();
+    let files = annotated_files();
+    assert!(!files.is_empty(), "no annotated files found");
+    let mut stale = Vec::new();
+    for path in files {
+        let expanded = expand_file(&std::fs::read_to_string(&path).unwrap());
+        let snapshot = path.parent().unwrap().join("expanded").join(path.file_name().unwrap());
+        if bless {
+            std::fs::create_dir_all(snapshot.parent().unwrap()).unwrap();
+            std::fs::write(&snapshot, &expanded).unwrap();
+        } else if std::fs::read_to_string(&snapshot).ok().as_deref() != Some(expanded.as_str()) {
+            stale.push(snapshot.display().to_string());
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "expansions changed: {stale:?}\nreview with `ACCEL_BLESS=1 cargo test -p accel-macros` and `git diff`"
+    );
+}

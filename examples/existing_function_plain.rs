@@ -1,0 +1,43 @@
+//! "Your existing function": an ordinary tch training loop with one line added on top.
+//! examples/existing_function_plain.rs is the same file without that line (a test keeps
+//! the two in step), the single-device program it started as.
+//!
+//! One process:    cargo run -p accel-examples --example existing_function
+//! Two processes:  accel launch --num-processes 2 target/debug/examples/existing_function
+//! See what the attribute generates: cargo expand -p accel-examples --example existing_function
+
+use accel_examples::Digits;
+use anyhow::Result;
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Tensor};
+
+fn train(x: &Tensor, y: &Tensor, epochs: usize) -> Result<f64> {
+    let device = Device::cuda_if_available();
+    let vs = nn::VarStore::new(device);
+    let net = nn::seq()
+        .add(nn::linear(vs.root() / "layers" / 0, 64, 128, Default::default()))
+        .add_fn(|x| x.relu())
+        .add(nn::linear(vs.root() / "layers" / 1, 128, 10, Default::default()));
+    let mut opt = nn::AdamW::default().build(&vs, 3e-3)?;
+    let mut last = f64::NAN;
+    for _epoch in 0..epochs {
+        for (xb, yb) in tch::data::Iter2::new(x, y, 32) {
+            let logits = net.forward(&xb.to_device(device));
+            let loss = logits.cross_entropy_for_logits(&yb.to_device(device));
+            opt.zero_grad();
+            loss.backward();
+            opt.step();
+            last = loss.double_value(&[]);
+        }
+    }
+    Ok(last)
+}
+
+fn main() -> Result<()> {
+    tch::manual_seed(0);
+    let data = Digits::load(Device::Cpu)?;
+    let last = train(&data.train_x, &data.train_y, 10)?;
+    println!("final training loss {last:.4}");
+    anyhow::ensure!(last < 0.3, "the loss did not go down: {last}");
+    Ok(())
+}

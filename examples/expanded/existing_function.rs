@@ -1,0 +1,56 @@
+//! "Your existing function": an ordinary tch training loop with one line added on top.
+//! examples/existing_function_plain.rs is the same file without that line (a test keeps
+//! the two in step), the single-device program it started as.
+//!
+//! One process:    cargo run -p accel-examples --example existing_function
+//! Two processes:  accel launch --num-processes 2 target/debug/examples/existing_function
+//! See what the attribute generates: cargo expand -p accel-examples --example existing_function
+use accel_examples::Digits;
+use anyhow::Result;
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Tensor};
+fn train(x: &Tensor, y: &Tensor, epochs: usize) -> Result<f64> {
+    let accelerator = ::accel_core::Accelerator::builder()
+        .strategy(::accel_core::Strategy::Ddp)
+        .accumulate(2u32)
+        .seed(0u64)
+        .cpu(true)
+        .build()?;
+    let __accel_exit = accelerator.exit_guard();
+    let __accel_result: Result<f64> = (|| {
+        use OptimizerConfig as _;
+        let device = accelerator.device();
+        let vs = nn::VarStore::new(device);
+        let net = nn::seq()
+            .add(nn::linear(vs.root() / "layers" / 0, 64, 128, Default::default()))
+            .add_fn(|x| x.relu())
+            .add(nn::linear(vs.root() / "layers" / 1, 128, 10, Default::default()));
+        let mut opt = accelerator.build_optimizer(nn::AdamW::default(), &vs, 3e-3)?;
+        let mut last = f64::NAN;
+        for _epoch in 0..epochs {
+            for (xb, yb) in accelerator.prepare_iter(tch::data::Iter2::new(x, y, 32)) {
+                let __accel_autocast = accelerator.autocast()?;
+                let logits = net.forward(&xb.to_device(device));
+                let loss = logits.cross_entropy_for_logits(&yb.to_device(device));
+                opt.zero_grad()?;
+                drop(__accel_autocast);
+                accelerator.backward(&loss)?;
+                opt.step()?;
+                last = loss.double_value(&[]);
+            }
+        }
+        Ok(last)
+    })();
+    if __accel_result.is_ok() {
+        __accel_exit.finish()?;
+    }
+    __accel_result
+}
+fn main() -> Result<()> {
+    tch::manual_seed(0);
+    let data = Digits::load(Device::Cpu)?;
+    let last = train(&data.train_x, &data.train_y, 10)?;
+    println!("final training loss {last:.4}");
+    anyhow::ensure!(last < 0.3, "the loss did not go down: {last}");
+    Ok(())
+}

@@ -1,0 +1,1 @@
+//! trybuild cases of `#[accelerate]`: see tests/ui.rs.
