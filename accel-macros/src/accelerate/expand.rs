@@ -296,7 +296,7 @@ impl Rewriter<'_> {
                     } else {
                         let name = &self.cx.name;
                         let iterable = &l.expr;
-                        l.expr = Box::new(parse_quote!(#name.prepare_iter(#iterable)));
+                        *l.expr = parse_quote!(#name.prepare_iter(#iterable));
                         self.add_autocast(&mut l.body);
                     }
                 }
@@ -331,7 +331,7 @@ impl Rewriter<'_> {
                         Some(init) => {
                             let name = &self.cx.name;
                             let e = &init.expr;
-                            init.expr = Box::new(parse_quote!(#name.prepare_iter(#e)));
+                            *init.expr = parse_quote!(#name.prepare_iter(#e));
                             self.add_autocast(&mut w.body);
                         }
                         None => self.errors.push(syn::Error::new_spanned(
