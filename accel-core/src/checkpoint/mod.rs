@@ -118,9 +118,17 @@ fn publish(tmp: &Path, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-fn temporary_dir(dir: &Path) -> Result<PathBuf> {
+/// Where a checkpoint is written before it is published: per process (`.{name}.tmp-{pid}`),
+/// or shared by the processes of a run (`.{name}.tmp`).
+fn temporary_dir_path(dir: &Path, per_process: bool) -> Result<PathBuf> {
     let name = dir.file_name().ok_or_else(|| bad(dir, "a checkpoint needs a folder name"))?;
-    let tmp = dir.with_file_name(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    let suffix = if per_process { format!("-{}", std::process::id()) } else { String::new() };
+    Ok(dir.with_file_name(format!(".{}.tmp{suffix}", name.to_string_lossy())))
+}
+
+/// Creates the temporary folder afresh.
+fn temporary_dir(dir: &Path, per_process: bool) -> Result<PathBuf> {
+    let tmp = temporary_dir_path(dir, per_process)?;
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| io_error(&tmp, e))?;
     }
@@ -145,20 +153,67 @@ fn device_name(device: Device) -> String {
 
 impl Accelerator {
     /// Saves the whole training state into folder `dir` (created or replaced atomically).
+    /// With several processes every process must call it: the main process writes the
+    /// model, optimizer and manifest, each process its own random generator states, and
+    /// the folder appears only once all are written.
     pub fn save_state(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
-        let tmp = temporary_dir(dir)?;
-        let result = self.write_state(&tmp);
-        if let Err(e) = result {
+        let Some(group) = self.inner.group.clone() else {
+            let tmp = temporary_dir(dir, true)?;
+            let result = self.write_rng(&tmp).and_then(|rng| self.write_state(&tmp, vec![rng]));
+            if let Err(e) = result {
+                let _ = std::fs::remove_dir_all(&tmp);
+                return Err(e);
+            }
+            return publish(&tmp, dir);
+        };
+        // Every rank learns the main process's outcome of each phase, so all return alike.
+        let agree = |outcome: Result<()>| -> Result<()> {
+            let message = outcome.as_ref().err().map(ToString::to_string);
+            let shared: Option<String> = group.broadcast_object((group.rank() == 0).then_some(&message), 0)?;
+            match (outcome, shared) {
+                (Err(e), _) => Err(e),
+                (Ok(()), Some(m)) => Err(bad(dir, format!("the main process failed to save: {m}"))),
+                (Ok(()), None) => Ok(()),
+            }
+        };
+        let tmp = temporary_dir_path(dir, false)?;
+        agree(if self.is_main_process() { temporary_dir(dir, false).map(|_| ()) } else { Ok(()) })?;
+        let mine = self.write_rng(&tmp).map_err(|e| e.to_string());
+        let all = group.gather_objects(&mine.map(|(name, record)| (name, record.bytes, record.crc32)), 0)?;
+        let outcome = match all {
+            Some(all) => (|| {
+                let records = all
+                    .into_iter()
+                    .map(|r| r.map(|(name, bytes, crc32)| (name, FileRecord { bytes, crc32 })))
+                    .collect::<std::result::Result<Vec<_>, String>>()
+                    .map_err(|e| bad(dir, format!("a process could not write its RNG state: {e}")))?;
+                self.write_state(&tmp, records)?;
+                publish(&tmp, dir)
+            })(),
+            None => Ok(()),
+        };
+        if outcome.is_err() && self.is_main_process() {
             let _ = std::fs::remove_dir_all(&tmp);
-            return Err(e);
         }
-        publish(&tmp, dir)
+        agree(outcome)
     }
 
-    fn write_state(&self, tmp: &Path) -> Result<()> {
+    /// This process's random generator states, as `rng_state_{rank}.safetensors`.
+    fn write_rng(&self, tmp: &Path) -> Result<(String, FileRecord)> {
+        let rng: Vec<(String, Tensor)> = rng_devices()
+            .iter()
+            .map(|&d| Ok((device_name(d), rng_state(d)?)))
+            .collect::<Result<_>>()?;
+        let name = rng_file(self.process_index());
+        let record = write_tensors(&tmp.join(&name), &rng)?;
+        Ok((name, record))
+    }
+
+    /// Model, optimizers and the manifest (the main process's part).
+    fn write_state(&self, tmp: &Path, rng_files: Vec<(String, FileRecord)>) -> Result<()> {
         let registry = self.registry();
-        let mut files = BTreeMap::new();
+        let mut files: BTreeMap<String, FileRecord> = rng_files.into_iter().collect();
         for (i, params) in registry.models.iter().enumerate() {
             let tensors: Vec<(String, Tensor)> =
                 params.iter().map(|p| (p.name.clone(), p.tensor.detach())).collect();
@@ -178,10 +233,6 @@ impl Accelerator {
             });
         }
         let devices = rng_devices();
-        let rng: Vec<(String, Tensor)> =
-            devices.iter().map(|&d| Ok((device_name(d), rng_state(d)?))).collect::<Result<_>>()?;
-        let rank = self.process_index();
-        files.insert(rng_file(rank), write_tensors(&tmp.join(rng_file(rank)), &rng)?);
         let manifest = Manifest {
             format: FORMAT.into(),
             version: VERSION,
@@ -368,10 +419,14 @@ impl Accelerator {
         })?;
         std::fs::create_dir_all(root).map_err(|e| io_error(root, e))?;
         let existing = numbered_checkpoints(root)?;
-        let next = existing.last().map_or(0, |(i, _)| i + 1);
+        let mut next = existing.last().map_or(0, |(i, _)| i + 1);
+        if let Some(group) = &self.inner.group {
+            // The main process's count decides, so every process writes the same folder.
+            next = group.broadcast_object(self.is_main_process().then_some(&next), 0)?;
+        }
         let dir = root.join(format!("checkpoint_{next}"));
         self.save_state(&dir)?;
-        if let Some(limit) = self.inner.checkpoint_limit {
+        if let (Some(limit), true) = (self.inner.checkpoint_limit, self.is_main_process()) {
             let all = numbered_checkpoints(root)?;
             for (_, old) in all.iter().take(all.len().saturating_sub(limit.max(1))) {
                 std::fs::remove_dir_all(old).map_err(|e| io_error(old, e))?;
@@ -422,7 +477,7 @@ impl Accelerator {
             shard_bytes += bytes;
             shards.last_mut().expect("one shard at least").push((name, tensor.detach()));
         }
-        let tmp = temporary_dir(dir)?;
+        let tmp = temporary_dir(dir, true)?;
         let result = (|| -> Result<()> {
             if shards.len() == 1 {
                 write_tensors(&tmp.join("model.safetensors"), &shards[0])?;
