@@ -4,7 +4,8 @@
 //!   and links `.venv/libtorch` to the torch package, which `.cargo/config.toml` hands to
 //!   torch-sys as `LIBTORCH`. Runs once; later calls only check it.
 //! - `cargo xtask test [ARGS]`   setup, then `cargo test --workspace [ARGS]`.
-//! - `cargo xtask train [ARGS]`  setup, then the main job (the `train` example).
+//! - `cargo xtask train [ARGS]`  setup, then the main job: the `train` example on 2 local
+//!   processes (`accel launch`), on CPU.
 //! - `cargo xtask bench`         setup, release build, then accel and PyTorch + Accelerate on
 //!   the same work in the same run, as a table of ratios.
 //!
@@ -29,12 +30,7 @@ fn main() -> ExitCode {
     let result = match command.as_str() {
         "setup" => setup().map(|_| ()),
         "test" => setup().and_then(|_| cargo(&["test", "--workspace"], &rest)),
-        "train" => setup().and_then(|_| {
-            cargo(
-                &["run", "--quiet", "-p", "accel-examples", "--example", MAIN_EXAMPLE, "--"],
-                &rest,
-            )
-        }),
+        "train" => setup().and_then(|_| train(&rest)),
         "bench" => setup().and_then(|_| bench()),
         _ => Err(format!(
             "unknown command `{command}`; the commands are:\n  \
@@ -271,4 +267,25 @@ fn bench() -> Result<(), String> {
         "1MiB,4MiB,16MiB,64MiB",
         "--compare-gloo",
     ]))
+}
+
+/// The main job: the `train` example on 2 processes of this machine, on CPU.
+fn train(rest: &[OsString]) -> Result<(), String> {
+    cargo(
+        &["build", "--quiet", "-p", "accel-core", "--bin", "accel", "-p", "accel-examples"],
+        &["--example".into(), MAIN_EXAMPLE.into()],
+    )?;
+    let root = root();
+    run(Command::new(root.join("target/debug/accel"))
+        .args([
+            "launch",
+            "--num-processes",
+            "2",
+            "--main-process-port",
+            "0",
+            "--cpu",
+            "--rank0-only",
+        ])
+        .arg(root.join("target/debug/examples").join(MAIN_EXAMPLE))
+        .args(rest))
 }

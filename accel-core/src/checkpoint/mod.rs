@@ -170,7 +170,8 @@ impl Accelerator {
         // Every rank learns the main process's outcome of each phase, so all return alike.
         let agree = |outcome: Result<()>| -> Result<()> {
             let message = outcome.as_ref().err().map(ToString::to_string);
-            let shared: Option<String> = group.broadcast_object((group.rank() == 0).then_some(&message), 0)?;
+            let shared: Option<String> =
+                group.broadcast_object((group.rank() == 0).then_some(&message), 0)?;
             match (outcome, shared) {
                 (Err(e), _) => Err(e),
                 (Ok(()), Some(m)) => Err(bad(dir, format!("the main process failed to save: {m}"))),
@@ -180,14 +181,17 @@ impl Accelerator {
         let tmp = temporary_dir_path(dir, false)?;
         agree(if self.is_main_process() { temporary_dir(dir, false).map(|_| ()) } else { Ok(()) })?;
         let mine = self.write_rng(&tmp).map_err(|e| e.to_string());
-        let all = group.gather_objects(&mine.map(|(name, record)| (name, record.bytes, record.crc32)), 0)?;
+        let all = group
+            .gather_objects(&mine.map(|(name, record)| (name, record.bytes, record.crc32)), 0)?;
         let outcome = match all {
             Some(all) => (|| {
                 let records = all
                     .into_iter()
                     .map(|r| r.map(|(name, bytes, crc32)| (name, FileRecord { bytes, crc32 })))
                     .collect::<std::result::Result<Vec<_>, String>>()
-                    .map_err(|e| bad(dir, format!("a process could not write its RNG state: {e}")))?;
+                    .map_err(|e| {
+                        bad(dir, format!("a process could not write its RNG state: {e}"))
+                    })?;
                 self.write_state(&tmp, records)?;
                 publish(&tmp, dir)
             })(),

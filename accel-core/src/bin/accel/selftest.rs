@@ -297,15 +297,21 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
     opt.zero_grad()?;
 
     // A checkpoint of a multi-process run: one folder, every rank's RNG state in it.
-    let dir = std::env::temp_dir().join(format!("accel-ddp-{}", std::env::var("MASTER_PORT").unwrap_or_default()));
+    let dir = std::env::temp_dir()
+        .join(format!("accel-ddp-{}", std::env::var("MASTER_PORT").unwrap_or_default()));
     acc.save_state(&dir)?;
-    let files: Vec<bool> = (0..group.size()).map(|r| dir.join(format!("rng_state_{r}.safetensors")).exists()).collect();
+    let files: Vec<bool> = (0..group.size())
+        .map(|r| dir.join(format!("rng_state_{r}.safetensors")).exists())
+        .collect();
     acc.load_state(&dir)?;
     acc.wait_for_everyone()?;
     if acc.is_main_process() {
         let _ = std::fs::remove_dir_all(&dir);
     }
-    report("save_state/load_state with several processes (one folder, each rank's RNG state)", files.iter().all(|f| *f));
+    report(
+        "save_state/load_state with several processes (one folder, each rank's RNG state)",
+        files.iter().all(|f| *f),
+    );
 
     // A parameter without a gradient is named.
     let unused_vs = nn::VarStore::new(Device::Cpu);
