@@ -394,6 +394,12 @@ impl Accelerator {
     /// With several processes it also makes the model data-parallel: rank 0's values are
     /// broadcast, and every sync step's gradients are averaged (see `strategy/ddp`).
     pub fn prepare_model(&self, vs: &tch::nn::VarStore) -> Result<()> {
+        self.prepare_model_with(vs, self.inner.ddp_options)
+    }
+
+    /// [`prepare_model`](Self::prepare_model) with this model's own DDP settings (bucket
+    /// size, unused parameters, gradient compression).
+    pub fn prepare_model_with(&self, vs: &tch::nn::VarStore, ddp: DdpOptions) -> Result<()> {
         let params: Vec<Param> = {
             let mut all: Vec<Param> =
                 vs.variables().into_iter().map(|(name, tensor)| Param { name, tensor }).collect();
@@ -410,8 +416,7 @@ impl Accelerator {
             })?;
         }
         if let Some(group) = &self.inner.group {
-            let ddp =
-                Ddp::new(&params, group.clone(), self.inner.state.clone(), self.inner.ddp_options)?;
+            let ddp = Ddp::new(&params, group.clone(), self.inner.state.clone(), ddp)?;
             self.inner.ddp.lock().unwrap_or_else(|e| e.into_inner()).push(ddp);
         }
         self.registry().models.push(params);

@@ -313,6 +313,46 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
         files.iter().all(|f| *f),
     );
 
+    // bf16 gradient compression: close to the fp32 average, but not equal to it.
+    let twin = |seed: i64| -> (nn::VarStore, nn::Linear) {
+        tch::manual_seed(seed);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let lin = nn::linear(vs.root() / "lin", 64, 64, Default::default());
+        (vs, lin)
+    };
+    let (plain_vs, plain) = twin(5);
+    let (packed_vs, packed) = twin(5);
+    acc.prepare_model_with(&plain_vs, DdpOptions::default())?;
+    let compressed = DdpOptions { compression: Some(Kind::BFloat16), ..Default::default() };
+    acc.prepare_model_with(&packed_vs, compressed)?;
+    let input = (Tensor::arange(64 * 64, (Kind::Float, Device::Cpu)).view([64, 64])
+        * (0.01 * (r + 1.0)))
+        .sin();
+    for _ in 0..2 {
+        let loss = plain.forward(&input).square().mean(Kind::Float)
+            + packed.forward(&input).square().mean(Kind::Float);
+        acc.backward(&loss)?;
+    }
+    let (a, b) =
+        (plain_vs.variables()["lin.weight"].grad(), packed_vs.variables()["lin.weight"].grad());
+    let scale = a.abs().max().double_value(&[]);
+    let diff = (&a - &b).abs().max().double_value(&[]);
+    report(
+        "bf16 gradient compression: within bf16 rounding of the fp32 average",
+        diff > 0.0 && diff < scale * 2e-2,
+    );
+
+    // allow_unused: a parameter without a gradient contributes zeros instead of failing.
+    let lenient_vs = nn::VarStore::new(Device::Cpu);
+    let used = lenient_vs.root().var("used", &[2], nn::Init::Const(1.0));
+    let idle = lenient_vs.root().var("idle", &[2], nn::Init::Const(1.0));
+    acc.prepare_model_with(&lenient_vs, DdpOptions { allow_unused: true, ..Default::default() })?;
+    acc.backward(&used.sum(Kind::Float))?;
+    acc.backward(&used.sum(Kind::Float))?;
+    let idle_grad = idle.grad();
+    let zero = idle_grad.defined() && idle_grad.abs().sum(Kind::Float).double_value(&[]) == 0.0;
+    report("allow_unused: an unused parameter gets a zero gradient", zero);
+
     // A parameter without a gradient is named.
     let unused_vs = nn::VarStore::new(Device::Cpu);
     let used = unused_vs.root().var("used", &[2], nn::Init::Const(1.0));
