@@ -99,3 +99,26 @@ fn asking_for_cuda_without_it_is_a_clear_error() {
     }
     assert_eq!(accel_core::cuda::check_device(tch::Device::Cpu).unwrap(), tch::Device::Cpu);
 }
+
+#[test]
+fn estimate_memory_reads_a_safetensors_header() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let path = dir.join("estimate.safetensors");
+    let w = tch::Tensor::zeros([1000, 500], (tch::Kind::Float, tch::Device::Cpu));
+    let b = tch::Tensor::zeros([500], (tch::Kind::Float, tch::Device::Cpu));
+    tch::Tensor::write_safetensors(&[("w", &w), ("b", &b)], &path).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_accel"))
+        .arg("estimate-memory")
+        .arg(&path)
+        .args(["--num-processes", "2"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("for 500500 parameters"), "{stdout}");
+    // DDP with AdamW: 16 bytes per parameter.
+    let ddp = stdout.lines().find(|l| l.starts_with("ddp")).unwrap();
+    assert!(ddp.trim_end().ends_with("7.64 MiB"), "{ddp}");
+    let err = Command::new(env!("CARGO_BIN_EXE_accel")).args(["estimate-memory"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&err.stderr).contains("--params N"));
+}

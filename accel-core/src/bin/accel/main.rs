@@ -2,6 +2,7 @@
 
 mod bench;
 mod env;
+mod estimate;
 mod selftest;
 
 use std::path::PathBuf;
@@ -42,6 +43,21 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Per-process memory of parameters, gradients and optimizer state under each strategy,
+    /// for a safetensors model or a parameter count.
+    EstimateMemory {
+        /// A safetensors file (only its header is read).
+        model: Option<PathBuf>,
+        /// A parameter count instead of a file.
+        #[arg(long)]
+        params: Option<u64>,
+        /// Process counts, comma separated.
+        #[arg(long, default_value = "1,2,4,8")]
+        num_processes: String,
+        /// adamw, adam, sgd-momentum or sgd.
+        #[arg(long, default_value = "adamw")]
+        optimizer: String,
+    },
     /// Internal: what `accel test` / `accel bench` run in each process.
     #[command(hide = true)]
     Worker {
@@ -207,6 +223,39 @@ fn main() -> ExitCode {
         }
         Command::Bench(BenchCommand::Allreduce { launch: args, sizes, dtype, compare_gloo }) => {
             bench::allreduce(&args, &sizes, &dtype, compare_gloo)
+        }
+        Command::EstimateMemory { model, params, num_processes, optimizer } => {
+            let result = (|| -> accel_core::Result<String> {
+                let params = match (model, params) {
+                    (Some(path), None) => estimate::count_parameters(&path)?,
+                    (None, Some(n)) => n,
+                    _ => {
+                        return Err(accel_core::Error::Config(
+                            "give a safetensors file or --params N (one of the two)".into(),
+                        ));
+                    }
+                };
+                let processes = num_processes
+                    .split(',')
+                    .map(|n| n.trim().parse::<usize>().ok().filter(|&n| n > 0))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| {
+                        accel_core::Error::Config(format!(
+                            "--num-processes {num_processes:?}: expected e.g. 1,2,4"
+                        ))
+                    })?;
+                estimate::table(params, &processes, &optimizer)
+            })();
+            match result {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("accel estimate-memory: {e}");
+                    ExitCode::FAILURE
+                }
+            }
         }
         Command::Config { mode, config_file } => match config::run(mode.as_deref(), config_file) {
             Ok(()) => ExitCode::SUCCESS,
