@@ -503,6 +503,30 @@ impl Accelerator {
         PreparedIter::new(rounds, self.inner.state.clone(), position, self.device())
     }
 
+    /// This process's share of a stream of samples, with Accelerate's
+    /// `IterableDatasetShard` rules (buffers of `batch_size × processes`, rank r takes its
+    /// slice, a short last buffer completed from the first); batch the result yourself, or
+    /// through a [`DataLoader`].
+    pub fn shard_samples<I>(
+        &self,
+        samples: I,
+        batch_size: usize,
+    ) -> crate::data::IterableShard<I::IntoIter>
+    where
+        I: IntoIterator,
+        I::Item: Clone,
+    {
+        let options = crate::data::ShardOptions {
+            rank: self.process_index(),
+            world: self.num_processes(),
+            batch_size,
+            drop_last: false,
+            even_batches: true,
+            split_batches: false,
+        };
+        crate::data::IterableShard::new(samples.into_iter(), options)
+    }
+
     /// Autocast for the configured precision until the guard is dropped (`None` in fp32).
     pub fn autocast(&self) -> Result<Option<AutocastGuard>> {
         precision::enter(self.inner.config.precision, self.device())

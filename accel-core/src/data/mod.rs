@@ -6,4 +6,4 @@ mod shard;
 pub use loader::{
     Batches, DataLoader, Dataset, LoaderOptions, MapDataset, Sampler, TensorDataset, stack,
 };
-pub use shard::{ShardOptions, shard_batches};
+pub use shard::{IterableShard, ShardOptions, shard_batches};

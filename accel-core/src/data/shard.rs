@@ -110,6 +110,69 @@ fn split(batches: &[Vec<usize>], o: ShardOptions) -> Vec<Vec<usize>> {
     out
 }
 
+/// Accelerate's `IterableDatasetShard` for data that comes as a stream of samples: samples
+/// are read in buffers of `batch_size × world` (or `batch_size` with `split_batches`), and
+/// rank r takes its slice of each buffer; a short last buffer is completed with samples
+/// from the first one (unless `drop_last`), so every rank sees as many samples.
+#[derive(Debug)]
+pub struct IterableShard<I: Iterator> {
+    inner: I,
+    options: ShardOptions,
+    first: Option<Vec<I::Item>>,
+    ready: std::collections::VecDeque<I::Item>,
+    done: bool,
+}
+
+impl<I: Iterator> IterableShard<I>
+where
+    I::Item: Clone,
+{
+    /// This rank's samples of `inner`.
+    pub fn new(inner: I, options: ShardOptions) -> Self {
+        Self { inner, options, first: None, ready: Default::default(), done: false }
+    }
+
+    fn sizes(&self) -> (usize, std::ops::Range<usize>) {
+        let o = self.options;
+        let world = o.world.max(1);
+        let (real, per_process) = if o.split_batches {
+            (o.batch_size, o.batch_size / world)
+        } else {
+            (o.batch_size * world, o.batch_size)
+        };
+        (real, o.rank * per_process..(o.rank + 1) * per_process)
+    }
+}
+
+impl<I: Iterator> Iterator for IterableShard<I>
+where
+    I::Item: Clone,
+{
+    type Item = I::Item;
+    fn next(&mut self) -> Option<I::Item> {
+        while self.ready.is_empty() && !self.done {
+            let (real, slice) = self.sizes();
+            let mut buffer: Vec<I::Item> = self.inner.by_ref().take(real).collect();
+            if buffer.len() == real {
+                if self.first.is_none() {
+                    self.first = Some(buffer.clone());
+                }
+            } else {
+                self.done = true;
+                if buffer.is_empty() || self.options.drop_last {
+                    break;
+                }
+                let first = self.first.get_or_insert_with(|| buffer.clone()).clone();
+                while buffer.len() < real {
+                    buffer.extend(first.iter().cloned());
+                }
+            }
+            self.ready.extend(buffer.into_iter().skip(slice.start).take(slice.len()));
+        }
+        self.ready.pop_front()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -189,5 +252,20 @@ mod tests {
     fn one_process_is_the_identity() {
         let b = batches(7, 3, false);
         assert_eq!(shard_batches(&b, opts(0, 1, 3)), b);
+    }
+
+    #[test]
+    fn iterable_shards_complete_the_last_buffer_from_the_first() {
+        let shard = |rank, n: usize, drop_last| {
+            let o = ShardOptions { drop_last, ..opts(rank, 2, 3) };
+            IterableShard::new(0..n, o).collect::<Vec<usize>>()
+        };
+        assert_eq!(shard(0, 10, false), [0, 1, 2, 6, 7, 8]);
+        assert_eq!(shard(1, 10, false), [3, 4, 5, 9, 0, 1]);
+        assert_eq!(shard(1, 10, true), [3, 4, 5]);
+        // Fewer samples than one buffer: the buffer is completed by repeating them.
+        assert_eq!(shard(1, 4, false), [3, 0, 1]);
+        let split = ShardOptions { split_batches: true, ..opts(1, 2, 4) };
+        assert_eq!(IterableShard::new(0..10usize, split).collect::<Vec<_>>(), [2, 3, 6, 7, 0, 1]);
     }
 }
