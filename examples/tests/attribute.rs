@@ -4,7 +4,6 @@
 //! matches 1 process with twice the batch (data parallelism, as examples/tests/parity.rs).
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use accel_core::Accelerator;
 use accel_core::launch::{LaunchPlan, run};
@@ -119,27 +118,21 @@ fn the_annotated_example_is_its_plain_twin_plus_one_line_and_both_train() {
 }
 
 fn final_weights(processes: usize, batch: &str, out: &Path) -> Vec<(String, Vec<f32>)> {
+    let program = vec![
+        example("existing_function"),
+        "--epochs".into(),
+        "2".into(),
+        "--batch-size".into(),
+        batch.into(),
+        "--samples".into(),
+        "1408".into(),
+        "--out".into(),
+        out.display().to_string(),
+    ];
     let plan = LaunchPlan {
-        program: vec![
-            example("existing_function"),
-            "--epochs".into(),
-            "2".into(),
-            "--batch-size".into(),
-            batch.into(),
-            "--samples".into(),
-            "1408".into(),
-            "--out".into(),
-            out.display().to_string(),
-        ],
-        num_processes: processes,
-        num_machines: 1,
-        machine_rank: 0,
-        main_process_ip: "127.0.0.1".into(),
-        main_process_port: 0,
         env: vec![("ACCEL_TIMEOUT_SECS".into(), "60".into())],
         rank0_only: true,
-        max_restarts: 0,
-        grace: Duration::from_secs(2),
+        ..LaunchPlan::local(processes, program)
     };
     assert_eq!(run(&plan).unwrap(), 0);
     let mut weights: Vec<(String, Vec<f32>)> = Tensor::read_safetensors(out)

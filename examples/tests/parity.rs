@@ -9,7 +9,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
 use accel_core::launch::{LaunchPlan, run};
 
@@ -37,16 +36,9 @@ fn scratch(name: &str) -> PathBuf {
 
 fn launch(processes: usize, program: Vec<String>) {
     let plan = LaunchPlan {
-        program,
-        num_processes: processes,
-        num_machines: 1,
-        machine_rank: 0,
-        main_process_ip: "127.0.0.1".into(),
-        main_process_port: 0,
         env: vec![("ACCEL_TIMEOUT_SECS".into(), "60".into())],
         rank0_only: true,
-        max_restarts: 0,
-        grace: Duration::from_secs(2),
+        ..LaunchPlan::local(processes, program)
     };
     assert_eq!(run(&plan).unwrap(), 0, "accel launch of {:?} failed", plan.program);
 }

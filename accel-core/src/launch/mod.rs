@@ -49,6 +49,25 @@ pub struct LaunchPlan {
     pub grace: Duration,
 }
 
+impl LaunchPlan {
+    /// `processes` processes of `program` on this machine, on a free port, with the usual
+    /// defaults (no restarts, 5 s grace, every rank's output shown).
+    pub fn local(processes: usize, program: Vec<String>) -> Self {
+        Self {
+            program,
+            num_processes: processes,
+            num_machines: 1,
+            machine_rank: 0,
+            main_process_ip: "127.0.0.1".into(),
+            main_process_port: 0,
+            env: Vec::new(),
+            rank0_only: false,
+            max_restarts: 0,
+            grace: Duration::from_secs(5),
+        }
+    }
+}
+
 /// Why a process ended.
 fn describe(status: ExitStatus) -> String {
     match (status.code(), status.signal()) {
