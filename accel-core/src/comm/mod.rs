@@ -198,6 +198,31 @@ impl ProcessGroup {
         let direct = mesh.enable_local(pids, &probes)?;
         let sockets = Arc::new(mesh.shutdown_handles());
         let (jobs, queue) = channel::<Queued>();
+        // The collective each rank is in, posted to the store off the hot path (at most
+        // twice a second) for the diagnosis of timeouts.
+        let progress = Arc::new(AtomicU64::new(0));
+        {
+            let (progress, shared) = (Arc::downgrade(&progress), shared.clone());
+            std::thread::Builder::new()
+                .name(format!("accel-group{id}-progress"))
+                .spawn(move || {
+                    let mut posted = 0;
+                    while let Some(progress) = progress.upgrade() {
+                        let seq = progress.load(Ordering::SeqCst);
+                        drop(progress);
+                        if seq != posted {
+                            let key = format!("group{id}/progress/{rank}");
+                            if let Ok(mut store) = shared.store.lock() {
+                                if store.set(&key, &seq.to_le_bytes()).is_ok() {
+                                    posted = seq;
+                                }
+                            }
+                        }
+                        std::thread::sleep(Duration::from_millis(500));
+                    }
+                })
+                .map_err(|e| Error::Rendezvous(format!("cannot start the progress thread: {e}")))?;
+        }
         let worker_shared = shared.clone();
         let worker_members = members.clone();
         let timeout = options.timeout;
@@ -206,9 +231,7 @@ impl ProcessGroup {
             .spawn(move || {
                 for Queued { seq, collective, what, job, done } in queue {
                     if collective {
-                        let _ = worker_shared.store.lock().map(|mut s| {
-                            s.set(&format!("group{id}/progress/{rank}"), &seq.to_le_bytes())
-                        });
+                        progress.store(seq, Ordering::SeqCst);
                     }
                     let result = job(&mesh).map_err(|fault| {
                         diagnose(

@@ -138,14 +138,13 @@ pub fn run(plan: &LaunchPlan) -> Result<i32> {
         match outcome {
             Outcome::Success => return Ok(0),
             Outcome::Interrupted(code) => return Ok(code),
-            Outcome::Failed(code) if attempt < plan.max_restarts => {
+            Outcome::Failed(_) if attempt < plan.max_restarts => {
                 attempt += 1;
                 eprintln!(
                     "accel launch: restarting all processes (restart {attempt} of {}); programs that \
                      call load_latest_checkpoint continue from their last checkpoint",
                     plan.max_restarts
                 );
-                let _ = code;
             }
             Outcome::Failed(code) => return Ok(code),
         }

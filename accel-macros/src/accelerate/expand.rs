@@ -388,23 +388,18 @@ impl Rewriter<'_> {
     /// dropped before the statement that runs backward.
     fn add_autocast(&self, body: &mut Block) {
         let name = &self.cx.name;
-        let q = self.question();
         let position = body
             .stmts
             .iter()
             .position(|s| stmt_has_backward(s, &self.optimizers))
             .unwrap_or(body.stmts.len());
         body.stmts.insert(position, parse_quote!(drop(__accel_autocast);));
-        body.stmts.insert(0, parse_quote!(let __accel_autocast = #name.autocast() #q;));
+        body.stmts.insert(0, parse_quote!(let __accel_autocast = #name.autocast()?;));
     }
 
     /// Whether an optimizer configuration's `.build(&vs, lr)` was rewritten.
     fn built_optimizer(&self) -> bool {
         self.rewrote_build
-    }
-
-    fn question(&self) -> TokenStream {
-        quote!(?)
     }
 }
 
