@@ -5,6 +5,7 @@ machine-readable line).
     .venv/bin/python python/reference/accelerate_mlp.py
     .venv/bin/torchrun --nproc-per-node 2 python/reference/accelerate_mlp.py
 """
+import resource
 import sys
 import time
 
@@ -36,4 +37,5 @@ for x, y in dl:
     n += 1
 dt = time.perf_counter() - t0
 if acc.is_main_process:
-    print(f"fused={fused} procs={acc.num_processes} steps_per_proc={n} samples_per_s={n * 64 * acc.num_processes / dt:.1f} loss={loss.item():.4f}")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
+    print(f"fused={fused} procs={acc.num_processes} steps_per_proc={n} samples_per_s={n * 64 * acc.num_processes / dt:.1f} peak_rss_mib={peak:.0f} loss={loss.item():.4f}")

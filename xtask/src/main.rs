@@ -178,8 +178,8 @@ fn cargo(args: &[&str], rest: &[OsString]) -> Result<(), String> {
     run(Command::new(cargo).current_dir(root()).args(args).args(rest))
 }
 
-/// Runs `command`, echoes its output, and returns the `samples_per_s=` figure it printed.
-fn samples_per_second(command: &mut Command) -> Result<f64, String> {
+/// Runs `command` and returns its `samples_per_s=` and `peak_rss_mib=` figures.
+fn mlp_figures(command: &mut Command) -> Result<(f64, f64), String> {
     let output = command.output().map_err(|e| format!("cannot run {command:?}: {e}"))?;
     let text = String::from_utf8_lossy(&output.stdout).into_owned();
     if !output.status.success() {
@@ -188,27 +188,46 @@ fn samples_per_second(command: &mut Command) -> Result<f64, String> {
             String::from_utf8_lossy(&output.stderr)
         ));
     }
-    text.split_whitespace()
-        .find_map(|w| w.strip_prefix("samples_per_s="))
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| format!("{command:?} printed no samples_per_s:\n{text}"))
+    let figure = |key: &str| -> Result<f64, String> {
+        text.split_whitespace()
+            .find_map(|w| w.strip_prefix(key))
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| format!("{command:?} printed no {key}\n{text}"))
+    };
+    Ok((figure("samples_per_s=")?, figure("peak_rss_mib=")?))
+}
+
+/// The median of `runs` measurements (this VM's figures vary by ±20% between runs).
+fn median_of(
+    runs: usize,
+    mut measure: impl FnMut() -> Result<(f64, f64), String>,
+) -> Result<(f64, f64), String> {
+    let mut all = (0..runs).map(|_| measure()).collect::<Result<Vec<_>, _>>()?;
+    all.sort_by(|a, b| a.0.total_cmp(&b.0));
+    Ok(all[runs / 2])
+}
+
+/// Seconds to rebuild `example` after touching its source; the attribute's share shows as
+/// the difference between the annotated example and its plain twin.
+fn rebuild_seconds(example: &str) -> Result<f64, String> {
+    let source = root().join("examples").join(format!("{example}.rs"));
+    let text = std::fs::read(&source).map_err(|e| format!("{}: {e}", source.display()))?;
+    std::fs::write(&source, &text).map_err(|e| format!("{}: {e}", source.display()))?;
+    let started = Instant::now();
+    cargo(&["build", "--quiet", "-p", "accel-examples", "--example", example], &[])?;
+    Ok(started.elapsed().as_secs_f64())
 }
 
 fn bench() -> Result<(), String> {
+    const RUNS: usize = 3;
     let root = root();
     cargo(
-        &[
-            "build",
-            "--release",
-            "-p",
-            "accel-core",
-            "--bin",
-            "accel",
-            "-p",
-            "accel-examples",
-            "--example",
-            "mlp_bench",
-        ],
+        &["build", "--release", "-p", "accel-core", "--bin", "accel", "-p", "accel-examples"],
+        &["--example".into(), "mlp_bench".into()],
+    )?;
+    cargo(&["build", "--quiet", "-p", "accel-examples", "--example", "existing_function"], &[])?;
+    cargo(
+        &["build", "--quiet", "-p", "accel-examples", "--example", "existing_function_plain"],
         &[],
     )?;
     let accel = root.join("target/release/accel");
@@ -216,45 +235,77 @@ fn bench() -> Result<(), String> {
     let python = root.join(".venv/bin/python");
     let torchrun = root.join(".venv/bin/torchrun");
     let script = root.join("python/reference/accelerate_mlp.py");
-    eprintln!("xtask: measuring (about a minute) ...");
-    let ours1 = samples_per_second(&mut Command::new(&example))?;
-    let ours2 = samples_per_second(
-        Command::new(&accel)
-            .args(["launch", "--num-processes", "2", "--main-process-port", "0", "--rank0-only"])
-            .arg(&example),
-    )?;
-    let theirs = |procs: usize, fused: bool| -> Result<f64, String> {
-        let mut command = if procs == 1 {
-            let mut c = Command::new(&python);
-            c.arg(&script);
-            c
-        } else {
-            let mut c = Command::new(&torchrun);
-            c.args(["--nproc-per-node", "2", "--master-port", "29731"]).arg(&script);
-            c
-        };
-        if fused {
-            command.arg("fused");
-        }
-        samples_per_second(&mut command)
+    eprintln!("xtask: measuring, {RUNS} runs of each (a few minutes) ...");
+    let ours = |procs: usize| {
+        median_of(RUNS, || {
+            if procs == 1 {
+                mlp_figures(&mut Command::new(&example))
+            } else {
+                mlp_figures(
+                    Command::new(&accel)
+                        .args([
+                            "launch",
+                            "--num-processes",
+                            "2",
+                            "--main-process-port",
+                            "0",
+                            "--rank0-only",
+                        ])
+                        .arg(&example),
+                )
+            }
+        })
     };
-    let (acc1, acc2) = (theirs(1, false)?, theirs(2, false)?);
-    let (accf1, accf2) = (theirs(1, true)?, theirs(2, true)?);
+    let theirs = |procs: usize, fused: bool| {
+        median_of(RUNS, || {
+            let mut command = if procs == 1 {
+                let mut c = Command::new(&python);
+                c.arg(&script);
+                c
+            } else {
+                let mut c = Command::new(&torchrun);
+                c.args(["--nproc-per-node", "2", "--master-port", "29731"]).arg(&script);
+                c
+            };
+            if fused {
+                command.arg("fused");
+            }
+            mlp_figures(&mut command)
+        })
+    };
+    let rows = [
+        ("accel (fused AdamW, default)", ours(1)?, ours(2)?),
+        ("Accelerate (AdamW default)", theirs(1, false)?, theirs(2, false)?),
+        ("Accelerate (AdamW fused)", theirs(1, true)?, theirs(2, true)?),
+    ];
+    println!("MLP 784-1024-1024-10, batch 64 per process, AdamW, fp32, 1 thread per process, CPU;");
+    println!("median of {RUNS} runs each");
     println!(
-        "MLP 784-1024-1024-10, batch 64 per process, AdamW, fp32, 1 thread per process, CPU (samples/s)"
+        "{:<28} {:>10} {:>12} {:>8} {:>20}",
+        "samples/s", "1 process", "2 processes", "scaling", "peak RSS (rank 0)"
     );
-    println!("{:<28} {:>10} {:>12} {:>9}", "", "1 process", "2 processes", "scaling");
-    for (name, one, two) in [
-        ("accel (fused AdamW, default)", ours1, ours2),
-        ("Accelerate (AdamW default)", acc1, acc2),
-        ("Accelerate (AdamW fused)", accf1, accf2),
-    ] {
-        println!("{name:<28} {one:>10.0} {two:>12.0} {:>8.2}x", two / one);
+    for (name, one, two) in &rows {
+        println!(
+            "{name:<28} {:>10.0} {:>12.0} {:>7.2}x {:>8.0} / {:>4.0} MiB",
+            one.0,
+            two.0,
+            two.0 / one.0,
+            one.1,
+            two.1
+        );
     }
+    let (ours2, acc2, accf2) = (rows[0].2.0, rows[1].2.0, rows[2].2.0);
     println!(
-        "accel / Accelerate with 2 processes: {:.2}x (Accelerate's default AdamW), {:.2}x (its fused AdamW)\n",
+        "accel / Accelerate, 2 processes: {:.2}x (Accelerate's default AdamW), {:.2}x (its fused AdamW)",
         ours2 / acc2,
         ours2 / accf2
+    );
+    let (annotated, plain) =
+        (rebuild_seconds("existing_function")?, rebuild_seconds("existing_function_plain")?);
+    println!(
+        "compile time of #[accelerate] (debug rebuild of examples/existing_function after a \
+         touch): {annotated:.1} s with the attribute, {plain:.1} s without ({:+.1} s)\n",
+        annotated - plain
     );
     run(Command::new(&accel).args([
         "bench",
