@@ -10,7 +10,7 @@ use quote::ToTokens;
 fn annotated_files() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut files = Vec::new();
-    for dir in ["ui-tests/pass", "examples"] {
+    for dir in ["ui-tests/pass", "examples", "examples/by_feature"] {
         let Ok(entries) = std::fs::read_dir(root.join(dir)) else { continue };
         for entry in entries.flatten() {
             let path = entry.path();

@@ -1,0 +1,35 @@
+//! By feature: mixed precision. `precision = "bf16"` runs the forward pass under bf16
+//! autocast (matmuls in bf16, reductions and the loss in fp32) while the weights and the
+//! optimizer stay fp32; `"fp16"` adds dynamic loss scaling. Both work on CPU.
+//!
+//!     cargo run -p accel-examples --example mixed_precision
+
+use accel_examples::Digits;
+use anyhow::Result;
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+#[accel_core::accelerate(precision = "bf16", seed = 0, cpu = true)]
+fn train(x: &Tensor, y: &Tensor) -> Result<Kind> {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = nn::linear(vs.root() / "classifier", 64, 10, Default::default());
+    let mut opt = nn::AdamW::default().build(&vs, 1e-2)?;
+    let mut logits_kind = Kind::Float;
+    for (xb, yb) in tch::data::Iter2::new(x, y, 64) {
+        let logits = net.forward(&xb);
+        logits_kind = logits.kind();
+        let loss = logits.to_kind(Kind::Float).cross_entropy_for_logits(&yb);
+        opt.zero_grad();
+        loss.backward();
+        opt.step();
+    }
+    let weight = vs.variables()["classifier.weight"].kind();
+    accelerator.print(format!("logits computed in {logits_kind:?}, weights kept in {weight:?}"));
+    Ok(logits_kind)
+}
+
+fn main() -> Result<()> {
+    let data = Digits::load(Device::Cpu)?;
+    anyhow::ensure!(train(&data.train_x, &data.train_y)? == Kind::BFloat16);
+    Ok(())
+}
