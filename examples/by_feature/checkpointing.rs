@@ -41,10 +41,8 @@ fn main() -> Result<()> {
         TensorDataset::new(vec![data.train_x, data.train_y])?,
         options,
     )?)?;
-    if resume {
-        if let Some(from) = acc.load_latest_checkpoint()? {
-            acc.print(format!("resumed from {} at epoch {}", from.display(), loader.epoch()));
-        }
+    if resume && let Some(from) = acc.load_latest_checkpoint()? {
+        acc.print(format!("resumed from {} at epoch {}", from.display(), loader.epoch()));
     }
     for _ in loader.epoch()..3 {
         for batch in loader.iter() {
