@@ -1,5 +1,5 @@
-//! The by-feature examples run, on 1 and on 2 processes, and check their own claims
-//! (they exit non-zero otherwise).
+//! The by-feature examples and the CNN run, on 1 and on 2 processes, and check their own
+//! claims (they exit non-zero otherwise).
 
 use std::path::{Path, PathBuf};
 
@@ -25,6 +25,11 @@ fn accumulation_evaluation_and_mixed_precision_on_1_and_2_processes() {
             launch(processes, vec![example(name)], &[]);
         }
     }
+}
+
+#[test]
+fn the_cnn_reaches_its_target_on_2_processes() {
+    launch(2, vec![example("cnn")], &[]);
 }
 
 #[test]
