@@ -216,3 +216,86 @@ fn parity_example_matches_pytorch_and_accelerate() {
         }
     }
 }
+
+#[test]
+fn zero1_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
+    let python = root().join(".venv/bin/python");
+    let dir = scratch("zero1");
+    let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
+    let made = Command::new(&python)
+        .arg(root().join("python/reference/parity_accelerate.py"))
+        .args([
+            "make",
+            "--n",
+            "45",
+            "--d",
+            "10",
+            "--hidden",
+            "16,16",
+            "--classes",
+            "3",
+            "--seed",
+            "1",
+        ])
+        .arg("--init")
+        .arg(&w)
+        .arg("--data")
+        .arg(&d)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    for n in [2, 3] {
+        let mut runs = Vec::new();
+        for strategy in ["ddp", "zero1"] {
+            let (out, losses) = (
+                dir.join(format!("{strategy}-{n}.safetensors")),
+                dir.join(format!("{strategy}-{n}.jsonl")),
+            );
+            let mut program = vec![example("parity")];
+            program.extend(
+                [
+                    "--init",
+                    w.to_str().unwrap(),
+                    "--data",
+                    d.to_str().unwrap(),
+                    "--hidden",
+                    "16,16",
+                    "--optimizer",
+                    "adamw",
+                    "--lr",
+                    "1e-2",
+                    "--batch-size",
+                    "4",
+                    "--accumulate",
+                    "2",
+                    "--epochs",
+                    "2",
+                    "--clip-grad-norm",
+                    "1.0",
+                    "--strategy",
+                    strategy,
+                ]
+                .iter()
+                .map(|s| s.to_string()),
+            );
+            program.extend([
+                "--out".into(),
+                out.display().to_string(),
+                "--losses".into(),
+                losses.display().to_string(),
+            ]);
+            launch(n, program);
+            runs.push((read_losses(&losses), read_weights(&out)));
+        }
+        let ((ddp_losses, ddp_weights), (zero_losses, zero_weights)) = (&runs[0], &runs[1]);
+        assert_eq!(ddp_losses, zero_losses, "{n} processes: losses");
+        for (name, a) in ddp_weights {
+            let diff = a
+                .iter()
+                .zip(&zero_weights[name])
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(diff <= 1e-6, "{n} processes: {name} differs between ddp and zero1 by {diff}");
+        }
+    }
+}

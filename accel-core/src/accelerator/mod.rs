@@ -168,9 +168,10 @@ impl AcceleratorBuilder {
 
 /// What this release can do with several processes: data parallelism on CPU.
 fn check_multi_process(config: &Config, device: Device) -> Result<()> {
-    if !matches!(config.strategy, Strategy::Single | Strategy::Ddp) {
+    if !matches!(config.strategy, Strategy::Single | Strategy::Ddp | Strategy::Zero1) {
         return Err(Error::Unsupported(format!(
-            "strategy {} with several processes: ZeRO/FSDP sharding is not built yet; use ddp",
+            "strategy {} with several processes: ZeRO stages 2-3 and FSDP are not built yet; \
+             use ddp or zero1",
             config.strategy
         )));
     }
@@ -433,12 +434,15 @@ impl Accelerator {
         &self,
         optimizer: Box<dyn Optimizer>,
     ) -> AcceleratedOptimizer {
+        let zero1 =
+            self.inner.group.clone().filter(|_| self.inner.config.strategy == Strategy::Zero1);
         let prepared = AcceleratedOptimizer::new(
             optimizer,
             self.inner.state.clone(),
             self.inner.scaler.clone(),
             self.inner.config.clip_grad_norm,
             self.num_processes(),
+            zero1,
         );
         self.registry().optimizers.push(prepared.clone());
         prepared

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tch::Tensor;
 
 use super::state::GradientState;
+use crate::comm::ProcessGroup;
 use crate::error::Result;
 use crate::optim::{LrScheduler, Optimizer, Schedule, clip_grad_norm};
 use crate::precision::GradScaler;
@@ -18,6 +19,35 @@ pub(crate) struct Slot {
     pub(crate) step_was_skipped: bool,
     /// Gradients already unscaled (and maybe clipped) in this step.
     unscaled: bool,
+    /// A failure to set up, reported by the first step (`prepare_optimizer` cannot fail).
+    deferred: Option<String>,
+    /// ZeRO stage 1's bookkeeping, when the optimizer state is sharded.
+    zero: Option<Zero1>,
+}
+
+/// ZeRO stage 1 (as torch's `ZeroRedundancyOptimizer`): each process keeps the optimizer
+/// state of its share of the parameters only, steps them, and broadcasts them to the others.
+/// Gradients are averaged by DDP before, so every process sees the same ones.
+pub(crate) struct Zero1 {
+    group: ProcessGroup,
+    /// Every parameter, in the optimizer's order.
+    all: Vec<Tensor>,
+    /// The rank that owns (steps) each of them.
+    owner: Vec<usize>,
+}
+
+/// Shares parameters out so that every rank owns about as many elements: each in turn to
+/// the rank with the fewest so far (the same on every rank).
+fn partition(params: &[Tensor], world: usize) -> Vec<usize> {
+    let mut load = vec![0i64; world];
+    params
+        .iter()
+        .map(|p| {
+            let rank = (0..world).min_by_key(|&r| (load[r], r)).expect("world >= 1");
+            load[rank] += p.numel() as i64;
+            rank
+        })
+        .collect()
 }
 
 /// An optimizer whose `step`, `zero_grad` and learning-rate schedule follow the
@@ -51,9 +81,41 @@ impl AcceleratedOptimizer {
         scaler: Option<Arc<Mutex<GradScaler>>>,
         clip: Option<f64>,
         num_processes: usize,
+        zero1: Option<ProcessGroup>,
     ) -> Self {
-        let slot = Slot { optimizer, scheduler: None, step_was_skipped: false, unscaled: false };
+        let mut optimizer = optimizer;
+        let mut deferred = None;
+        let zero = zero1.map(|group| {
+            let all = optimizer.params();
+            let owner = partition(&all, group.size());
+            let rank = group.rank();
+            if let Err(e) = optimizer.retain(&|i| owner[i] == rank) {
+                deferred = Some(e.to_string());
+            }
+            Zero1 { group, all, owner }
+        });
+        let slot = Slot {
+            optimizer,
+            scheduler: None,
+            step_was_skipped: false,
+            unscaled: false,
+            deferred,
+            zero,
+        };
         Self { slot: Arc::new(Mutex::new(slot)), state, scaler, clip, num_processes }
+    }
+
+    /// Every parameter the model trains (under zero1 also those another process steps).
+    fn all_params(&self, slot: &Slot) -> Vec<Tensor> {
+        match &slot.zero {
+            Some(z) => z.all.iter().map(Tensor::shallow_clone).collect(),
+            None => slot.optimizer.params(),
+        }
+    }
+
+    /// Whether the optimizer state is sharded across processes (zero1).
+    pub fn is_sharded(&self) -> bool {
+        self.lock().zero.is_some()
     }
 
     fn lock(&self) -> MutexGuard<'_, Slot> {
@@ -106,12 +168,12 @@ impl AcceleratedOptimizer {
         }
         let mut slot = self.lock();
         self.unscale(&mut slot)?;
-        clip_grad_norm(&slot.optimizer.params(), max_norm)
+        clip_grad_norm(&self.all_params(&slot), max_norm)
     }
 
     fn unscale(&self, slot: &mut Slot) -> Result<()> {
         if let (Some(scaler), false) = (&self.scaler, slot.unscaled) {
-            scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(&slot.optimizer.params())?;
+            scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(&self.all_params(slot))?;
         }
         slot.unscaled = true;
         Ok(())
@@ -123,8 +185,11 @@ impl AcceleratedOptimizer {
             return Ok(());
         }
         let mut slot = self.lock();
+        if let Some(why) = &slot.deferred {
+            return Err(crate::Error::Unsupported(why.clone()));
+        }
         self.unscale(&mut slot)?;
-        let params = slot.optimizer.params();
+        let params = self.all_params(&slot);
         let skipped = match &self.scaler {
             Some(scaler) => {
                 let mut scaler = scaler.lock().unwrap_or_else(|e| e.into_inner());
@@ -139,6 +204,15 @@ impl AcceleratedOptimizer {
                 clip_grad_norm(&params, max)?;
             }
             slot.optimizer.step()?;
+            if let Some(zero) = &slot.zero {
+                // Each parameter from the process that stepped it.
+                tch::no_grad(|| -> Result<()> {
+                    for (param, &owner) in zero.all.iter().zip(&zero.owner) {
+                        zero.group.broadcast(param, owner)?;
+                    }
+                    Ok(())
+                })?;
+            }
             let Slot { optimizer, scheduler, .. } = &mut *slot;
             if let Some(scheduler) = scheduler {
                 for _ in 0..self.num_processes {
@@ -167,7 +241,7 @@ impl AcceleratedOptimizer {
         let mut slot = self.lock();
         if self.num_processes > 1 {
             tch::no_grad(|| -> Result<()> {
-                for p in slot.optimizer.params() {
+                for p in self.all_params(&slot) {
                     let mut grad = p.grad();
                     if grad.defined() {
                         let _ = grad.f_zero_()?;
@@ -178,5 +252,45 @@ impl AcceleratedOptimizer {
         } else {
             slot.optimizer.zero_grad()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::{Device, Kind, Tensor};
+
+    use super::partition;
+    use crate::optim::{AdamConfig, AdamW, Optimizer, unnamed_params};
+
+    #[test]
+    fn zero1_shares_parameters_evenly_and_keeps_only_its_own_state() {
+        let sizes = [1000i64, 10, 600, 400, 10, 5];
+        let params: Vec<Tensor> = sizes
+            .iter()
+            .map(|&n| Tensor::ones([n], (Kind::Float, Device::Cpu)).set_requires_grad(true))
+            .collect();
+        let owner = partition(&params, 2);
+        // Each to the lighter rank: 1000 | 10 600 400 | then 10 and 5 back to rank 0.
+        assert_eq!(owner, [0, 1, 1, 1, 0, 0]);
+        let load =
+            |r| sizes.iter().zip(&owner).filter(|(_, o)| **o == r).map(|(n, _)| n).sum::<i64>();
+        assert_eq!((load(0), load(1)), (1015, 1010));
+
+        let mut opt = AdamW::new(unnamed_params(&params), AdamConfig::adamw()).unwrap();
+        opt.retain(&|i| owner[i] == 1).unwrap();
+        assert_eq!(opt.params().len(), 3);
+        for p in &params {
+            crate::shim::set_grad(p, Some(&p.ones_like())).unwrap();
+        }
+        opt.step().unwrap();
+        let state = opt.state().unwrap();
+        // Moments exist for the three owned tensors only (step, exp_avg, exp_avg_sq each).
+        assert_eq!(state.tensors.len(), 9);
+        assert!(!state.tensors.keys().any(|k| k.starts_with("param.0/")));
+        assert_eq!(
+            params[0].double_value(&[0]),
+            1.0,
+            "a parameter another rank owns is not stepped here"
+        );
     }
 }

@@ -158,6 +158,13 @@ impl Accelerator {
     /// the folder appears only once all are written.
     pub fn save_state(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
+        if self.registry().optimizers.iter().any(|o| o.is_sharded()) {
+            return Err(Error::Unsupported(
+                "checkpoints of zero1 runs: their optimizer state is sharded, and sharded \
+                 checkpoints are not built yet; use strategy ddp for runs that must checkpoint"
+                    .into(),
+            ));
+        }
         let Some(group) = self.inner.group.clone() else {
             let tmp = temporary_dir(dir, true)?;
             let result = self.write_rng(&tmp).and_then(|rng| self.write_state(&tmp, vec![rng]));

@@ -299,6 +299,10 @@ macro_rules! adam_optimizer {
             fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
                 self.0.load_state(state)
             }
+            fn retain(&mut self, keep: &dyn Fn(usize) -> bool) -> Result<()> {
+                super::retain_params(&mut self.0.groups, &mut self.0.moments, keep);
+                Ok(())
+            }
         }
     };
 }

@@ -107,6 +107,39 @@ pub trait Optimizer: Send {
     fn state(&self) -> Result<OptimizerState>;
     /// Restores a state from [`Optimizer::state`] of an optimizer over the same parameters.
     fn load_state(&mut self, state: &OptimizerState) -> Result<()>;
+    /// Keeps only the parameters whose index (in [`Optimizer::params`] order) `keep`
+    /// accepts, with their state: how ZeRO stage 1 gives each process its share.
+    fn retain(&mut self, keep: &dyn Fn(usize) -> bool) -> Result<()> {
+        let _ = keep;
+        Err(Error::Unsupported(format!(
+            "{} cannot be sharded across processes (zero1); use accel's Sgd, Adam or AdamW",
+            self.name()
+        )))
+    }
+}
+
+/// Keeps the entries of `groups` (and the per-parameter `states`, in the same flat order)
+/// whose flat index `keep` accepts.
+pub(crate) fn retain_params<H, S>(
+    groups: &mut [ParamGroup<H>],
+    states: &mut Vec<S>,
+    keep: &dyn Fn(usize) -> bool,
+) {
+    let mut index = 0;
+    let mut kept_states = Vec::new();
+    let mut old_states = std::mem::take(states).into_iter();
+    for group in groups.iter_mut() {
+        let params = std::mem::take(&mut group.params);
+        for param in params {
+            let state = old_states.next().expect("one state per parameter");
+            if keep(index) {
+                group.params.push(param);
+                kept_states.push(state);
+            }
+            index += 1;
+        }
+    }
+    *states = kept_states;
 }
 
 /// Global-norm gradient clipping, as `torch.nn.utils.clip_grad_norm_(params, max_norm)`:

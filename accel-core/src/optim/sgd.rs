@@ -158,6 +158,11 @@ impl Optimizer for Sgd {
         Ok(state)
     }
 
+    fn retain(&mut self, keep: &dyn Fn(usize) -> bool) -> Result<()> {
+        super::retain_params(&mut self.groups, &mut self.momentum_buffers, keep);
+        Ok(())
+    }
+
     fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
         let hypers: Vec<SgdConfig> = groups_from_json("SGD", &state.groups, self.groups.len())?;
         for (group, hyper) in self.groups.iter_mut().zip(hypers) {

@@ -102,8 +102,8 @@ pub(crate) fn table(
         }
     }
     out.push_str(
-        "\nOnly ddp runs with several processes in this release; the zero rows are what the \
-         ZeRO stages will need (issue #6).\n",
+        "\nddp and zero1 run with several processes in this release; the zero2 and zero3 rows \
+         are what those stages will need (issue #6).\n",
     );
     Ok(out)
 }
