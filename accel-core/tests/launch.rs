@@ -283,3 +283,20 @@ fn ddp_through_the_accelerator_on_2_and_3_processes() {
         assert_eq!(out.matches("PASS").count(), expected, "{out}");
     }
 }
+
+#[test]
+fn the_nccl_check_fails_clearly_without_a_gpu() {
+    let output = accel()
+        .args(["launch", "--num-processes", "2", "--main-process-port", "0", "--timeout", "20"])
+        .arg(env!("CARGO_BIN_EXE_accel"))
+        .args(["worker", "nccl"])
+        .output()
+        .unwrap();
+    let out = text(&output);
+    if tch::Cuda::device_count() >= 2 {
+        assert!(output.status.success() && !out.contains("FAIL"), "{out}");
+    } else {
+        assert!(!output.status.success());
+        assert!(out.contains("CUDA was requested (device cuda:"), "{out}");
+    }
+}

@@ -270,6 +270,7 @@ fn main() -> ExitCode {
                 "allreduce" => bench::worker(&sizes, &dtype),
                 "spin" => selftest::spin(),
                 "ddp" => selftest::ddp(),
+                "nccl" => selftest::nccl(),
                 other => Err(accel_core::Error::Config(format!("unknown worker `{other}`"))),
             };
             match result {

@@ -369,3 +369,43 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
     );
     Ok(ok)
 }
+
+/// For GPU machines: an NCCL all-reduce and broadcast between the processes, one GPU each
+/// (`scripts/gpu-check.sh` runs it). Fails with the reason on machines without.
+pub(crate) fn nccl() -> accel_core::Result<bool> {
+    use accel_core::comm::nccl::NcclComm;
+    let topology = Topology::from_env()?;
+    let group = ProcessGroup::new(&topology, GroupOptions::default())?;
+    let device = Device::Cuda(topology.local_rank);
+    let comm = NcclComm::new(&group, device)?;
+    let (r, w) = (group.rank() as f64, group.size() as f64);
+    let mut ok = true;
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half, Kind::Double] {
+        let t = (Tensor::arange(1 << 20, (Kind::Float, device)) * (r + 1.0)).to_kind(kind);
+        comm.all_reduce(&t, ReduceOp::Sum)?;
+        let expected = Tensor::arange(1 << 20, (Kind::Float, device)) * (w * (w + 1.0) / 2.0);
+        let scale = expected.abs().max().double_value(&[]);
+        let tolerance =
+            if matches!(kind, Kind::BFloat16 | Kind::Half) { scale * 1e-2 } else { 1e-3 };
+        let diff = (t.to_kind(Kind::Float) - expected).abs().max().double_value(&[]);
+        ok &= diff <= tolerance;
+        if group.rank() == 0 {
+            println!(
+                "{} nccl all_reduce {kind:?} (max diff {diff:.3e})",
+                if diff <= tolerance { "PASS" } else { "FAIL" }
+            );
+        }
+    }
+    let b = Tensor::full([1000], r, (Kind::Float, device));
+    comm.broadcast(&b, 0)?;
+    let broadcast_ok = b.abs().max().double_value(&[]) == 0.0;
+    ok &= broadcast_ok;
+    let gathered = comm.all_gather(&Tensor::full([2], r, (Kind::Float, device)))?;
+    let gather_ok = gathered.size() == [2 * group.size() as i64];
+    ok &= gather_ok;
+    if group.rank() == 0 {
+        println!("{} nccl broadcast", if broadcast_ok { "PASS" } else { "FAIL" });
+        println!("{} nccl all_gather", if gather_ok { "PASS" } else { "FAIL" });
+    }
+    Ok(ok)
+}
