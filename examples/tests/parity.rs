@@ -82,6 +82,24 @@ fn one_process_with_batch_8n_equals_n_processes_with_batch_8() {
     assert_close(single, many, 2e-2, "bf16");
 }
 
+/// W.safetensors and D.safetensors for the parity runs (45 samples of 10 features, a
+/// 10-16-16-3 MLP), made by python/reference/parity_accelerate.py in `.venv`.
+fn make_weights_and_data(dir: &Path, seed: u64) -> (PathBuf, PathBuf) {
+    let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
+    let made = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("python/reference/parity_accelerate.py"))
+        .args(["make", "--n", "45", "--d", "10", "--hidden", "16,16", "--classes", "3"])
+        .args(["--seed", &seed.to_string()])
+        .arg("--init")
+        .arg(&w)
+        .arg("--data")
+        .arg(&d)
+        .status()
+        .unwrap();
+    assert!(made.success(), "parity_accelerate.py make failed");
+    (w, d)
+}
+
 fn read_losses(path: &Path) -> Vec<f64> {
     std::fs::read_to_string(path)
         .unwrap()
@@ -100,34 +118,11 @@ fn read_weights(path: &Path) -> BTreeMap<String, Vec<f32>> {
 
 #[test]
 fn parity_example_matches_pytorch_and_accelerate() {
-    let python = root().join(".venv/bin/python");
     let torchrun = root().join(".venv/bin/torchrun");
     assert!(torchrun.exists(), "{} is missing: run `cargo xtask setup`", torchrun.display());
     let script = root().join("python/reference/parity_accelerate.py");
     let dir = scratch("accelerate");
-    let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
-    let made = Command::new(&python)
-        .arg(&script)
-        .args([
-            "make",
-            "--n",
-            "45",
-            "--d",
-            "10",
-            "--hidden",
-            "16,16",
-            "--classes",
-            "3",
-            "--seed",
-            "0",
-        ])
-        .arg("--init")
-        .arg(&w)
-        .arg("--data")
-        .arg(&d)
-        .status()
-        .unwrap();
-    assert!(made.success());
+    let (w, d) = make_weights_and_data(&dir, 0);
     let cases: &[(usize, &str, &str)] = &[
         (1, "adamw", "1"),
         (1, "adamw", "3"),
@@ -219,31 +214,8 @@ fn parity_example_matches_pytorch_and_accelerate() {
 
 #[test]
 fn zero1_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
-    let python = root().join(".venv/bin/python");
     let dir = scratch("zero1");
-    let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
-    let made = Command::new(&python)
-        .arg(root().join("python/reference/parity_accelerate.py"))
-        .args([
-            "make",
-            "--n",
-            "45",
-            "--d",
-            "10",
-            "--hidden",
-            "16,16",
-            "--classes",
-            "3",
-            "--seed",
-            "1",
-        ])
-        .arg("--init")
-        .arg(&w)
-        .arg("--data")
-        .arg(&d)
-        .status()
-        .unwrap();
-    assert!(made.success());
+    let (w, d) = make_weights_and_data(&dir, 1);
     for n in [2, 3] {
         let mut runs = Vec::new();
         for strategy in ["ddp", "zero1"] {

@@ -401,12 +401,7 @@ impl Accelerator {
     /// [`prepare_model`](Self::prepare_model) with this model's own DDP settings (bucket
     /// size, unused parameters, gradient compression).
     pub fn prepare_model_with(&self, vs: &tch::nn::VarStore, ddp: DdpOptions) -> Result<()> {
-        let params: Vec<Param> = {
-            let mut all: Vec<Param> =
-                vs.variables().into_iter().map(|(name, tensor)| Param { name, tensor }).collect();
-            all.sort_by(|a, b| a.name.cmp(&b.name));
-            all
-        };
+        let params = crate::optim::sorted_variables(vs);
         if vs.device() != self.device() {
             tch::no_grad(|| -> Result<()> {
                 for p in &params {

@@ -38,17 +38,18 @@ impl Clone for Param {
     }
 }
 
-/// The trainable variables of a `VarStore`, sorted by name (its map has no stable order,
-/// and every rank must agree on one).
-pub fn named_params(vs: &tch::nn::VarStore) -> Vec<Param> {
-    let mut params: Vec<Param> = vs
-        .variables()
-        .into_iter()
-        .filter(|(_, t)| t.requires_grad())
-        .map(|(name, tensor)| Param { name, tensor })
-        .collect();
+/// Every variable of a `VarStore`, sorted by name (its map has no stable order, and every
+/// rank must agree on one).
+pub fn sorted_variables(vs: &tch::nn::VarStore) -> Vec<Param> {
+    let mut params: Vec<Param> =
+        vs.variables().into_iter().map(|(name, tensor)| Param { name, tensor }).collect();
     params.sort_by(|a, b| a.name.cmp(&b.name));
     params
+}
+
+/// The trainable variables of a `VarStore`, sorted by name.
+pub fn named_params(vs: &tch::nn::VarStore) -> Vec<Param> {
+    sorted_variables(vs).into_iter().filter(|p| p.tensor.requires_grad()).collect()
 }
 
 /// Names `param.{i}` for parameters given without names.
