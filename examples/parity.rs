@@ -17,7 +17,7 @@ use std::path::PathBuf;
 
 use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW, Sgd, SgdConfig, named_params};
-use accel_core::{Accelerator, Precision, Strategy};
+use accel_core::{Accelerator, Precision, Strategy, Unit};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use tch::nn::{self, Module};
@@ -111,7 +111,10 @@ fn main() -> Result<()> {
         let [out, inp] = weight(i).expect("counted").size()[..] else {
             bail!("layers.{i}.weight is not 2-D")
         };
-        net = net.add(nn::linear(&root / "layers" / i, inp, out, Default::default()));
+        // Each layer is a sharding unit: under zero3 its weights exist whole only during
+        // its forward and backward (elsewhere `Unit` changes nothing).
+        let path = &root / "layers" / i;
+        net = net.add(Unit::new(&path, nn::linear(&path, inp, out, Default::default())));
         if i + 1 < layers {
             net = net.add_fn(|x| x.relu());
         }
@@ -177,9 +180,9 @@ fn main() -> Result<()> {
             step += 1;
         }
     }
+    // Under zero2/zero3 every rank holds a shard: all take part in gathering them.
+    let named = acc.full_state_dict(&vs)?;
     if acc.is_main_process() {
-        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-        named.sort_by(|a, b| a.0.cmp(&b.0));
         Tensor::write_safetensors(&named, &args.out)?;
     }
     acc.wait_for_everyone()?;

@@ -245,6 +245,12 @@ char* accel_storage_allocate(at::Tensor* tensor, uint64_t nbytes) {
   })
 }
 
+// The TensorImpl behind a handle: what two shallow clones of one tensor share, even
+// while its storage is freed.
+char* accel_tensor_impl(at::Tensor* tensor, uintptr_t* id) {
+  ACCEL_TRY(*id = reinterpret_cast<uintptr_t>(tensor->unsafeGetTensorImpl()))
+}
+
 // ---- CUDA stream ---------------------------------------------------------------
 
 char* accel_current_cuda_stream(int device_index, void** stream) {

@@ -34,6 +34,7 @@ pub use accelerator::{
 pub use config::{Config, Precision, Strategy};
 pub use device::ToDevice;
 pub use error::{Error, Result};
+pub use strategy::fsdp::{ShardOptions, Unit};
 
 /// The version of accel-core.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

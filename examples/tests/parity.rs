@@ -213,12 +213,12 @@ fn parity_example_matches_pytorch_and_accelerate() {
 }
 
 #[test]
-fn zero1_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
-    let dir = scratch("zero1");
+fn every_zero_stage_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
+    let dir = scratch("zero");
     let (w, d) = make_weights_and_data(&dir, 1);
     for n in [2, 3] {
         let mut runs = Vec::new();
-        for strategy in ["ddp", "zero1"] {
+        for strategy in STAGES {
             let (out, losses) = (
                 dir.join(format!("{strategy}-{n}.safetensors")),
                 dir.join(format!("{strategy}-{n}.jsonl")),
@@ -259,15 +259,30 @@ fn zero1_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
             launch(n, program);
             runs.push((read_losses(&losses), read_weights(&out)));
         }
-        let ((ddp_losses, ddp_weights), (zero_losses, zero_weights)) = (&runs[0], &runs[1]);
-        assert_eq!(ddp_losses, zero_losses, "{n} processes: losses");
-        for (name, a) in ddp_weights {
-            let diff = a
-                .iter()
-                .zip(&zero_weights[name])
-                .map(|(x, y)| (x - y).abs())
-                .fold(0.0f32, f32::max);
-            assert!(diff <= 1e-6, "{n} processes: {name} differs between ddp and zero1 by {diff}");
+        let (ddp_losses, ddp_weights) = &runs[0];
+        for (strategy, (losses, weights)) in STAGES.iter().zip(&runs).skip(1) {
+            assert_eq!(ddp_losses.len(), losses.len(), "{n} processes, {strategy}: steps");
+            for (step, (a, b)) in ddp_losses.iter().zip(losses).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5,
+                    "{n} processes, {strategy}: loss at step {step}: ddp {a} vs {b}"
+                );
+            }
+            assert_eq!(ddp_weights.len(), weights.len(), "{n} processes, {strategy}: names");
+            for (name, a) in ddp_weights {
+                let diff = a
+                    .iter()
+                    .zip(&weights[name])
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0f32, f32::max);
+                assert!(
+                    diff <= 1e-5,
+                    "{n} processes: {name} differs between ddp and {strategy} by {diff}"
+                );
+            }
         }
     }
 }
+
+/// DDP first: the reference the sharded strategies are held to.
+const STAGES: [&str; 4] = ["ddp", "zero1", "zero2", "zero3"];

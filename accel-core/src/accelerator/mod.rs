@@ -23,6 +23,7 @@ use crate::optim::{Optimizer, Param, named_params};
 use crate::precision::{self, GradScaler, ScalerConfig, ToFp32};
 use crate::shim::AutocastGuard;
 use crate::strategy::ddp::{Ddp, DdpOptions};
+use crate::strategy::fsdp::{ShardOptions, ShardedModel, Stage};
 use crate::topology::Topology;
 
 pub use attribute::{ExitGuard, IntoAccelOptimizer};
@@ -41,7 +42,7 @@ pub struct AcceleratorBuilder {
     checkpoint_dir: Option<PathBuf>,
     checkpoint_limit: Option<usize>,
     ddp: DdpOptions,
-    offload: bool,
+    sharding: ShardOptions,
 }
 
 impl AcceleratorBuilder {
@@ -80,10 +81,17 @@ impl AcceleratorBuilder {
         self.explicit.cpu = Some(cpu);
         self
     }
-    /// Offload optimizer state (and ZeRO-3 parameters) to CPU memory. Needs a sharded
-    /// strategy, which this release does not have yet: `build` refuses it with an error.
+    /// Keep the fp32 master shards and the optimizer state in CPU memory (zero2, zero3,
+    /// fsdp; `build` refuses it with another strategy).
     pub fn offload(mut self, offload: bool) -> Self {
-        self.offload = offload;
+        self.sharding.offload = offload;
+        self
+    }
+
+    /// How zero2/zero3/fsdp cut the model into units, where shards live, the reduction
+    /// dtype (see [`ShardOptions`]).
+    pub fn sharding(mut self, options: ShardOptions) -> Self {
+        self.sharding = options;
         self
     }
     /// Read settings from this YAML file (else from `ACCEL_CONFIG_FILE`, if set).
@@ -107,11 +115,6 @@ impl AcceleratorBuilder {
     /// Resolves the configuration and the device and makes the accelerator (also reachable
     /// afterwards through [`crate::current`]).
     pub fn build(self) -> Result<Accelerator> {
-        if self.offload {
-            return Err(Error::Unsupported(
-                "offload: CPU offload comes with ZeRO/FSDP sharding, which is not built yet".into(),
-            ));
-        }
         let process = Topology::from_env()?;
         let file = match self.config_file.clone().or_else(config_file_from_env) {
             Some(path) => PartialConfig::from_file(&path)?,
@@ -128,6 +131,12 @@ impl AcceleratorBuilder {
                      environment/config file"
                 );
             }
+        }
+        if self.sharding.offload && sharded_stage(config.strategy).is_none() {
+            return Err(Error::Config(format!(
+                "offload needs a sharded strategy (zero2, zero3 or fsdp); the strategy is {}",
+                config.strategy
+            )));
         }
         let device = self.device.unwrap_or_else(|| default_device(&config, &process));
         let device = crate::cuda::check_device(device)?;
@@ -156,6 +165,8 @@ impl AcceleratorBuilder {
                 group,
                 ddp_options: self.ddp,
                 ddp: Mutex::new(Vec::new()),
+                shard_options: self.sharding,
+                sharded: Mutex::new(Vec::new()),
             }),
         };
         let _ = CURRENT.set(Mutex::new(None));
@@ -166,15 +177,8 @@ impl AcceleratorBuilder {
     }
 }
 
-/// What this release can do with several processes: data parallelism on CPU.
-fn check_multi_process(config: &Config, device: Device) -> Result<()> {
-    if !matches!(config.strategy, Strategy::Single | Strategy::Ddp | Strategy::Zero1) {
-        return Err(Error::Unsupported(format!(
-            "strategy {} with several processes: ZeRO stages 2-3 and FSDP are not built yet; \
-             use ddp or zero1",
-            config.strategy
-        )));
-    }
+/// What this release can do with several processes: data parallelism and sharding on CPU.
+fn check_multi_process(_config: &Config, device: Device) -> Result<()> {
     if device != Device::Cpu {
         return Err(Error::Unsupported(format!(
             "DDP on {device:?}: the NCCL backend exists (accel_core::comm::nccl) but DDP is wired to \
@@ -220,6 +224,17 @@ pub(crate) struct Inner {
     pub(crate) group: Option<ProcessGroup>,
     ddp_options: DdpOptions,
     ddp: Mutex<Vec<Ddp>>,
+    shard_options: ShardOptions,
+    sharded: Mutex<Vec<Arc<ShardedModel>>>,
+}
+
+/// What a strategy shards besides optimizer state, if it is zero2/zero3/fsdp.
+fn sharded_stage(strategy: Strategy) -> Option<Stage> {
+    match strategy {
+        Strategy::Zero2 => Some(Stage::Gradients),
+        Strategy::Zero3 | Strategy::Fsdp => Some(Stage::Parameters),
+        Strategy::Single | Strategy::Ddp | Strategy::Zero1 => None,
+    }
 }
 
 /// Distributed training for one process of a run; cheap to clone (a shared handle).
@@ -411,9 +426,17 @@ impl Accelerator {
                 Ok(())
             })?;
         }
-        if let Some(group) = &self.inner.group {
-            let ddp = Ddp::new(&params, group.clone(), self.inner.state.clone(), ddp)?;
-            self.inner.ddp.lock().unwrap_or_else(|e| e.into_inner()).push(ddp);
+        match (&self.inner.group, sharded_stage(self.inner.config.strategy)) {
+            (Some(group), Some(stage)) => {
+                let options = self.inner.shard_options.clone();
+                let model = ShardedModel::new(&params, group.clone(), stage, options)?;
+                self.sharded_models().push(Arc::new(model));
+            }
+            (Some(group), None) => {
+                let ddp = Ddp::new(&params, group.clone(), self.inner.state.clone(), ddp)?;
+                self.inner.ddp.lock().unwrap_or_else(|e| e.into_inner()).push(ddp);
+            }
+            (None, _) => {}
         }
         self.registry().models.push(params);
         Ok(())
@@ -431,6 +454,7 @@ impl Accelerator {
     ) -> AcceleratedOptimizer {
         let zero1 =
             self.inner.group.clone().filter(|_| self.inner.config.strategy == Strategy::Zero1);
+        let sharded = self.sharded_models().clone();
         let prepared = AcceleratedOptimizer::new(
             optimizer,
             self.inner.state.clone(),
@@ -438,6 +462,7 @@ impl Accelerator {
             self.inner.config.clip_grad_norm,
             self.num_processes(),
             zero1,
+            sharded,
         );
         self.registry().optimizers.push(prepared.clone());
         prepared
@@ -567,7 +592,48 @@ impl Accelerator {
                 ddp.finish()?;
             }
         }
+        // Sharded gradients are reduce-scattered every micro-step (as DeepSpeed's ZeRO-2),
+        // so no rank ever holds a whole accumulated gradient.
+        for model in self.sharded_models().iter() {
+            model.finish()?;
+        }
         Ok(())
+    }
+
+    pub(crate) fn sharded_models(&self) -> MutexGuard<'_, Vec<Arc<ShardedModel>>> {
+        self.inner.sharded.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The sharded model holding unit `prefix`, and the unit's index in it.
+    pub(crate) fn sharded_unit(&self, prefix: &str) -> Option<(Arc<ShardedModel>, usize)> {
+        self.sharded_models().iter().find_map(|m| m.unit(prefix).map(|u| (m.clone(), u)))
+    }
+
+    /// The model's variables by name, whole: under zero2/zero3 the sharded parameters are
+    /// gathered from every rank's shard (a collective: call it on every process, as
+    /// Accelerate's `get_state_dict`); otherwise copies of the local values.
+    pub fn full_state_dict(&self, vs: &tch::nn::VarStore) -> Result<Vec<(String, Tensor)>> {
+        let params = crate::optim::sorted_variables(vs);
+        let ids: Vec<usize> =
+            params.iter().map(|p| crate::shim::tensor_id(&p.tensor)).collect::<Result<_>>()?;
+        let mut gathered = std::collections::BTreeMap::new();
+        let models = self.sharded_models().clone();
+        for model in &models {
+            if ids.iter().any(|id| model.master_of(*id).is_some()) {
+                gathered.extend(model.full_parameters()?);
+            }
+        }
+        params
+            .into_iter()
+            .zip(ids)
+            .map(|(p, id)| {
+                let value = match gathered.remove(&id) {
+                    Some(v) => v.f_to_kind(p.tensor.kind())?,
+                    None => p.tensor.f_detach_copy()?,
+                };
+                Ok((p.name, value))
+            })
+            .collect()
     }
 
     /// Whether the current micro-step ends an accumulation window (optimizers step).

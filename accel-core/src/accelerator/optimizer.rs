@@ -10,8 +10,9 @@ use tch::Tensor;
 use super::state::GradientState;
 use crate::comm::ProcessGroup;
 use crate::error::Result;
-use crate::optim::{LrScheduler, Optimizer, Schedule, clip_grad_norm};
+use crate::optim::{LrScheduler, Optimizer, Schedule, clip_grad_norm, clip_grad_norm_sharded};
 use crate::precision::GradScaler;
+use crate::strategy::fsdp::ShardedModel;
 
 pub(crate) struct Slot {
     pub(crate) optimizer: Box<dyn Optimizer>,
@@ -23,6 +24,8 @@ pub(crate) struct Slot {
     deferred: Option<String>,
     /// ZeRO stage 1's bookkeeping, when the optimizer state is sharded.
     zero: Option<Zero1>,
+    /// Zero2/zero3: the models whose master shards this optimizer steps.
+    sharded: Option<(ProcessGroup, Vec<Arc<ShardedModel>>)>,
 }
 
 /// ZeRO stage 1 (as torch's `ZeroRedundancyOptimizer`): each process keeps the optimizer
@@ -82,6 +85,7 @@ impl AcceleratedOptimizer {
         clip: Option<f64>,
         num_processes: usize,
         zero1: Option<ProcessGroup>,
+        sharded: Vec<Arc<ShardedModel>>,
     ) -> Self {
         let mut optimizer = optimizer;
         let mut deferred = None;
@@ -94,6 +98,26 @@ impl AcceleratedOptimizer {
             }
             Zero1 { group, all, owner }
         });
+        let sharded = match sharded.first() {
+            None => None,
+            Some(model) => {
+                let name = optimizer.name();
+                let swapped = optimizer.replace_params(&|param| {
+                    let id = crate::shim::tensor_id(param)?;
+                    sharded.iter().find_map(|m| m.master_of(id)).ok_or_else(|| {
+                        crate::Error::Unsupported(format!(
+                            "{name} steps a tensor {:?} that is not a parameter of a prepared \
+                             model; under zero2/zero3 prepare the model before the optimizer",
+                            param.size()
+                        ))
+                    })
+                });
+                if let Err(e) = swapped {
+                    deferred = Some(e.to_string());
+                }
+                Some((model.group(), sharded.clone()))
+            }
+        };
         let slot = Slot {
             optimizer,
             scheduler: None,
@@ -101,6 +125,7 @@ impl AcceleratedOptimizer {
             unscaled: false,
             deferred,
             zero,
+            sharded,
         };
         Self { slot: Arc::new(Mutex::new(slot)), state, scaler, clip, num_processes }
     }
@@ -113,9 +138,10 @@ impl AcceleratedOptimizer {
         }
     }
 
-    /// Whether the optimizer state is sharded across processes (zero1).
+    /// Whether the optimizer state is sharded across processes (zero1, zero2, zero3).
     pub fn is_sharded(&self) -> bool {
-        self.lock().zero.is_some()
+        let slot = self.lock();
+        slot.zero.is_some() || slot.sharded.is_some()
     }
 
     fn lock(&self) -> MutexGuard<'_, Slot> {
@@ -168,7 +194,14 @@ impl AcceleratedOptimizer {
         }
         let mut slot = self.lock();
         self.unscale(&mut slot)?;
-        clip_grad_norm(&self.all_params(&slot), max_norm)
+        Self::clip(&slot, &self.all_params(&slot), max_norm)
+    }
+
+    fn clip(slot: &Slot, params: &[Tensor], max_norm: f64) -> Result<f64> {
+        match &slot.sharded {
+            Some((group, _)) => clip_grad_norm_sharded(params, max_norm, group),
+            None => clip_grad_norm(params, max_norm),
+        }
     }
 
     fn unscale(&self, slot: &mut Slot) -> Result<()> {
@@ -193,6 +226,9 @@ impl AcceleratedOptimizer {
         let skipped = match &self.scaler {
             Some(scaler) => {
                 let mut scaler = scaler.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some((group, _)) = &slot.sharded {
+                    scaler.share_found_inf(&params, group)?;
+                }
                 let overflow = scaler.found_inf(&params)?;
                 scaler.update()?;
                 overflow
@@ -201,9 +237,14 @@ impl AcceleratedOptimizer {
         };
         if !skipped {
             if let Some(max) = self.clip {
-                clip_grad_norm(&params, max)?;
+                Self::clip(&slot, &params, max)?;
             }
             slot.optimizer.step()?;
+            if let Some((_, models)) = &slot.sharded {
+                for model in models {
+                    model.after_step()?;
+                }
+            }
             if let Some(zero) = &slot.zero {
                 // Each parameter from the process that stepped it.
                 tch::no_grad(|| -> Result<()> {

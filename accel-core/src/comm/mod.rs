@@ -455,6 +455,46 @@ impl ProcessGroup {
         })
     }
 
+    /// Sums the contiguous CPU `buffer` (world × k elements) across ranks, in place and
+    /// without waiting: afterwards this rank's slice `[rank·k, (rank+1)·k)` holds the sum
+    /// and the rest is scratch. What ZeRO's gradient reduce-scatter is built on.
+    pub fn reduce_scatter_in_place_async(&self, buffer: &Tensor) -> Result<Work> {
+        let buf = self.in_place_buffer("reduce_scatter", buffer)?;
+        Ok(self.submit(
+            Self::describe("reduce_scatter", buffer),
+            mesh::OP_REDUCE_SCATTER + op_code(ReduceOp::Sum),
+            mesh::kind_code(buffer.kind())?,
+            buffer.numel() as u64,
+            move |mesh, tag| mesh.reduce_scatter(&buf, ReduceOp::Sum, tag),
+        ))
+    }
+
+    /// Fills the contiguous CPU `buffer` (world × k elements) with every rank's slice
+    /// `[r·k, (r+1)·k)`, in place and without waiting (this rank's slice must hold its
+    /// part). What ZeRO's parameter all-gather is built on.
+    pub fn all_gather_in_place_async(&self, buffer: &Tensor) -> Result<Work> {
+        let buf = self.in_place_buffer("all_gather", buffer)?;
+        Ok(self.submit(
+            Self::describe("all_gather", buffer),
+            mesh::OP_ALL_GATHER,
+            mesh::kind_code(buffer.kind())?,
+            (buffer.numel() / self.world) as u64,
+            move |mesh, tag| mesh.all_gather(&buf, tag),
+        ))
+    }
+
+    fn in_place_buffer(&self, what: &str, buffer: &Tensor) -> Result<Buffer> {
+        if !buffer.is_contiguous() || buffer.numel() % self.world != 0 {
+            return Err(Error::Training(format!(
+                "{what} in place needs a contiguous buffer whose size divides by the {} ranks, \
+                 got shape {:?}",
+                self.world,
+                buffer.size()
+            )));
+        }
+        Buffer::new(buffer)
+    }
+
     /// Waits until every rank of the group gets here.
     pub fn barrier(&self) -> Result<()> {
         self.all_reduce(&Tensor::zeros([1], (tch::Kind::Float, tch::Device::Cpu)), ReduceOp::Sum)

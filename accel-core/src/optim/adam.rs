@@ -303,6 +303,12 @@ macro_rules! adam_optimizer {
                 super::retain_params(&mut self.0.groups, &mut self.0.moments, keep);
                 Ok(())
             }
+            fn replace_params(
+                &mut self,
+                replace: &dyn Fn(&Tensor) -> Result<Tensor>,
+            ) -> Result<()> {
+                super::replace_params($name, &mut self.0.groups, &self.0.moments, replace)
+            }
         }
     };
 }

@@ -117,6 +117,35 @@ pub trait Optimizer: Send {
             self.name()
         )))
     }
+    /// Puts `replace(p)` in place of every parameter `p` (before the first step): how
+    /// zero2/zero3 make the optimizer step each process's parameter shards.
+    fn replace_params(&mut self, replace: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<()> {
+        let _ = replace;
+        Err(Error::Unsupported(format!(
+            "{} cannot step parameter shards (zero2/zero3/fsdp); use accel's Sgd, Adam or AdamW",
+            self.name()
+        )))
+    }
+}
+
+/// Replaces every parameter tensor of `groups` by `replace(tensor)`; refused once any
+/// state exists (it belongs to the old tensors).
+pub(crate) fn replace_params<H, S>(
+    name: &str,
+    groups: &mut [ParamGroup<H>],
+    states: &[Option<S>],
+    replace: &dyn Fn(&Tensor) -> Result<Tensor>,
+) -> Result<()> {
+    if states.iter().any(Option::is_some) {
+        return Err(Error::Unsupported(format!(
+            "{name} has stepped already; prepare it before its first step so that zero2/zero3 \
+             can give it the parameter shards"
+        )));
+    }
+    for param in groups.iter_mut().flat_map(|g| &mut g.params) {
+        param.tensor = replace(&param.tensor)?;
+    }
+    Ok(())
 }
 
 /// Keeps the entries of `groups` (and the per-parameter `states`, in the same flat order)
@@ -162,6 +191,31 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<f64> {
         Ok(())
     })?;
     Ok(total.f_double_value(&[])?)
+}
+
+/// [`clip_grad_norm`] over gradients sharded across `group`: the norm is of all ranks'
+/// shards together, and every rank scales its own by the same factor.
+pub fn clip_grad_norm_sharded(
+    params: &[Tensor],
+    max_norm: f64,
+    group: &crate::comm::ProcessGroup,
+) -> Result<f64> {
+    let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).filter(Tensor::defined).collect();
+    let mut squares = Tensor::zeros([1], (tch::Kind::Double, tch::Device::Cpu));
+    for g in &grads {
+        let n = g.f_norm()?.f_to_kind(tch::Kind::Double)?.f_to_device(tch::Device::Cpu)?;
+        squares = squares.f_add(&n.f_square()?)?;
+    }
+    group.all_reduce(&squares, crate::comm::ReduceOp::Sum)?;
+    let total = squares.f_sqrt()?.f_double_value(&[0])?;
+    let coef = (max_norm / (total + 1e-6)).min(1.0);
+    tch::no_grad(|| -> Result<()> {
+        for g in &grads {
+            let _ = g.shallow_clone().f_mul_scalar_(coef)?;
+        }
+        Ok(())
+    })?;
+    Ok(total)
 }
 
 /// Copies the saved state tensor `key` into `into`, checking that it exists with the same

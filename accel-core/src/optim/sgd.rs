@@ -162,6 +162,9 @@ impl Optimizer for Sgd {
         super::retain_params(&mut self.groups, &mut self.momentum_buffers, keep);
         Ok(())
     }
+    fn replace_params(&mut self, replace: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<()> {
+        super::replace_params("SGD", &mut self.groups, &self.momentum_buffers, replace)
+    }
 
     fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
         let hypers: Vec<SgdConfig> = groups_from_json("SGD", &state.groups, self.groups.len())?;

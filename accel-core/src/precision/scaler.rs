@@ -99,6 +99,16 @@ impl GradScaler {
         Ok(())
     }
 
+    /// Makes the overflow flag of this step every rank's: with sharded gradients each rank
+    /// checks only its shard, and all must skip the step together.
+    pub fn share_found_inf(&mut self, params: &[Tensor], group: &crate::comm::ProcessGroup) -> Result<()> {
+        self.unscale(params)?;
+        if let Some(found) = &self.found_inf {
+            group.all_reduce(found, crate::comm::ReduceOp::Max)?;
+        }
+        Ok(())
+    }
+
     /// Whether the gradients unscaled in this step hold an inf or NaN (unscales first).
     pub fn found_inf(&mut self, params: &[Tensor]) -> Result<bool> {
         self.unscale(params)?;

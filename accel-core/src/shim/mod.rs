@@ -80,6 +80,15 @@ pub fn storage_nbytes(tensor: &Tensor) -> Result<u64> {
     Ok(nbytes)
 }
 
+/// Identifies the tensor behind a handle: equal for shallow clones of one tensor (a
+/// parameter and the optimizer's copy of its handle), even while its storage is freed.
+pub fn tensor_id(tensor: &Tensor) -> Result<usize> {
+    let mut id = 0;
+    // SAFETY: live tensor; out-pointer to a local.
+    check(unsafe { ffi::accel_tensor_impl(raw(tensor), &mut id) }, "tensor_id")?;
+    Ok(id)
+}
+
 /// Releases the memory of the storage behind `tensor`. The tensor and every view of the
 /// same storage stay valid objects (autograd keeps seeing the same parameters), and
 /// [`allocate_storage`] gives them memory again.

@@ -2,3 +2,4 @@
 //! One folder per strategy, each with a README of how it works.
 
 pub mod ddp;
+pub mod fsdp;

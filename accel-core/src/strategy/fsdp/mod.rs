@@ -1,0 +1,548 @@
+//! ZeRO stages 2 and 3 (FSDP's `SHARD_GRAD_OP` and `FULL_SHARD`); see README.md beside
+//! this file.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tch::nn::Module;
+use tch::{Device, Kind, Tensor};
+
+use crate::comm::{ProcessGroup, Work};
+use crate::error::{Error, Result};
+use crate::optim::Param;
+use crate::shim::{self, PostAccumulateGradHook, add_grad_hook, add_post_accumulate_grad_hook};
+
+/// How a sharded model is cut into units and where its shards live.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ShardOptions {
+    /// Unit prefixes (e.g. `encoder.layers.0`): a unit's parameters are gathered together
+    /// and their gradients reduce-scattered together. `None`: the prefixes of [`Unit`]
+    /// wrappers, then each element of a repeated layer list (`layers.{i}`, `layer.{i}`,
+    /// `h.{i}`, `blocks.{i}`); every other parameter belongs to the root unit.
+    pub units: Option<Vec<String>>,
+    /// Keep the fp32 master shards, and so the optimizer state, in CPU memory.
+    pub offload: bool,
+    /// Reduce-scatter gradients in this dtype (bf16 or f16) instead of their own.
+    pub reduce_dtype: Option<Kind>,
+    /// Parameters may go without a gradient in a step (they contribute zeros).
+    pub allow_unused: bool,
+}
+
+/// What is sharded besides the optimizer state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stage {
+    /// Gradients (ZeRO-2, `SHARD_GRAD_OP`).
+    Gradients,
+    /// Gradients and parameters (ZeRO-3, `FULL_SHARD`).
+    Parameters,
+}
+
+/// Layer-list names whose numbered elements become units by default.
+const REPEATED: &[&str] = &["layers", "layer", "h", "blocks"];
+
+static WRAPPED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
+fn wrapped() -> MutexGuard<'static, BTreeSet<String>> {
+    WRAPPED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Marks `inner`, the module built under `path`, as a unit of a sharded model. Under
+/// zero3 its parameters live as shards and are gathered just before its forward and freed
+/// after it, gathered again just before its backward and freed after it. Under every
+/// other strategy it is `inner` unchanged.
+///
+/// Every use of the unit's parameters must go through [`Unit::forward`] or
+/// [`Unit::run`]: outside them, under zero3, their memory is released.
+#[derive(Debug)]
+pub struct Unit<M> {
+    prefix: String,
+    inner: M,
+}
+
+impl<M> Unit<M> {
+    /// Wraps `inner`, whose variables live under `path`.
+    pub fn new(path: &tch::nn::Path, inner: M) -> Self {
+        let prefix = path.components().collect::<Vec<_>>().join(".");
+        wrapped().insert(prefix.clone());
+        Self { prefix, inner }
+    }
+
+    /// The wrapped module.
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+
+    /// The variable-name prefix of the unit.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Runs `forward` on the wrapped module with its parameters gathered.
+    ///
+    /// # Panics
+    /// If gathering fails (a peer died or timed out): a forward pass returns a plain
+    /// `Tensor` in tch, so the error becomes a panic with the collective's message.
+    pub fn run(&self, forward: impl FnOnce(&M) -> Tensor) -> Tensor {
+        let Some((model, unit)) = crate::current().and_then(|a| a.sharded_unit(&self.prefix))
+        else {
+            return forward(&self.inner);
+        };
+        if let Err(e) = model.before_forward(unit) {
+            panic!("zero3: gathering the parameters of unit `{}` failed: {e}", self.prefix);
+        }
+        let out = forward(&self.inner);
+        if let Err(e) = model.after_forward(unit, &out) {
+            panic!("zero3: releasing the parameters of unit `{}` failed: {e}", self.prefix);
+        }
+        out
+    }
+}
+
+impl<M: Module> Module for Unit<M> {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.run(|m| m.forward(xs))
+    }
+}
+
+/// One trainable parameter and this rank's share of it.
+struct Shard {
+    name: String,
+    /// The model's full parameter (freed between uses under zero3).
+    param: Tensor,
+    id: usize,
+    /// This rank's `chunk` elements of the flattened, zero-padded parameter, in fp32: what
+    /// the optimizer steps.
+    master: Tensor,
+    numel: i64,
+    chunk: i64,
+}
+
+struct UnitState {
+    prefix: String,
+    /// Indexes into `shards`.
+    members: Vec<usize>,
+    /// Where each member's chunk starts in a rank's segment of the flat buffers.
+    offsets: Vec<i64>,
+    /// Elements per rank in the flat buffers.
+    segment: i64,
+    /// Parameters released outside forward and backward (zero3, wrapped in a [`Unit`]).
+    managed: bool,
+    gathered: bool,
+    fired: Vec<bool>,
+    ready: usize,
+    reducing: Option<(Work, Tensor)>,
+}
+
+struct Engine {
+    group: ProcessGroup,
+    options: ShardOptions,
+    shards: Vec<Shard>,
+    units: Vec<UnitState>,
+    error: Option<String>,
+}
+
+/// A model whose gradients (zero2) or gradients and parameters (zero3) are sharded.
+pub(crate) struct ShardedModel {
+    engine: Arc<Mutex<Engine>>,
+    _hooks: Mutex<Vec<PostAccumulateGradHook>>,
+}
+
+fn lock(engine: &Mutex<Engine>) -> MutexGuard<'_, Engine> {
+    engine.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The unit prefix of parameter `name`: the longest matching explicit or wrapped prefix,
+/// else its repeated-layer element (`....layers.3`), else the root (`""`).
+fn unit_of(name: &str, explicit: Option<&[String]>, wrapped: &BTreeSet<String>) -> String {
+    let longest = |prefixes: &mut dyn Iterator<Item = &String>| {
+        prefixes
+            .filter(|p| name.starts_with(&format!("{p}.")))
+            .max_by_key(|p| p.len())
+            .cloned()
+    };
+    if let Some(list) = explicit {
+        return longest(&mut list.iter()).unwrap_or_default();
+    }
+    if let Some(p) = longest(&mut wrapped.iter()) {
+        return p;
+    }
+    let parts: Vec<&str> = name.split('.').collect();
+    for i in 0..parts.len().saturating_sub(2) {
+        if REPEATED.contains(&parts[i]) && parts[i + 1].parse::<u64>().is_ok() {
+            return parts[..i + 2].join(".");
+        }
+    }
+    String::new()
+}
+
+impl ShardedModel {
+    /// Broadcasts rank 0's values, keeps this rank's share of every trainable parameter as
+    /// a master shard, releases the full parameters of zero3 units and hooks the rest.
+    pub(crate) fn new(
+        params: &[Param],
+        group: ProcessGroup,
+        stage: Stage,
+        options: ShardOptions,
+    ) -> Result<Self> {
+        tch::no_grad(|| -> Result<()> {
+            for p in params {
+                group.broadcast(&p.tensor, 0)?;
+            }
+            Ok(())
+        })?;
+        let (world, rank) = (group.size() as i64, group.rank() as i64);
+        let wrapped = wrapped().clone();
+        let mut shards = Vec::new();
+        let mut units: Vec<UnitState> = Vec::new();
+        for p in params.iter().filter(|p| p.tensor.requires_grad()) {
+            let numel = p.tensor.numel() as i64;
+            let chunk = (numel + world - 1) / world;
+            let master = tch::no_grad(|| -> Result<Tensor> {
+                let flat = p.tensor.f_detach()?.f_reshape([-1])?;
+                let padded = flat.f_constant_pad_nd([0, chunk * world - numel])?;
+                let device = if options.offload { Device::Cpu } else { p.tensor.device() };
+                Ok(padded
+                    .f_narrow(0, chunk * rank, chunk)?
+                    .f_to_kind(Kind::Float)?
+                    .f_to_device(device)?
+                    .f_detach_copy()?)
+            })?
+            .set_requires_grad(true);
+            let prefix = unit_of(&p.name, options.units.as_deref(), &wrapped);
+            let u = match units.iter().position(|u| u.prefix == prefix) {
+                Some(u) => u,
+                None => {
+                    let managed = stage == Stage::Parameters && wrapped.contains(&prefix);
+                    units.push(UnitState {
+                        prefix,
+                        members: Vec::new(),
+                        offsets: Vec::new(),
+                        segment: 0,
+                        managed,
+                        gathered: true,
+                        fired: Vec::new(),
+                        ready: 0,
+                        reducing: None,
+                    });
+                    units.len() - 1
+                }
+            };
+            let unit = &mut units[u];
+            unit.members.push(shards.len());
+            unit.offsets.push(unit.segment);
+            unit.segment += chunk;
+            unit.fired.push(false);
+            shards.push(Shard {
+                name: p.name.clone(),
+                param: p.tensor.shallow_clone(),
+                id: shim::tensor_id(&p.tensor)?,
+                master,
+                numel,
+                chunk,
+            });
+        }
+        let mut engine = Engine { group, options, shards, units, error: None };
+        for u in 0..engine.units.len() {
+            if engine.units[u].managed {
+                engine.release(u)?;
+            }
+        }
+        let engine = Arc::new(Mutex::new(engine));
+        let mut hooks = Vec::new();
+        let layout: Vec<(usize, usize, Tensor)> = {
+            let engine = lock(&engine);
+            let shards = &engine.shards;
+            engine
+                .units
+                .iter()
+                .enumerate()
+                .flat_map(|(u, unit)| {
+                    unit.members
+                        .iter()
+                        .enumerate()
+                        .map(move |(i, &s)| (u, i, shards[s].param.shallow_clone()))
+                })
+                .collect()
+        };
+        for (u, i, param) in layout {
+            let engine = engine.clone();
+            let hook = move |_: &Tensor| {
+                let mut guard = lock(&engine);
+                let unit = &mut guard.units[u];
+                if !unit.fired[i] {
+                    unit.fired[i] = true;
+                    unit.ready += 1;
+                }
+                if unit.ready == unit.members.len() {
+                    if let Err(e) = guard.reduce(u) {
+                        guard.error.get_or_insert(e.to_string());
+                    }
+                }
+            };
+            hooks.push(add_post_accumulate_grad_hook(&param, hook)?);
+        }
+        Ok(Self { engine, _hooks: Mutex::new(hooks) })
+    }
+
+    /// The master shard the optimizer steps in place of the parameter `id`
+    /// ([`shim::tensor_id`]), if it is one of this model's.
+    pub(crate) fn master_of(&self, id: usize) -> Option<Tensor> {
+        lock(&self.engine).shards.iter().find(|s| s.id == id).map(|s| s.master.shallow_clone())
+    }
+
+    /// The unit with variable-name prefix `prefix`, if it is one of this model's.
+    pub(crate) fn unit(&self, prefix: &str) -> Option<usize> {
+        lock(&self.engine).units.iter().position(|u| u.prefix == prefix)
+    }
+
+    pub(crate) fn group(&self) -> ProcessGroup {
+        lock(&self.engine).group.clone()
+    }
+
+    pub(crate) fn before_forward(&self, unit: usize) -> Result<()> {
+        let mut engine = lock(&self.engine);
+        if !engine.units[unit].gathered { engine.gather(unit) } else { Ok(()) }
+    }
+
+    /// Releases a zero3 unit's parameters after its forward and arranges for them to be
+    /// gathered again when the gradient of its output arrives (just before its backward).
+    pub(crate) fn after_forward(self: &Arc<Self>, unit: usize, output: &Tensor) -> Result<()> {
+        let mut engine = lock(&self.engine);
+        if !engine.units[unit].managed {
+            return Ok(());
+        }
+        engine.release(unit)?;
+        drop(engine);
+        if output.requires_grad() {
+            let model = self.clone();
+            let prefix = lock(&self.engine).units[unit].prefix.clone();
+            add_grad_hook(output, move |_| {
+                if let Err(e) = model.before_forward(unit) {
+                    panic!("zero3: gathering unit `{prefix}` for its backward failed: {e}");
+                }
+                None
+            })?;
+        }
+        Ok(())
+    }
+
+    /// After each backward: launches the reductions no hook launched (units some of whose
+    /// parameters got no gradient), waits for all, and adds this rank's averaged share into
+    /// the master shards' gradients.
+    pub(crate) fn finish(&self) -> Result<()> {
+        let mut guard = lock(&self.engine);
+        let engine = &mut *guard;
+        if let Some(e) = engine.error.take() {
+            return Err(Error::Training(format!("sharded gradient hook failed: {e}")));
+        }
+        if engine.units.iter().all(|u| u.ready == 0 && u.reducing.is_none()) {
+            return Ok(());
+        }
+        let unused: Vec<String> = engine
+            .units
+            .iter()
+            .filter(|u| u.reducing.is_none())
+            .flat_map(|u| u.members.iter().zip(&u.fired).filter(|(_, f)| !**f))
+            .map(|(&s, _)| engine.shards[s].name.clone())
+            .collect();
+        if !unused.is_empty() && !engine.options.allow_unused {
+            for u in &mut engine.units {
+                u.ready = 0;
+                u.fired.iter_mut().for_each(|f| *f = false);
+            }
+            return Err(Error::Training(format!(
+                "sharded model: parameter(s) {unused:?} received no gradient in this step on rank \
+                 {}; every rank must produce a gradient for every parameter (or set \
+                 ShardOptions::allow_unused)",
+                engine.group.rank()
+            )));
+        }
+        for u in 0..engine.units.len() {
+            if engine.units[u].reducing.is_none() {
+                engine.reduce(u)?;
+            }
+        }
+        let (world, rank) = (engine.group.size() as i64, engine.group.rank() as i64);
+        for unit in &mut engine.units {
+            let Some((work, buffer)) = unit.reducing.take() else { continue };
+            work.wait()?;
+            let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
+            tch::no_grad(|| -> Result<()> {
+                for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+                    let shard = &engine.shards[s];
+                    let part = mine
+                        .f_narrow(0, offset, shard.chunk)?
+                        .f_to_kind(Kind::Float)?
+                        .f_to_device(shard.master.device())?
+                        .f_div_scalar(world as f64)?;
+                    let mut grad = shard.master.grad();
+                    if grad.defined() {
+                        let _ = grad.f_add_(&part)?;
+                    } else {
+                        shim::set_grad(&shard.master, Some(&part))?;
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
+    /// After the optimizer stepped the master shards: gathers the parameters that stay
+    /// whole (zero2; zero3's root) from them. Zero3 units are gathered at their next use.
+    pub(crate) fn after_step(&self) -> Result<()> {
+        let mut engine = lock(&self.engine);
+        for u in 0..engine.units.len() {
+            if !engine.units[u].managed {
+                engine.gather(u)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The full value of every sharded parameter by [`shim::tensor_id`], gathered from the
+    /// master shards (a collective: every rank must call it).
+    pub(crate) fn full_parameters(&self) -> Result<Vec<(usize, Tensor)>> {
+        let engine = lock(&self.engine);
+        let mut out = Vec::new();
+        for u in 0..engine.units.len() {
+            for (s, full) in engine.units[u].members.iter().zip(engine.gathered(u)?) {
+                out.push((engine.shards[*s].id, full));
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Engine {
+    /// Flattens the unit's gradients rank-major (every rank's chunks of every member
+    /// side by side), drops the full gradients and launches the reduce-scatter.
+    fn reduce(&mut self, u: usize) -> Result<()> {
+        let world = self.group.size() as i64;
+        let unit = &mut self.units[u];
+        let mut columns = Vec::with_capacity(unit.members.len());
+        tch::no_grad(|| -> Result<()> {
+            for &s in &unit.members {
+                let shard = &self.shards[s];
+                let grad = shard.param.grad();
+                let kind = self.options.reduce_dtype.unwrap_or(shard.param.kind());
+                let flat = if grad.defined() {
+                    grad.f_reshape([-1])?.f_to_kind(kind)?
+                } else {
+                    Tensor::f_zeros([shard.numel], (kind, shard.param.device()))?
+                };
+                let padded = flat.f_constant_pad_nd([0, shard.chunk * world - shard.numel])?;
+                columns.push(padded.f_view([world, shard.chunk])?.f_to_device(Device::Cpu)?);
+                shim::set_grad(&shard.param, None)?;
+            }
+            Ok(())
+        })?;
+        let buffer = Tensor::f_cat(&columns, 1)?.f_reshape([-1])?;
+        drop(columns);
+        unit.fired.iter_mut().for_each(|f| *f = false);
+        unit.ready = 0;
+        let work = self.group.reduce_scatter_in_place_async(&buffer)?;
+        self.units[u].reducing = Some((work, buffer));
+        if self.units[u].managed {
+            self.release(u)?;
+        }
+        Ok(())
+    }
+
+    /// The unit's full parameters, all-gathered from every rank's master shards.
+    fn gathered(&self, u: usize) -> Result<Vec<Tensor>> {
+        let unit = &self.units[u];
+        let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
+        let buffer = Tensor::f_empty([world * unit.segment], (Kind::Float, Device::Cpu))?;
+        let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
+        for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+            let shard = &self.shards[s];
+            mine.f_narrow(0, offset, shard.chunk)?.f_copy_(&shard.master.f_detach()?)?;
+        }
+        self.group.all_gather_in_place_async(&buffer)?.wait()?;
+        let rows = buffer.f_view([world, unit.segment])?;
+        unit.members
+            .iter()
+            .zip(&unit.offsets)
+            .map(|(&s, &offset)| {
+                let shard = &self.shards[s];
+                Ok(rows
+                    .f_narrow(1, offset, shard.chunk)?
+                    .f_reshape([-1])?
+                    .f_narrow(0, 0, shard.numel)?
+                    .f_view(shard.param.size().as_slice())?
+                    .f_contiguous()?)
+            })
+            .collect()
+    }
+
+    /// Writes the gathered values into the unit's parameters (allocating them first if
+    /// they were released).
+    fn gather(&mut self, u: usize) -> Result<()> {
+        let full = self.gathered(u)?;
+        let unit = &self.units[u];
+        tch::no_grad(|| -> Result<()> {
+            for (&s, value) in unit.members.iter().zip(&full) {
+                let param = &self.shards[s].param;
+                if !unit.gathered {
+                    shim::allocate_storage(param, (param.numel() * param.kind().elt_size_in_bytes()) as u64)?;
+                }
+                // Through `.data`: autograd saved these parameters in the forward, and a
+                // write that bumped their version would make backward refuse them.
+                param.f_data()?.f_copy_(value)?;
+            }
+            Ok(())
+        })?;
+        self.units[u].gathered = true;
+        Ok(())
+    }
+
+    /// Releases the memory of a zero3 unit's full parameters.
+    fn release(&mut self, u: usize) -> Result<()> {
+        let unit = &mut self.units[u];
+        if !unit.gathered {
+            return Ok(());
+        }
+        for &s in &unit.members {
+            let param = &self.shards[s].param;
+            let whole = param.numel() * param.kind().elt_size_in_bytes();
+            if !param.is_contiguous() || shim::storage_nbytes(param)? != whole as u64 {
+                return Err(Error::Unsupported(format!(
+                    "zero3: parameter {} shares its storage with other tensors, so its memory \
+                     cannot be released on its own; give it a storage of its own",
+                    self.shards[s].name
+                )));
+            }
+            // SAFETY: the unit is marked released; nothing reads it until `gather`
+            // allocates it again (a [`Unit`] does before its forward and its backward).
+            unsafe { shim::free_storage(param)? };
+        }
+        unit.gathered = false;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::unit_of;
+
+    #[test]
+    fn units_default_to_the_elements_of_repeated_layer_lists() {
+        let none = BTreeSet::new();
+        assert_eq!(unit_of("layers.3.attn.weight", None, &none), "layers.3");
+        assert_eq!(unit_of("model.h.11.mlp.bias", None, &none), "model.h.11");
+        assert_eq!(unit_of("encoder.blocks.0.w", None, &none), "encoder.blocks.0");
+        assert_eq!(unit_of("head.weight", None, &none), "");
+        // A numbered list under another name is not split by default...
+        assert_eq!(unit_of("stages.1.weight", None, &none), "");
+        // ...but a wrapper or an explicit prefix list decides.
+        let wrapped = BTreeSet::from(["stages.1".to_string()]);
+        assert_eq!(unit_of("stages.1.weight", None, &wrapped), "stages.1");
+        let explicit = ["encoder".to_string(), "encoder.blocks.0".to_string()];
+        assert_eq!(unit_of("encoder.blocks.0.w", Some(&explicit), &none), "encoder.blocks.0");
+        assert_eq!(unit_of("encoder.norm.w", Some(&explicit), &none), "encoder");
+        assert_eq!(unit_of("layers.3.w", Some(&explicit), &none), "");
+    }
+}
