@@ -744,4 +744,4 @@ pub fn free_port(addr: &str) -> Result<u16> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

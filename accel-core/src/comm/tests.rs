@@ -20,7 +20,7 @@ fn topology(rank: usize, world: usize, port: u16) -> Topology {
 }
 
 /// Runs `body(group)` on `world` ranks at once; returns their results in rank order.
-fn on_ranks<T: Send + 'static>(
+pub(crate) fn on_ranks<T: Send + 'static>(
     world: usize,
     timeout: Duration,
     body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,

@@ -523,26 +523,4 @@ impl Engine {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::collections::BTreeSet;
-
-    use super::unit_of;
-
-    #[test]
-    fn units_default_to_the_elements_of_repeated_layer_lists() {
-        let none = BTreeSet::new();
-        assert_eq!(unit_of("layers.3.attn.weight", None, &none), "layers.3");
-        assert_eq!(unit_of("model.h.11.mlp.bias", None, &none), "model.h.11");
-        assert_eq!(unit_of("encoder.blocks.0.w", None, &none), "encoder.blocks.0");
-        assert_eq!(unit_of("head.weight", None, &none), "");
-        // A numbered list under another name is not split by default...
-        assert_eq!(unit_of("stages.1.weight", None, &none), "");
-        // ...but a wrapper or an explicit prefix list decides.
-        let wrapped = BTreeSet::from(["stages.1".to_string()]);
-        assert_eq!(unit_of("stages.1.weight", None, &wrapped), "stages.1");
-        let explicit = ["encoder".to_string(), "encoder.blocks.0".to_string()];
-        assert_eq!(unit_of("encoder.blocks.0.w", Some(&explicit), &none), "encoder.blocks.0");
-        assert_eq!(unit_of("encoder.norm.w", Some(&explicit), &none), "encoder");
-        assert_eq!(unit_of("layers.3.w", Some(&explicit), &none), "");
-    }
-}
+mod tests;
