@@ -66,6 +66,15 @@ struct Args {
     #[arg(long)]
     split_batches: bool,
     /// Final weights (rank 0).
+    /// Save the training state (`save_state`) into this folder after `--stop-after`
+    /// batches, write the weights reached, and stop.
+    #[arg(long, requires = "stop_after")]
+    state: Option<PathBuf>,
+    #[arg(long)]
+    stop_after: Option<u64>,
+    /// Continue from a state saved by `--state` (any strategy, any number of processes).
+    #[arg(long)]
+    resume: Option<PathBuf>,
     #[arg(long)]
     out: PathBuf,
     /// Loss log (rank 0).
@@ -160,9 +169,12 @@ fn main() -> Result<()> {
     let loader = DataLoader::new(TensorDataset::new(vec![get("x")?, get("y")?])?, options)?;
     let mut loader = acc.prepare_loader(loader)?;
 
+    if let Some(dir) = &args.resume {
+        acc.load_state(dir)?;
+    }
     let mut log = acc.is_main_process().then(|| std::fs::File::create(&args.losses)).transpose()?;
     let mut step = 0u64;
-    for _ in 0..args.epochs {
+    'train: for _ in loader.epoch()..args.epochs {
         for batch in loader.iter() {
             let batch = batch?;
             let logits = acc.forward(|| net.forward(&batch[0]))?;
@@ -178,6 +190,12 @@ fn main() -> Result<()> {
             opt.step()?;
             opt.zero_grad()?;
             step += 1;
+            if let (Some(dir), Some(n)) = (&args.state, args.stop_after) {
+                if acc.counters().micro_steps_total == n {
+                    acc.save_state(dir)?;
+                    break 'train;
+                }
+            }
         }
     }
     // Under zero2/zero3 every rank holds a shard: all take part in gathering them.

@@ -270,11 +270,8 @@ fn every_zero_stage_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
             }
             assert_eq!(ddp_weights.len(), weights.len(), "{n} processes, {strategy}: names");
             for (name, a) in ddp_weights {
-                let diff = a
-                    .iter()
-                    .zip(&weights[name])
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0.0f32, f32::max);
+                let diff =
+                    a.iter().zip(&weights[name]).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
                 assert!(
                     diff <= 1e-5,
                     "{n} processes: {name} differs between ddp and {strategy} by {diff}"
@@ -286,3 +283,90 @@ fn every_zero_stage_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
 
 /// DDP first: the reference the sharded strategies are held to.
 const STAGES: [&str; 4] = ["ddp", "zero1", "zero2", "zero3"];
+
+/// Runs the parity example on `n` processes with the zero test's settings plus `extra`;
+/// returns rank 0's final weights.
+fn run_parity(
+    dir: &Path,
+    n: usize,
+    strategy: &str,
+    tag: &str,
+    extra: &[&str],
+) -> BTreeMap<String, Vec<f32>> {
+    let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
+    let out = dir.join(format!("{tag}.safetensors"));
+    let mut program = vec![example("parity")];
+    program.extend(
+        [
+            "--init",
+            w.to_str().unwrap(),
+            "--data",
+            d.to_str().unwrap(),
+            "--hidden",
+            "16,16",
+            "--lr",
+            "1e-2",
+            "--batch-size",
+            "4",
+            "--accumulate",
+            "2",
+            "--epochs",
+            "2",
+            "--clip-grad-norm",
+            "1.0",
+            "--strategy",
+            strategy,
+            "--out",
+            out.to_str().unwrap(),
+            "--losses",
+            dir.join(format!("{tag}.jsonl")).to_str().unwrap(),
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string()),
+    );
+    launch(n, program);
+    read_weights(&out)
+}
+
+fn max_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f32 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "weight names");
+    a.iter()
+        .flat_map(|(name, x)| x.iter().zip(&b[name]).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn sharded_checkpoints_resume_exactly_and_load_into_another_world_size_and_strategy() {
+    let dir = scratch("zero-resume");
+    make_weights_and_data(&dir, 1);
+    let state = |name: &str| dir.join(name).display().to_string();
+
+    // Same world size: stopping half-way and resuming lands where one run does.
+    let straight = run_parity(&dir, 2, "zero3", "straight", &[]);
+    run_parity(&dir, 2, "zero3", "first-half", &["--state", &state("z3-2"), "--stop-after", "4"]);
+    for (file, expect) in [("shard_0.safetensors", true), ("shard_1.safetensors", true)] {
+        assert_eq!(dir.join("z3-2").join(file).exists(), expect, "{file}");
+    }
+    let resumed = run_parity(&dir, 2, "zero3", "resumed", &["--resume", &state("z3-2")]);
+    let diff = max_diff(&straight, &resumed);
+    assert!(diff <= 1e-6, "zero3 resumed on 2 processes differs from one run by {diff}");
+
+    // Saved by 3 processes (odd chunks, padded), loaded by 2: resharded for zero2 and put
+    // back together whole for DDP, both continue to the same weights.
+    run_parity(&dir, 3, "zero3", "three", &["--state", &state("z3-3"), "--stop-after", "4"]);
+    let zero2 = run_parity(&dir, 2, "zero2", "into-zero2", &["--resume", &state("z3-3")]);
+    let ddp = run_parity(&dir, 2, "ddp", "into-ddp", &["--resume", &state("z3-3")]);
+    let diff = max_diff(&zero2, &ddp);
+    assert!(diff <= 1e-5, "a 3-process zero3 state continued as zero2 and as ddp: {diff}");
+    // And they did move on from the saved point.
+    let saved = read_weights(&dir.join("three.safetensors"));
+    assert!(max_diff(&saved, &ddp) > 1e-3, "training continued after loading");
+
+    // zero1 (whole state tensors, each in its owner's file), 2 processes into 3.
+    run_parity(&dir, 2, "zero1", "z1", &["--state", &state("z1-2"), "--stop-after", "4"]);
+    let zero1 = run_parity(&dir, 3, "zero1", "z1-into-zero1", &["--resume", &state("z1-2")]);
+    let ddp = run_parity(&dir, 3, "ddp", "z1-into-ddp", &["--resume", &state("z1-2")]);
+    let diff = max_diff(&zero1, &ddp);
+    assert!(diff <= 1e-6, "a 2-process zero1 state continued as zero1 and ddp on 3: {diff}");
+}

@@ -29,6 +29,7 @@ use crate::topology::Topology;
 pub use attribute::{ExitGuard, IntoAccelOptimizer};
 pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader, Rounds};
 pub use optimizer::AcceleratedOptimizer;
+pub(crate) use optimizer::Slot;
 pub(crate) use state::GradientState;
 pub use state::StepCounters;
 

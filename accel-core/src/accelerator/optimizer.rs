@@ -25,7 +25,22 @@ pub(crate) struct Slot {
     /// ZeRO stage 1's bookkeeping, when the optimizer state is sharded.
     zero: Option<Zero1>,
     /// Zero2/zero3: the models whose master shards this optimizer steps.
-    sharded: Option<(ProcessGroup, Vec<Arc<ShardedModel>>)>,
+    pub(crate) sharded: Option<ShardedSlot>,
+}
+
+pub(crate) struct ShardedSlot {
+    group: ProcessGroup,
+    pub(crate) models: Vec<Arc<ShardedModel>>,
+    /// Elements of the whole parameter behind each master shard, by the optimizer's name
+    /// for it: what a checkpoint needs to put a shard back together.
+    pub(crate) numel: std::collections::BTreeMap<String, i64>,
+}
+
+impl Slot {
+    /// Whether the optimizer's state is split across processes (zero1, 2 or 3).
+    pub(crate) fn zero1(&self) -> bool {
+        self.zero.is_some()
+    }
 }
 
 /// ZeRO stage 1 (as torch's `ZeroRedundancyOptimizer`): each process keeps the optimizer
@@ -102,6 +117,12 @@ impl AcceleratedOptimizer {
             None => None,
             Some(model) => {
                 let name = optimizer.name();
+                let numel = optimizer
+                    .param_names()
+                    .into_iter()
+                    .zip(optimizer.params())
+                    .map(|(n, p)| (n, p.numel() as i64))
+                    .collect();
                 let swapped = optimizer.replace_params(&|param| {
                     let id = crate::shim::tensor_id(param)?;
                     sharded.iter().find_map(|m| m.master_of(id)).ok_or_else(|| {
@@ -115,7 +136,7 @@ impl AcceleratedOptimizer {
                 if let Err(e) = swapped {
                     deferred = Some(e.to_string());
                 }
-                Some((model.group(), sharded.clone()))
+                Some(ShardedSlot { group: model.group(), models: sharded.clone(), numel })
             }
         };
         let slot = Slot {
@@ -199,7 +220,7 @@ impl AcceleratedOptimizer {
 
     fn clip(slot: &Slot, params: &[Tensor], max_norm: f64) -> Result<f64> {
         match &slot.sharded {
-            Some((group, _)) => clip_grad_norm_sharded(params, max_norm, group),
+            Some(s) => clip_grad_norm_sharded(params, max_norm, &s.group),
             None => clip_grad_norm(params, max_norm),
         }
     }
@@ -226,8 +247,8 @@ impl AcceleratedOptimizer {
         let skipped = match &self.scaler {
             Some(scaler) => {
                 let mut scaler = scaler.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some((group, _)) = &slot.sharded {
-                    scaler.share_found_inf(&params, group)?;
+                if let Some(s) = &slot.sharded {
+                    scaler.share_found_inf(&params, &s.group)?;
                 }
                 let overflow = scaler.found_inf(&params)?;
                 scaler.update()?;
@@ -240,8 +261,8 @@ impl AcceleratedOptimizer {
                 Self::clip(&slot, &params, max)?;
             }
             slot.optimizer.step()?;
-            if let Some((_, models)) = &slot.sharded {
-                for model in models {
+            if let Some(s) = &slot.sharded {
+                for model in &s.models {
                     model.after_step()?;
                 }
             }

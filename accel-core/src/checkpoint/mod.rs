@@ -13,11 +13,12 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Tensor};
 
-use crate::accelerator::{Accelerator, DataPosition, StepCounters};
+use crate::accelerator::{Accelerator, DataPosition, Slot, StepCounters};
 use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, SchedulerState};
 use crate::precision::ScalerState;
 use crate::shim::{rng_state, set_rng_state};
+use crate::strategy::fsdp::chunk_of;
 
 const FORMAT: &str = "accel-checkpoint";
 const VERSION: u32 = 1;
@@ -51,7 +52,21 @@ struct Manifest {
     optimizers: Vec<OptimizerRecord>,
     loaders: Vec<DataPosition>,
     rng_devices: Vec<String>,
+    /// Tensors split across processes (zero1/2/3), in `shard_{rank}.safetensors`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    shards: Option<ShardRecord>,
 }
+
+/// Which tensors of the shard files are chunks of a flattened whole of `numel` elements
+/// (zero2/zero3: one chunk per process, in rank order); the others are whole tensors that
+/// one process owns (zero1's optimizer state).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct ShardRecord {
+    numel: BTreeMap<String, i64>,
+}
+
+/// A tensor of this process's shard file: its key, value, and whole size if it is a chunk.
+type Piece = (String, Tensor, Option<i64>);
 
 fn model_file(i: usize) -> String {
     if i == 0 { "model.safetensors".into() } else { format!("model_{i}.safetensors") }
@@ -61,6 +76,18 @@ fn optimizer_file(i: usize) -> String {
 }
 fn rng_file(rank: usize) -> String {
     format!("rng_state_{rank}.safetensors")
+}
+fn shard_file(rank: usize) -> String {
+    format!("shard_{rank}.safetensors")
+}
+
+/// The whole size of optimizer state tensor `key` (`{param}/{slot}`) when it is a chunk of a
+/// zero2/zero3 master shard; `None` for scalars like `step` and for unsharded state.
+fn chunk_numel(slot: &Slot, key: &str, tensor: &Tensor, world: usize) -> Option<i64> {
+    let sharded = slot.sharded.as_ref()?;
+    let numel = *sharded.numel.get(key.rsplit_once('/')?.0)?;
+    let chunk = (numel + world as i64 - 1) / world as i64;
+    (tensor.dim() == 1 && tensor.size()[0] == chunk).then_some(numel)
 }
 
 fn io_error(path: &Path, source: std::io::Error) -> Error {
@@ -158,16 +185,11 @@ impl Accelerator {
     /// the folder appears only once all are written.
     pub fn save_state(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
-        if self.registry().optimizers.iter().any(|o| o.is_sharded()) {
-            return Err(Error::Unsupported(
-                "checkpoints of zero1 runs: their optimizer state is sharded, and sharded \
-                 checkpoints are not built yet; use strategy ddp for runs that must checkpoint"
-                    .into(),
-            ));
-        }
         let Some(group) = self.inner.group.clone() else {
             let tmp = temporary_dir(dir, true)?;
-            let result = self.write_rng(&tmp).and_then(|rng| self.write_state(&tmp, vec![rng]));
+            let result = self
+                .write_rng(&tmp)
+                .and_then(|rng| self.write_state(&tmp, vec![rng], BTreeMap::new()));
             if let Err(e) = result {
                 let _ = std::fs::remove_dir_all(&tmp);
                 return Err(e);
@@ -187,19 +209,37 @@ impl Accelerator {
         };
         let tmp = temporary_dir_path(dir, false)?;
         agree(if self.is_main_process() { temporary_dir(dir, false).map(|_| ()) } else { Ok(()) })?;
-        let mine = self.write_rng(&tmp).map_err(|e| e.to_string());
-        let all = group
-            .gather_objects(&mine.map(|(name, record)| (name, record.bytes, record.crc32)), 0)?;
+        let pieces = self.own_pieces();
+        let numel: BTreeMap<String, i64> = match &pieces {
+            Ok(p) => p.iter().filter_map(|(k, _, n)| n.map(|n| (k.clone(), n))).collect(),
+            Err(_) => BTreeMap::new(),
+        };
+        let mine = pieces
+            .and_then(|pieces| {
+                let mut files = vec![self.write_rng(&tmp)?];
+                if !pieces.is_empty() {
+                    let name = shard_file(self.process_index());
+                    let tensors: Vec<(String, Tensor)> =
+                        pieces.into_iter().map(|(k, t, _)| (k, t)).collect();
+                    files.push((name.clone(), write_tensors(&tmp.join(&name), &tensors)?));
+                }
+                Ok(files.into_iter().map(|(name, r)| (name, r.bytes, r.crc32)).collect::<Vec<_>>())
+            })
+            .map_err(|e| e.to_string());
+        let all = group.gather_objects(&mine, 0)?;
         let outcome = match all {
             Some(all) => (|| {
                 let records = all
                     .into_iter()
-                    .map(|r| r.map(|(name, bytes, crc32)| (name, FileRecord { bytes, crc32 })))
                     .collect::<std::result::Result<Vec<_>, String>>()
                     .map_err(|e| {
-                        bad(dir, format!("a process could not write its RNG state: {e}"))
-                    })?;
-                self.write_state(&tmp, records)?;
+                        bad(dir, format!("a process could not write its RNG state or shard: {e}"))
+                    })?
+                    .into_iter()
+                    .flatten()
+                    .map(|(name, bytes, crc32)| (name, FileRecord { bytes, crc32 }))
+                    .collect();
+                self.write_state(&tmp, records, numel)?;
                 publish(&tmp, dir)
             })(),
             None => Ok(()),
@@ -221,20 +261,72 @@ impl Accelerator {
         Ok((name, record))
     }
 
-    /// Model, optimizers and the manifest (the main process's part).
-    fn write_state(&self, tmp: &Path, rng_files: Vec<(String, FileRecord)>) -> Result<()> {
+    /// The master shard of `param` when it is sharded (zero2/zero3).
+    fn master_of(&self, param: &Tensor) -> Result<Option<Tensor>> {
+        let id = crate::shim::tensor_id(param)?;
+        Ok(self.sharded_models().iter().find_map(|m| m.master_of(id)))
+    }
+
+    /// What this process alone holds: its master shards and optimizer state chunks
+    /// (zero2/zero3), the optimizer state of the parameters it owns (zero1).
+    fn own_pieces(&self) -> Result<Vec<Piece>> {
+        let mut pieces = Vec::new();
         let registry = self.registry();
-        let mut files: BTreeMap<String, FileRecord> = rng_files.into_iter().collect();
         for (i, params) in registry.models.iter().enumerate() {
-            let tensors: Vec<(String, Tensor)> =
-                params.iter().map(|p| (p.name.clone(), p.tensor.detach())).collect();
+            for p in params {
+                if let Some(master) = self.master_of(&p.tensor)? {
+                    let key = format!("model_{i}/{}", p.name);
+                    pieces.push((key, master.f_detach()?, Some(p.tensor.numel() as i64)));
+                }
+            }
+        }
+        for (j, optimizer) in registry.optimizers.iter().enumerate() {
+            let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
+            if !slot.zero1() && slot.sharded.is_none() {
+                continue;
+            }
+            for (key, tensor) in slot.optimizer.state()?.tensors {
+                let numel = chunk_numel(&slot, &key, &tensor, self.num_processes());
+                if numel.is_some() || slot.zero1() {
+                    pieces.push((format!("optimizer_{j}/{key}"), tensor, numel));
+                }
+            }
+        }
+        Ok(pieces)
+    }
+
+    /// Model, optimizers and the manifest (the main process's part); `numel` lists the
+    /// chunked tensors of the shard files.
+    fn write_state(
+        &self,
+        tmp: &Path,
+        own_files: Vec<(String, FileRecord)>,
+        numel: BTreeMap<String, i64>,
+    ) -> Result<()> {
+        let registry = self.registry();
+        let sharded = own_files.iter().any(|(name, _)| name.starts_with("shard_"));
+        let mut files: BTreeMap<String, FileRecord> = own_files.into_iter().collect();
+        for (i, params) in registry.models.iter().enumerate() {
+            let mut tensors: Vec<(String, Tensor)> = Vec::new();
+            for p in params {
+                // Sharded parameters are in the shard files (and under zero3 have no
+                // memory here to read).
+                if self.master_of(&p.tensor)?.is_none() {
+                    tensors.push((p.name.clone(), p.tensor.detach()));
+                }
+            }
             files.insert(model_file(i), write_tensors(&tmp.join(model_file(i)), &tensors)?);
         }
         let mut optimizers = Vec::new();
         for (i, optimizer) in registry.optimizers.iter().enumerate() {
             let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
             let state = slot.optimizer.state()?;
-            let tensors: Vec<(String, Tensor)> = state.tensors.into_iter().collect();
+            let world = self.num_processes();
+            let tensors: Vec<(String, Tensor)> = state
+                .tensors
+                .into_iter()
+                .filter(|(k, t)| !slot.zero1() && chunk_numel(&slot, k, t, world).is_none())
+                .collect();
             files.insert(optimizer_file(i), write_tensors(&tmp.join(optimizer_file(i)), &tensors)?);
             optimizers.push(OptimizerRecord {
                 name: slot.optimizer.name().to_owned(),
@@ -264,6 +356,7 @@ impl Accelerator {
                 .map(|p| *p.lock().unwrap_or_else(|e| e.into_inner()))
                 .collect(),
             rng_devices: devices.into_iter().map(device_name).collect(),
+            shards: sharded.then_some(ShardRecord { numel }),
         };
         let path = tmp.join(MANIFEST);
         let text = serde_json::to_string_pretty(&manifest).expect("the manifest serialises");
@@ -319,11 +412,51 @@ impl Accelerator {
             Ok((path, tensors))
         };
 
-        // Read and check everything before changing anything.
+        // Read and check everything before changing anything. Tensors split across the
+        // processes that saved them are put back together whole first (any world size can
+        // then take its own share).
+        let mut split: BTreeMap<String, Tensor> = BTreeMap::new();
+        if let Some(record) = &manifest.shards {
+            let mut parts: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+            for rank in 0..manifest.world_size {
+                for (key, tensor) in file(shard_file(rank))?.1 {
+                    parts.entry(key).or_default().push(tensor);
+                }
+            }
+            for (key, parts) in parts {
+                let whole = match record.numel.get(&key) {
+                    Some(&numel) if parts.len() == manifest.world_size => {
+                        Tensor::f_cat(&parts, 0)?.f_narrow(0, 0, numel)?
+                    }
+                    Some(_) => {
+                        return Err(bad(
+                            dir,
+                            format!("`{key}` is missing from some of the processes' shard files"),
+                        ));
+                    }
+                    None => parts.into_iter().next().expect("one part at least"),
+                };
+                split.insert(key, whole);
+            }
+        }
         let mut models = Vec::new();
         for (i, params) in registry.models.iter().enumerate() {
-            let (path, tensors) = file(model_file(i))?;
+            let (path, mut tensors) = file(model_file(i))?;
             for p in params {
+                if let Some(whole) = split.remove(&format!("model_{i}/{}", p.name)) {
+                    if whole.numel() != p.tensor.numel() {
+                        return Err(bad(
+                            dir,
+                            format!(
+                                "sharded tensor `{}` has {} elements, the model's has {}",
+                                p.name,
+                                whole.numel(),
+                                p.tensor.numel()
+                            ),
+                        ));
+                    }
+                    tensors.insert(p.name.clone(), whole.f_view(p.tensor.size().as_slice())?);
+                }
                 let saved = tensors.get(&p.name).ok_or_else(|| {
                     bad(&path, format!("has no tensor `{}`, which the model has", p.name))
                 })?;
@@ -353,8 +486,39 @@ impl Accelerator {
         for (i, (record, optimizer)) in
             manifest.optimizers.iter().zip(&registry.optimizers).enumerate()
         {
-            let (path, tensors) = file(optimizer_file(i))?;
+            let (path, mut tensors) = file(optimizer_file(i))?;
+            let prefix = format!("optimizer_{i}/");
+            let keys: Vec<String> =
+                split.keys().filter(|k| k.starts_with(&prefix)).cloned().collect();
+            for key in keys {
+                let whole = split.remove(&key).expect("listed above");
+                tensors.insert(key[prefix.len()..].to_string(), whole);
+            }
             let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
+            // Whole state tensors take the shape this run's optimizer has for them: this
+            // process's chunk (zero2/zero3) or the parameter's shape.
+            let shapes: BTreeMap<String, Tensor> =
+                slot.optimizer.param_names().into_iter().zip(slot.optimizer.params()).collect();
+            for (key, tensor) in tensors.iter_mut() {
+                let Some(target) = key.rsplit_once('/').and_then(|(p, _)| shapes.get(p)) else {
+                    continue;
+                };
+                let numel = slot.sharded.as_ref().and_then(|s| {
+                    s.numel.get(key.rsplit_once('/').map_or("", |(p, _)| p)).copied()
+                });
+                if tensor.dim() == 0 {
+                    continue;
+                }
+                match numel {
+                    Some(n) if tensor.numel() as i64 == n => {
+                        *tensor = chunk_of(tensor, self.process_index(), self.num_processes())?;
+                    }
+                    _ if tensor.numel() == target.numel() && tensor.size() != target.size() => {
+                        *tensor = tensor.f_reshape(target.size().as_slice())?;
+                    }
+                    _ => {}
+                }
+            }
             if slot.optimizer.name() != record.name {
                 return Err(bad(
                     &path,
@@ -374,17 +538,49 @@ impl Accelerator {
             optimizer_states
                 .push((path, OptimizerState { tensors, groups: record.groups.clone() }));
         }
-        let (_, rng) = file(rng_file(self.process_index()))?;
+        // A process the saving run did not have keeps its own generators (the run can
+        // continue, but no longer bit-identically: the data order per process changed anyway).
+        let rng = if self.process_index() < manifest.world_size {
+            file(rng_file(self.process_index()))?.1
+        } else {
+            BTreeMap::new()
+        };
+        if manifest.world_size != self.num_processes() {
+            self.print(format!(
+                "accel: {} was saved by {} process(es), this run has {}: sharded state is \
+                 resharded; random generators are restored for the first {} process(es) only",
+                dir.display(),
+                manifest.world_size,
+                self.num_processes(),
+                manifest.world_size.min(self.num_processes())
+            ));
+        }
 
         // Apply.
         tch::no_grad(|| -> Result<()> {
             for (params, tensors) in registry.models.iter().zip(&models) {
                 for p in params {
-                    p.tensor.shallow_clone().f_copy_(&tensors[&p.name])?;
+                    match self.master_of(&p.tensor)? {
+                        Some(master) => {
+                            let mine = chunk_of(
+                                &tensors[&p.name],
+                                self.process_index(),
+                                self.num_processes(),
+                            )?;
+                            master.shallow_clone().f_copy_(&mine)?;
+                        }
+                        None => {
+                            let _ = p.tensor.shallow_clone().f_copy_(&tensors[&p.name])?;
+                        }
+                    }
                 }
             }
             Ok(())
         })?;
+        // The whole parameters follow their new master shards.
+        for model in self.sharded_models().clone() {
+            model.after_step()?;
+        }
         for ((optimizer, record), (path, state)) in
             registry.optimizers.iter().zip(&manifest.optimizers).zip(&optimizer_states)
         {

@@ -278,6 +278,9 @@ macro_rules! adam_optimizer {
             fn params(&self) -> Vec<Tensor> {
                 self.0.groups.iter().flat_map(|g| g.params.iter().map(|p| p.tensor.shallow_clone())).collect()
             }
+            fn param_names(&self) -> Vec<String> {
+                self.0.groups.iter().flat_map(|g| g.params.iter().map(|p| p.name.clone())).collect()
+            }
             fn num_groups(&self) -> usize {
                 self.0.groups.len()
             }

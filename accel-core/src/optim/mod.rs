@@ -87,6 +87,10 @@ pub trait Optimizer: Send {
     fn step(&mut self) -> Result<()>;
     /// Every parameter, in group order (shallow clones).
     fn params(&self) -> Vec<Tensor>;
+    /// The names its state is saved under, in [`Optimizer::params`] order.
+    fn param_names(&self) -> Vec<String> {
+        (0..self.params().len()).map(|i| format!("param.{i}")).collect()
+    }
     /// Clears the gradients (`zero_grad(set_to_none=True)`, torch's default).
     fn zero_grad(&mut self) -> Result<()> {
         for p in self.params() {

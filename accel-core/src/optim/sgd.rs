@@ -128,6 +128,10 @@ impl Optimizer for Sgd {
         self.groups.iter().flat_map(|g| g.params.iter().map(|p| p.tensor.shallow_clone())).collect()
     }
 
+    fn param_names(&self) -> Vec<String> {
+        self.groups.iter().flat_map(|g| g.params.iter().map(|p| p.name.clone())).collect()
+    }
+
     fn num_groups(&self) -> usize {
         self.groups.len()
     }

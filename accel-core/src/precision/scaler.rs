@@ -101,7 +101,11 @@ impl GradScaler {
 
     /// Makes the overflow flag of this step every rank's: with sharded gradients each rank
     /// checks only its shard, and all must skip the step together.
-    pub fn share_found_inf(&mut self, params: &[Tensor], group: &crate::comm::ProcessGroup) -> Result<()> {
+    pub fn share_found_inf(
+        &mut self,
+        params: &[Tensor],
+        group: &crate::comm::ProcessGroup,
+    ) -> Result<()> {
         self.unscale(params)?;
         if let Some(found) = &self.found_inf {
             group.all_reduce(found, crate::comm::ReduceOp::Max)?;

@@ -151,14 +151,23 @@ fn lock(engine: &Mutex<Engine>) -> MutexGuard<'_, Engine> {
     engine.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Rank `rank`'s share of a flattened tensor split `world` ways: `ceil(n / world)` elements,
+/// zero-padded at the end of the last share.
+pub(crate) fn chunk_of(flat: &Tensor, rank: usize, world: usize) -> Result<Tensor> {
+    let (n, world) = (flat.numel() as i64, world as i64);
+    let chunk = (n + world - 1) / world;
+    Ok(flat
+        .f_reshape([-1])?
+        .f_constant_pad_nd([0, chunk * world - n])?
+        .f_narrow(0, chunk * rank as i64, chunk)?
+        .f_contiguous()?)
+}
+
 /// The unit prefix of parameter `name`: the longest matching explicit or wrapped prefix,
 /// else its repeated-layer element (`....layers.3`), else the root (`""`).
 fn unit_of(name: &str, explicit: Option<&[String]>, wrapped: &BTreeSet<String>) -> String {
     let longest = |prefixes: &mut dyn Iterator<Item = &String>| {
-        prefixes
-            .filter(|p| name.starts_with(&format!("{p}.")))
-            .max_by_key(|p| p.len())
-            .cloned()
+        prefixes.filter(|p| name.starts_with(&format!("{p}."))).max_by_key(|p| p.len()).cloned()
     };
     if let Some(list) = explicit {
         return longest(&mut list.iter()).unwrap_or_default();
@@ -485,7 +494,10 @@ impl Engine {
             for (&s, value) in unit.members.iter().zip(&full) {
                 let param = &self.shards[s].param;
                 if !unit.gathered {
-                    shim::allocate_storage(param, (param.numel() * param.kind().elt_size_in_bytes()) as u64)?;
+                    shim::allocate_storage(
+                        param,
+                        (param.numel() * param.kind().elt_size_in_bytes()) as u64,
+                    )?;
                 }
                 // Through `.data`: autograd saved these parameters in the forward, and a
                 // write that bumped their version would make backward refuse them.

@@ -46,7 +46,10 @@ fn model(rank: usize) -> Vec<Param> {
 
 fn batch(rank: usize) -> (Tensor, Tensor) {
     tch::manual_seed(100 + rank as i64);
-    (Tensor::randn([4, 3], (Kind::Float, Device::Cpu)), Tensor::randn([4, 2], (Kind::Float, Device::Cpu)))
+    (
+        Tensor::randn([4, 3], (Kind::Float, Device::Cpu)),
+        Tensor::randn([4, 2], (Kind::Float, Device::Cpu)),
+    )
 }
 
 fn loss(params: &[Param], x: &Tensor, y: &Tensor, around_block: impl Fn(&Tensor)) -> Tensor {
