@@ -31,6 +31,7 @@ pub use accelerator::{
     IntoAccelOptimizer, PreparedBatches, PreparedIter, PreparedLoader, StepCounters, current,
     split_between,
 };
+pub use checkpoint::merge_weights;
 pub use config::{Config, Precision, Strategy};
 pub use device::ToDevice;
 pub use error::{Error, Result};

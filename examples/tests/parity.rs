@@ -363,6 +363,21 @@ fn sharded_checkpoints_resume_exactly_and_load_into_another_world_size_and_strat
     let saved = read_weights(&dir.join("three.safetensors"));
     assert!(max_diff(&saved, &ddp) > 1e-3, "training continued after loading");
 
+    // `accel merge-weights`: the three shards put back together are the weights reached.
+    let merged: BTreeMap<String, Vec<f32>> = accel_core::merge_weights(&dir.join("z3-3"), 0)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(t.flatten(0, -1)).unwrap()))
+        .collect();
+    assert_eq!(max_diff(&saved, &merged), 0.0, "merged shards vs the gathered weights");
+    let shard = dir.join("z3-3/shard_1.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&shard, bytes).unwrap();
+    let err = accel_core::merge_weights(&dir.join("z3-3"), 0).unwrap_err().to_string();
+    assert!(err.contains("shard_1.safetensors") && err.contains("CRC32"), "{err}");
+
     // zero1 (whole state tensors, each in its owner's file), 2 processes into 3.
     run_parity(&dir, 2, "zero1", "z1", &["--state", &state("z1-2"), "--stop-after", "4"]);
     let zero1 = run_parity(&dir, 3, "zero1", "z1-into-zero1", &["--resume", &state("z1-2")]);

@@ -63,6 +63,9 @@ struct Manifest {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct ShardRecord {
     numel: BTreeMap<String, i64>,
+    /// The shapes of the model's sharded parameters (what `merge_weights` restores).
+    #[serde(default)]
+    shapes: BTreeMap<String, Vec<i64>>,
 }
 
 /// A tensor of this process's shard file: its key, value, and whole size if it is a chunk.
@@ -189,7 +192,7 @@ impl Accelerator {
             let tmp = temporary_dir(dir, true)?;
             let result = self
                 .write_rng(&tmp)
-                .and_then(|rng| self.write_state(&tmp, vec![rng], BTreeMap::new()));
+                .and_then(|rng| self.write_state(&tmp, vec![rng], ShardRecord::default()));
             if let Err(e) = result {
                 let _ = std::fs::remove_dir_all(&tmp);
                 return Err(e);
@@ -214,6 +217,15 @@ impl Accelerator {
             Ok(p) => p.iter().filter_map(|(k, _, n)| n.map(|n| (k.clone(), n))).collect(),
             Err(_) => BTreeMap::new(),
         };
+        let mut shapes = BTreeMap::new();
+        for (i, params) in self.registry().models.iter().enumerate() {
+            for p in params {
+                if numel.contains_key(&format!("model_{i}/{}", p.name)) {
+                    shapes.insert(format!("model_{i}/{}", p.name), p.tensor.size());
+                }
+            }
+        }
+        let record = ShardRecord { numel, shapes };
         let mine = pieces
             .and_then(|pieces| {
                 let mut files = vec![self.write_rng(&tmp)?];
@@ -239,7 +251,7 @@ impl Accelerator {
                     .flatten()
                     .map(|(name, bytes, crc32)| (name, FileRecord { bytes, crc32 }))
                     .collect();
-                self.write_state(&tmp, records, numel)?;
+                self.write_state(&tmp, records, record)?;
                 publish(&tmp, dir)
             })(),
             None => Ok(()),
@@ -295,13 +307,13 @@ impl Accelerator {
         Ok(pieces)
     }
 
-    /// Model, optimizers and the manifest (the main process's part); `numel` lists the
-    /// chunked tensors of the shard files.
+    /// Model, optimizers and the manifest (the main process's part); `record` describes
+    /// the chunked tensors of the shard files.
     fn write_state(
         &self,
         tmp: &Path,
         own_files: Vec<(String, FileRecord)>,
-        numel: BTreeMap<String, i64>,
+        record: ShardRecord,
     ) -> Result<()> {
         let registry = self.registry();
         let sharded = own_files.iter().any(|(name, _)| name.starts_with("shard_"));
@@ -356,7 +368,7 @@ impl Accelerator {
                 .map(|p| *p.lock().unwrap_or_else(|e| e.into_inner()))
                 .collect(),
             rng_devices: devices.into_iter().map(device_name).collect(),
-            shards: sharded.then_some(ShardRecord { numel }),
+            shards: sharded.then_some(record),
         };
         let path = tmp.join(MANIFEST);
         let text = serde_json::to_string_pretty(&manifest).expect("the manifest serialises");
@@ -715,6 +727,55 @@ impl Accelerator {
 }
 
 /// `checkpoint_{i}` folders of `root`, oldest first.
+/// The whole weights of model `model` (0 for the first prepared) of the checkpoint in
+/// `dir`, its sharded parameters put back together from every process's shard file: what
+/// `accel merge-weights DIR OUT.safetensors` writes. Every file is checked against the
+/// manifest first.
+pub fn merge_weights(dir: &Path, model: usize) -> Result<Vec<(String, Tensor)>> {
+    let manifest_path = dir.join(MANIFEST);
+    let text = std::fs::read_to_string(&manifest_path).map_err(|e| io_error(&manifest_path, e))?;
+    let manifest: Manifest = serde_json::from_str(&text)
+        .map_err(|e| bad(&manifest_path, format!("unreadable manifest: {e}")))?;
+    if model >= manifest.models {
+        return Err(bad(
+            dir,
+            format!("it holds {} model(s); there is no model {model}", manifest.models),
+        ));
+    }
+    let file = |name: String| -> Result<BTreeMap<String, Tensor>> {
+        let path = dir.join(&name);
+        let record =
+            manifest.files.get(&name).ok_or_else(|| bad(&path, "missing from the manifest"))?;
+        read_tensors(&path, record)
+    };
+    let mut weights = file(model_file(model))?;
+    if let Some(record) = &manifest.shards {
+        let prefix = format!("model_{model}/");
+        let mut parts: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+        for rank in 0..manifest.world_size {
+            for (key, tensor) in file(shard_file(rank))? {
+                if let Some(name) = key.strip_prefix(&prefix) {
+                    parts.entry(name.to_string()).or_default().push(tensor);
+                }
+            }
+        }
+        for (name, parts) in parts {
+            let key = format!("{prefix}{name}");
+            let (Some(&numel), Some(shape)) = (record.numel.get(&key), record.shapes.get(&key))
+            else {
+                return Err(bad(dir, format!("the manifest lacks the size of `{key}`")));
+            };
+            if parts.len() != manifest.world_size {
+                return Err(bad(dir, format!("`{key}` is missing from some shard files")));
+            }
+            let whole =
+                Tensor::f_cat(&parts, 0)?.f_narrow(0, 0, numel)?.f_reshape(shape.as_slice())?;
+            weights.insert(name, whole);
+        }
+    }
+    Ok(weights.into_iter().collect())
+}
+
 fn numbered_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir(root).map_err(|e| io_error(root, e))? {

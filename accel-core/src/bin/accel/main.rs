@@ -13,6 +13,7 @@ use accel_core::config::{PartialConfig, Precision, Strategy};
 use accel_core::launch::config::{LaunchConfig, default_config_path};
 use accel_core::launch::{LaunchPlan, run};
 use clap::{Args, Parser, Subcommand};
+use tch::Tensor;
 
 /// Distributed training for tch: launch, configure and check runs.
 #[derive(Debug, Parser)]
@@ -45,6 +46,17 @@ enum Command {
     Bench(BenchCommand),
     /// Per-process memory of parameters, gradients and optimizer state under each strategy,
     /// for a safetensors model or a parameter count.
+    /// Put a checkpoint's sharded weights back together (zero2/zero3 runs save one shard
+    /// per process) into one safetensors file of the whole model.
+    MergeWeights {
+        /// A folder written by `save_state`.
+        dir: PathBuf,
+        /// The safetensors file to write.
+        out: PathBuf,
+        /// Which prepared model (0 = the first).
+        #[arg(long, default_value_t = 0)]
+        model: usize,
+    },
     EstimateMemory {
         /// A safetensors file (only its header is read).
         model: Option<PathBuf>,
@@ -223,6 +235,30 @@ fn main() -> ExitCode {
         }
         Command::Bench(BenchCommand::Allreduce { launch: args, sizes, dtype, compare_gloo }) => {
             bench::allreduce(&args, &sizes, &dtype, compare_gloo)
+        }
+        Command::MergeWeights { dir, out, model } => {
+            let result = accel_core::merge_weights(&dir, model).and_then(|weights| {
+                Tensor::write_safetensors(&weights, &out).map_err(|e| accel_core::Error::Io {
+                    path: out.clone(),
+                    source: std::io::Error::other(e.to_string()),
+                })?;
+                Ok(weights)
+            });
+            match result {
+                Ok(weights) => {
+                    let elements: i64 = weights.iter().map(|(_, t)| t.numel() as i64).sum();
+                    println!(
+                        "wrote {} tensors ({elements} elements) to {}",
+                        weights.len(),
+                        out.display()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("accel merge-weights: {e}");
+                    ExitCode::FAILURE
+                }
+            }
         }
         Command::EstimateMemory { model, params, num_processes, optimizer } => {
             let result = (|| -> accel_core::Result<String> {
