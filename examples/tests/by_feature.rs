@@ -19,12 +19,36 @@ fn launch(processes: usize, program: Vec<String>, env: &[(&str, &Path)]) {
 }
 
 #[test]
-fn accumulation_evaluation_and_mixed_precision_on_1_and_2_processes() {
-    for name in ["accumulation", "evaluation", "mixed_precision"] {
+fn accumulation_evaluation_mixed_precision_and_sharding_on_1_and_2_processes() {
+    for name in ["accumulation", "evaluation", "mixed_precision", "sharding"] {
         for processes in [1, 2] {
             launch(processes, vec![example(name)], &[]);
         }
     }
+}
+
+#[test]
+fn the_transformer_trains_alike_under_ddp_and_zero3() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("char-lm");
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/kjv-genesis-exodus.txt");
+    let mut losses = Vec::new();
+    for strategy in ["ddp", "zero3"] {
+        let metrics = dir.join(format!("{strategy}.json"));
+        let args = ["--steps", "12", "--blocks", "2", "--target", "10", "--text"];
+        let mut program = vec![example("char_lm")];
+        program.extend(args.iter().map(|s| s.to_string()));
+        program.extend([text.display().to_string(), "--metrics".into()]);
+        program.push(metrics.display().to_string());
+        let mut plan = LaunchPlan { rank0_only: true, ..LaunchPlan::local(2, program) };
+        plan.env.push(("ACCEL_STRATEGY".into(), strategy.into()));
+        assert_eq!(run(&plan).unwrap(), 0, "char_lm under {strategy} failed");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&metrics).unwrap()).unwrap();
+        losses.push(json["held_out_loss"].as_f64().unwrap());
+    }
+    assert!(losses[0] < 4.0, "12 steps leave the uniform guess (4.28) behind: {}", losses[0]);
+    assert!((losses[0] - losses[1]).abs() < 1e-4, "ddp {} vs zero3 {}", losses[0], losses[1]);
 }
 
 #[test]

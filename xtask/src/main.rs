@@ -31,13 +31,17 @@ fn main() -> ExitCode {
         "setup" => setup().map(|_| ()),
         "test" => setup().and_then(|_| cargo(&["test", "--workspace"], &rest)),
         "train" => setup().and_then(|_| train(&rest)),
-        "bench" => setup().and_then(|_| bench()),
+        "bench" if rest.first().is_some_and(|a| a == "memory") => {
+            setup().and_then(|_| memory_bench())
+        }
+        "bench" => setup().and_then(|_| bench()).and_then(|_| memory_bench()),
         _ => Err(format!(
             "unknown command `{command}`; the commands are:\n  \
              cargo xtask setup         install libtorch into .venv (once)\n  \
              cargo xtask test [ARGS]   every test (cargo test --workspace ARGS)\n  \
              cargo xtask train [ARGS]  the main job\n  \
-             cargo xtask bench         accel vs PyTorch + Accelerate, same machine, same run"
+             cargo xtask bench         accel vs PyTorch + Accelerate, same machine, same run\n  \
+             cargo xtask bench memory  peak memory per process of ddp and zero1/2/3"
         )),
     };
     match result {
@@ -318,6 +322,80 @@ fn bench() -> Result<(), String> {
         "1MiB,4MiB,16MiB,64MiB",
         "--compare-gloo",
     ]))
+}
+
+/// Peak memory per process of each strategy on a 52M-parameter model, against the ZeRO
+/// paper's model-state formulas.
+fn memory_bench() -> Result<(), String> {
+    cargo(
+        &["build", "--release", "-p", "accel-core", "--bin", "accel", "-p", "accel-examples"],
+        &["--example".into(), "memory_bench".into()],
+    )?;
+    let root = root();
+    let accel = root.join("target/release/accel");
+    let example = root.join("target/release/examples/memory_bench");
+    eprintln!("xtask: measuring memory, 4 strategies x 2 and 4 processes (a few minutes) ...");
+    const MIB: f64 = 1024.0 * 1024.0;
+    // The largest unit: one 2560x2560 Linear with its bias.
+    let unit = 2560.0 * 2560.0 + 2560.0;
+    println!(
+        "\nPeak resident memory per process above the process's own baseline, during training \
+         steps 2-4 (max over ranks);\n8 Linear 2560x2560 units, AdamW fp32, batch 8, CPU; \
+         formula = ZeRO paper's model state (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N)\n\
+         + working set for zero2/zero3 (3 x 4 bytes x the largest unit: its gathered parameters, \
+         full gradients, reduce-scatter buffer)"
+    );
+    println!(
+        "{:<8} {:>3} {:>14} {:>14} {:>9} {:>12} {:>9}",
+        "strategy", "N", "measured MiB", "formula MiB", "ratio", "step s", "vs ddp"
+    );
+    for n in [2usize, 4] {
+        let mut ddp_step = None;
+        for strategy in ["ddp", "zero1", "zero2", "zero3"] {
+            let mut command = Command::new(&accel);
+            command
+                .args(["launch", "--num-processes", &n.to_string(), "--main-process-port", "0"])
+                .args(["--cpu", "--strategy", strategy])
+                .arg(&example)
+                .env("MALLOC_MMAP_THRESHOLD_", "65536");
+            let output = command.output().map_err(|e| format!("cannot run {command:?}: {e}"))?;
+            let text = String::from_utf8_lossy(&output.stdout).into_owned();
+            if !output.status.success() {
+                return Err(format!(
+                    "{command:?} failed:\n{text}{}",
+                    String::from_utf8_lossy(&output.stderr)
+                ));
+            }
+            let field = |line: &str, key: &str| -> Option<f64> {
+                let at = line.find(&format!("\"{key}\":"))? + key.len() + 3;
+                line[at..].split([',', '}']).next()?.trim().parse().ok()
+            };
+            let lines: Vec<&str> = text.lines().filter(|l| l.contains("\"peak_bytes\"")).collect();
+            if lines.len() != n {
+                return Err(format!("expected {n} result lines from {command:?}, got:\n{text}"));
+            }
+            let peak = lines.iter().filter_map(|l| field(l, "peak_bytes")).fold(0.0, f64::max);
+            let step = lines.iter().filter_map(|l| field(l, "step_s")).fold(0.0, f64::max);
+            let psi = lines.iter().find_map(|l| field(l, "params")).unwrap_or(0.0);
+            let n_f = n as f64;
+            let formula = match strategy {
+                "ddp" => 16.0 * psi,
+                "zero1" => 8.0 * psi + 8.0 * psi / n_f,
+                "zero2" => 4.0 * psi + 12.0 * psi / n_f + 12.0 * unit,
+                _ => 16.0 * psi / n_f + 12.0 * unit,
+            };
+            let ddp = *ddp_step.get_or_insert(step);
+            println!(
+                "{strategy:<8} {n:>3} {:>14.0} {:>14.0} {:>8.2}x {:>12.3} {:>8.2}x",
+                peak / MIB,
+                formula / MIB,
+                peak / formula,
+                step,
+                step / ddp
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The main job: the `train` example on 2 processes of this machine, on CPU.
