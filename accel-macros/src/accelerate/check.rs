@@ -80,10 +80,10 @@ fn sharding_needs_fsdp(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 fn offload_needs_sharding(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     if let Some(o) = &raw.offload {
         let strategy = raw.strategy.as_ref().map(|s| s.value.as_str());
-        if o.value && !matches!(strategy, Some("zero1" | "zero2" | "zero3" | "fsdp")) {
+        if o.value && !matches!(strategy, Some("zero2" | "zero3" | "fsdp")) {
             errors.push(syn::Error::new(
                 o.span,
-                "`offload = true` needs a sharded strategy: \"zero1\", \"zero2\", \"zero3\" or \"fsdp\"",
+                "`offload = true` needs a strategy that shards parameters or gradients: \"zero2\", \"zero3\" or \"fsdp\"",
             ));
         }
     }

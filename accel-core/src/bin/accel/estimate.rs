@@ -102,8 +102,9 @@ pub(crate) fn table(
         }
     }
     out.push_str(
-        "\nddp and zero1 run with several processes in this release; the zero2 and zero3 rows \
-         are what those stages will need (issue #6).\n",
+        "\nMeasured against these formulas by `cargo xtask bench memory` (CPU): see the README. \
+         zero3 holds a unit's whole parameters (and gradients, until reduce-scattered) while it \
+         computes, on top of the row.\n",
     );
     Ok(out)
 }

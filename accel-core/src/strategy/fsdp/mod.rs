@@ -131,6 +131,8 @@ struct UnitState {
     fired: Vec<bool>,
     ready: usize,
     reducing: Option<(Work, Tensor)>,
+    /// Reduced in the current backward pass.
+    reduced: bool,
 }
 
 struct Engine {
@@ -139,7 +141,14 @@ struct Engine {
     shards: Vec<Shard>,
     units: Vec<UnitState>,
     error: Option<String>,
+    /// Units whose reduce-scatter is in flight, oldest first.
+    in_flight: std::collections::VecDeque<usize>,
 }
+
+/// Reduce-scatters in flight at once: enough to overlap communication with the backward
+/// pass, few enough that their flat buffers (one unit's gradients each) stay a small part
+/// of memory.
+const MAX_IN_FLIGHT: usize = 2;
 
 /// A model whose gradients (zero2) or gradients and parameters (zero3) are sharded.
 pub(crate) struct ShardedModel {
@@ -242,6 +251,7 @@ impl ShardedModel {
                         fired: Vec::new(),
                         ready: 0,
                         reducing: None,
+                        reduced: false,
                     });
                     units.len() - 1
                 }
@@ -260,7 +270,8 @@ impl ShardedModel {
                 chunk,
             });
         }
-        let mut engine = Engine { group, options, shards, units, error: None };
+        let mut engine =
+            Engine { group, options, shards, units, error: None, in_flight: Default::default() };
         for u in 0..engine.units.len() {
             if engine.units[u].managed {
                 engine.release(u)?;
@@ -354,19 +365,20 @@ impl ShardedModel {
         if let Some(e) = engine.error.take() {
             return Err(Error::Training(format!("sharded gradient hook failed: {e}")));
         }
-        if engine.units.iter().all(|u| u.ready == 0 && u.reducing.is_none()) {
+        if engine.units.iter().all(|u| u.ready == 0 && !u.reduced) {
             return Ok(());
         }
         let unused: Vec<String> = engine
             .units
             .iter()
-            .filter(|u| u.reducing.is_none())
+            .filter(|u| !u.reduced)
             .flat_map(|u| u.members.iter().zip(&u.fired).filter(|(_, f)| !**f))
             .map(|(&s, _)| engine.shards[s].name.clone())
             .collect();
         if !unused.is_empty() && !engine.options.allow_unused {
             for u in &mut engine.units {
                 u.ready = 0;
+                u.reduced = false;
                 u.fired.iter_mut().for_each(|f| *f = false);
             }
             return Err(Error::Training(format!(
@@ -377,32 +389,15 @@ impl ShardedModel {
             )));
         }
         for u in 0..engine.units.len() {
-            if engine.units[u].reducing.is_none() {
+            if !engine.units[u].reduced {
                 engine.reduce(u)?;
             }
         }
-        let (world, rank) = (engine.group.size() as i64, engine.group.rank() as i64);
+        while let Some(u) = engine.in_flight.pop_front() {
+            engine.complete(u)?;
+        }
         for unit in &mut engine.units {
-            let Some((work, buffer)) = unit.reducing.take() else { continue };
-            work.wait()?;
-            let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
-            tch::no_grad(|| -> Result<()> {
-                for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
-                    let shard = &engine.shards[s];
-                    let part = mine
-                        .f_narrow(0, offset, shard.chunk)?
-                        .f_to_kind(Kind::Float)?
-                        .f_to_device(shard.master.device())?
-                        .f_div_scalar(world as f64)?;
-                    let mut grad = shard.master.grad();
-                    if grad.defined() {
-                        let _ = grad.f_add_(&part)?;
-                    } else {
-                        shim::set_grad(&shard.master, Some(&part))?;
-                    }
-                }
-                Ok(())
-            })?;
+            unit.reduced = false;
         }
         Ok(())
     }
@@ -462,10 +457,43 @@ impl Engine {
         unit.ready = 0;
         let work = self.group.reduce_scatter_in_place_async(&buffer)?;
         self.units[u].reducing = Some((work, buffer));
+        self.units[u].reduced = true;
+        self.in_flight.push_back(u);
         if self.units[u].managed {
             self.release(u)?;
         }
+        while self.in_flight.len() > MAX_IN_FLIGHT {
+            let oldest = self.in_flight.pop_front().expect("non-empty");
+            self.complete(oldest)?;
+        }
         Ok(())
+    }
+
+    /// Waits for unit `u`'s reduce-scatter and adds this rank's averaged share into the
+    /// master shards' gradients (the buffer is then dropped).
+    fn complete(&mut self, u: usize) -> Result<()> {
+        let unit = &mut self.units[u];
+        let Some((work, buffer)) = unit.reducing.take() else { return Ok(()) };
+        work.wait()?;
+        let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
+        let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
+        tch::no_grad(|| -> Result<()> {
+            for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+                let shard = &self.shards[s];
+                let part = mine
+                    .f_narrow(0, offset, shard.chunk)?
+                    .f_to_kind(Kind::Float)?
+                    .f_to_device(shard.master.device())?
+                    .f_div_scalar(world as f64)?;
+                let mut grad = shard.master.grad();
+                if grad.defined() {
+                    let _ = grad.f_add_(&part)?;
+                } else {
+                    shim::set_grad(&shard.master, Some(&part))?;
+                }
+            }
+            Ok(())
+        })
     }
 
     /// The unit's full parameters, all-gathered from every rank's master shards.
