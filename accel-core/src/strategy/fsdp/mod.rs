@@ -172,6 +172,41 @@ pub(crate) fn chunk_of(flat: &Tensor, rank: usize, world: usize) -> Result<Tenso
         .f_contiguous()?)
 }
 
+/// One member's place in a unit's flat buffer: `[world, chunk]`, row r being rank r's chunk.
+fn columns(buffer: &Tensor, world: i64, segment: i64, offset: i64, chunk: i64) -> Result<Tensor> {
+    Ok(buffer.f_view([world, segment])?.f_narrow(1, offset, chunk)?)
+}
+
+/// Copies the `numel` elements of `flat` into `columns` in row-major order (the padding
+/// left as it is), without a padded temporary.
+fn copy_into_columns(columns: &Tensor, flat: &Tensor, numel: i64, chunk: i64) -> Result<()> {
+    let (rows, rest) = (numel / chunk.max(1), numel % chunk.max(1));
+    if rows > 0 {
+        let source = flat.f_narrow(0, 0, rows * chunk)?.f_view([rows, chunk])?;
+        columns.f_narrow(0, 0, rows)?.f_copy_(&source)?;
+    }
+    if rest > 0 {
+        let source = flat.f_narrow(0, rows * chunk, rest)?;
+        columns.f_select(0, rows)?.f_narrow(0, 0, rest)?.f_copy_(&source)?;
+    }
+    Ok(())
+}
+
+/// The inverse of [`copy_into_columns`]: the first `numel` elements of `columns`, in
+/// row-major order, into `flat`.
+fn copy_from_columns(columns: &Tensor, flat: &Tensor, numel: i64, chunk: i64) -> Result<()> {
+    let (rows, rest) = (numel / chunk.max(1), numel % chunk.max(1));
+    if rows > 0 {
+        let mut target = flat.f_narrow(0, 0, rows * chunk)?.f_view([rows, chunk])?;
+        target.f_copy_(&columns.f_narrow(0, 0, rows)?)?;
+    }
+    if rest > 0 {
+        let source = columns.f_select(0, rows)?.f_narrow(0, 0, rest)?;
+        flat.f_narrow(0, rows * chunk, rest)?.f_copy_(&source)?;
+    }
+    Ok(())
+}
+
 /// The unit prefix of parameter `name`: the longest matching explicit or wrapped prefix,
 /// else its repeated-layer element (`....layers.3`), else the root (`""`).
 fn unit_of(name: &str, explicit: Option<&[String]>, wrapped: &BTreeSet<String>) -> String {
@@ -434,25 +469,25 @@ impl Engine {
     fn reduce(&mut self, u: usize) -> Result<()> {
         let world = self.group.size() as i64;
         let unit = &mut self.units[u];
-        let mut columns = Vec::with_capacity(unit.members.len());
+        let kind = match (self.options.reduce_dtype, unit.members.first()) {
+            (Some(kind), _) => kind,
+            (None, Some(&s)) => self.shards[s].param.kind(),
+            (None, None) => Kind::Float,
+        };
+        // Zeros: padding, and parameters that got no gradient, contribute nothing.
+        let buffer = Tensor::f_zeros([world * unit.segment], (kind, Device::Cpu))?;
         tch::no_grad(|| -> Result<()> {
-            for &s in &unit.members {
+            for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
                 let shard = &self.shards[s];
                 let grad = shard.param.grad();
-                let kind = self.options.reduce_dtype.unwrap_or(shard.param.kind());
-                let flat = if grad.defined() {
-                    grad.f_reshape([-1])?.f_to_kind(kind)?
-                } else {
-                    Tensor::f_zeros([shard.numel], (kind, shard.param.device()))?
-                };
-                let padded = flat.f_constant_pad_nd([0, shard.chunk * world - shard.numel])?;
-                columns.push(padded.f_view([world, shard.chunk])?.f_to_device(Device::Cpu)?);
+                if grad.defined() {
+                    let columns = columns(&buffer, world, unit.segment, offset, shard.chunk)?;
+                    copy_into_columns(&columns, &grad.f_reshape([-1])?, shard.numel, shard.chunk)?;
+                }
                 shim::set_grad(&shard.param, None)?;
             }
             Ok(())
         })?;
-        let buffer = Tensor::f_cat(&columns, 1)?.f_reshape([-1])?;
-        drop(columns);
         unit.fired.iter_mut().for_each(|f| *f = false);
         unit.ready = 0;
         let work = self.group.reduce_scatter_in_place_async(&buffer)?;
@@ -496,8 +531,8 @@ impl Engine {
         })
     }
 
-    /// The unit's full parameters, all-gathered from every rank's master shards.
-    fn gathered(&self, u: usize) -> Result<Vec<Tensor>> {
+    /// The unit's flat buffer with every rank's master shards, all-gathered.
+    fn all_gathered(&self, u: usize) -> Result<Tensor> {
         let unit = &self.units[u];
         let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
         let buffer = Tensor::f_empty([world * unit.segment], (Kind::Float, Device::Cpu))?;
@@ -507,18 +542,23 @@ impl Engine {
             mine.f_narrow(0, offset, shard.chunk)?.f_copy_(&shard.master.f_detach()?)?;
         }
         self.group.all_gather_in_place_async(&buffer)?.wait()?;
-        let rows = buffer.f_view([world, unit.segment])?;
+        Ok(buffer)
+    }
+
+    /// The unit's full parameters as new tensors.
+    fn gathered(&self, u: usize) -> Result<Vec<Tensor>> {
+        let buffer = self.all_gathered(u)?;
+        let unit = &self.units[u];
+        let world = self.group.size() as i64;
         unit.members
             .iter()
             .zip(&unit.offsets)
             .map(|(&s, &offset)| {
                 let shard = &self.shards[s];
-                Ok(rows
-                    .f_narrow(1, offset, shard.chunk)?
-                    .f_reshape([-1])?
-                    .f_narrow(0, 0, shard.numel)?
-                    .f_view(shard.param.size().as_slice())?
-                    .f_contiguous()?)
+                let whole = Tensor::f_empty([shard.numel], (Kind::Float, Device::Cpu))?;
+                let columns = columns(&buffer, world, unit.segment, offset, shard.chunk)?;
+                copy_from_columns(&columns, &whole, shard.numel, shard.chunk)?;
+                Ok(whole.f_view(shard.param.size().as_slice())?)
             })
             .collect()
     }
@@ -526,20 +566,22 @@ impl Engine {
     /// Writes the gathered values into the unit's parameters (allocating them first if
     /// they were released).
     fn gather(&mut self, u: usize) -> Result<()> {
-        let full = self.gathered(u)?;
+        let buffer = self.all_gathered(u)?;
         let unit = &self.units[u];
+        let world = self.group.size() as i64;
         tch::no_grad(|| -> Result<()> {
-            for (&s, value) in unit.members.iter().zip(&full) {
-                let param = &self.shards[s].param;
+            for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+                let shard = &self.shards[s];
+                let param = &shard.param;
                 if !unit.gathered {
-                    shim::allocate_storage(
-                        param,
-                        (param.numel() * param.kind().elt_size_in_bytes()) as u64,
-                    )?;
+                    let bytes = param.numel() * param.kind().elt_size_in_bytes();
+                    shim::allocate_storage(param, bytes as u64)?;
                 }
                 // Through `.data`: autograd saved these parameters in the forward, and a
                 // write that bumped their version would make backward refuse them.
-                param.f_data()?.f_copy_(value)?;
+                let target = param.f_data()?.f_view([-1])?;
+                let columns = columns(&buffer, world, unit.segment, offset, shard.chunk)?;
+                copy_from_columns(&columns, &target, shard.numel, shard.chunk)?;
             }
             Ok(())
         })?;
