@@ -342,8 +342,9 @@ fn memory_bench() -> Result<(), String> {
         "\nPeak resident memory per process above the process's own baseline, during training \
          steps 2-4 (max over ranks);\n8 Linear 2560x2560 units, AdamW fp32, batch 8, CPU; \
          formula = ZeRO paper's model state (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N)\n\
-         + working set for zero2/zero3 (3 x 4 bytes x the largest unit: its gathered parameters, \
-         full gradients, reduce-scatter buffer)"
+         + the working set, in copies of the largest unit (4 bytes x 6.6M): zero2 4 (the gradients \
+         being computed, their reduce-scatter buffer, two more in flight), zero3 5 (also its \
+         gathered parameters)"
     );
     println!(
         "{:<8} {:>3} {:>14} {:>14} {:>9} {:>12} {:>9}",
@@ -381,8 +382,8 @@ fn memory_bench() -> Result<(), String> {
             let formula = match strategy {
                 "ddp" => 16.0 * psi,
                 "zero1" => 8.0 * psi + 8.0 * psi / n_f,
-                "zero2" => 4.0 * psi + 12.0 * psi / n_f + 12.0 * unit,
-                _ => 16.0 * psi / n_f + 12.0 * unit,
+                "zero2" => 4.0 * psi + 12.0 * psi / n_f + 4.0 * 4.0 * unit,
+                _ => 16.0 * psi / n_f + 5.0 * 4.0 * unit,
             };
             let ddp = *ddp_step.get_or_insert(step);
             println!(
