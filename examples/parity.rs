@@ -190,11 +190,11 @@ fn main() -> Result<()> {
             opt.step()?;
             opt.zero_grad()?;
             step += 1;
-            if let (Some(dir), Some(n)) = (&args.state, args.stop_after) {
-                if acc.counters().micro_steps_total == n {
-                    acc.save_state(dir)?;
-                    break 'train;
-                }
+            if let (Some(dir), Some(n)) = (&args.state, args.stop_after)
+                && acc.counters().micro_steps_total == n
+            {
+                acc.save_state(dir)?;
+                break 'train;
             }
         }
     }

@@ -582,7 +582,7 @@ impl Accelerator {
                             master.shallow_clone().f_copy_(&mine)?;
                         }
                         None => {
-                            let _ = p.tensor.shallow_clone().f_copy_(&tensors[&p.name])?;
+                            p.tensor.shallow_clone().f_copy_(&tensors[&p.name])?;
                         }
                     }
                 }

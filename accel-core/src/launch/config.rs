@@ -195,6 +195,14 @@ impl LaunchConfig {
                                 Some("FULL_SHARD" | "1") => Strategy::Zero3,
                                 Some("SHARD_GRAD_OP" | "2") => Strategy::Zero2,
                                 Some("NO_SHARD" | "3") => Strategy::Ddp,
+                                Some(
+                                    other @ ("HYBRID_SHARD" | "4" | "_HYBRID_SHARD_ZERO2" | "5"),
+                                ) => {
+                                    return Err(Error::Config(format!(
+                                        "fsdp_sharding_strategy {other} (hybrid sharding) is not \
+                                         implemented yet; use FULL_SHARD or SHARD_GRAD_OP"
+                                    )));
+                                }
                                 _ => Strategy::Fsdp,
                             });
                     }
@@ -291,6 +299,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.training.strategy, Some(Strategy::Zero2));
+        let err = LaunchConfig::from_yaml(
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("HYBRID_SHARD") && err.contains("not implemented"), "{err}");
     }
 
     #[test]
