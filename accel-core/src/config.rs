@@ -31,6 +31,10 @@ pub enum Strategy {
     Zero3,
     /// FSDP, with a sharding strategy (full_shard = zero3 by default).
     Fsdp,
+    /// FSDP's `HYBRID_SHARD`: zero3 among the processes of each machine, replicated across
+    /// machines (gradients all-reduced between the replicas of each shard).
+    #[serde(rename = "hybrid_shard")]
+    HybridShard,
 }
 
 /// Arithmetic precision of the forward and backward passes (master weights stay fp32).
@@ -79,7 +83,7 @@ macro_rules! string_enum {
 }
 
 string_enum!(Strategy, "strategy", "single" => Single, "ddp" => Ddp, "zero1" => Zero1,
-    "zero2" => Zero2, "zero3" => Zero3, "fsdp" => Fsdp);
+    "zero2" => Zero2, "zero3" => Zero3, "fsdp" => Fsdp, "hybrid_shard" => HybridShard);
 string_enum!(Precision, "precision", "no" => No, "fp16" => Fp16, "bf16" => Bf16, "fp8" => Fp8);
 
 /// "unknown precision `bf61`; the precisions are `no`, `fp16`, `bf16`, `fp8` — did you mean

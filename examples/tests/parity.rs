@@ -293,6 +293,38 @@ fn run_parity(
     tag: &str,
     extra: &[&str],
 ) -> BTreeMap<String, Vec<f32>> {
+    run_parity_with(dir, |program| launch(n, program), strategy, tag, extra)
+}
+
+/// `machines` launchers of `per_machine` processes each on this host, as if on as many
+/// machines (their own LOCAL_WORLD_SIZE, one rendezvous).
+fn launch_machines(machines: usize, per_machine: usize, program: Vec<String>) {
+    let port = accel_core::comm::free_port("127.0.0.1").unwrap();
+    let launchers: Vec<_> = (0..machines)
+        .map(|machine| {
+            let plan = LaunchPlan {
+                num_machines: machines,
+                machine_rank: machine,
+                main_process_port: port,
+                env: vec![("ACCEL_TIMEOUT_SECS".into(), "60".into())],
+                rank0_only: true,
+                ..LaunchPlan::local(per_machine, program.clone())
+            };
+            std::thread::spawn(move || run(&plan).unwrap())
+        })
+        .collect();
+    for (machine, launcher) in launchers.into_iter().enumerate() {
+        assert_eq!(launcher.join().unwrap(), 0, "machine {machine} of {program:?} failed");
+    }
+}
+
+fn run_parity_with(
+    dir: &Path,
+    launch: impl Fn(Vec<String>),
+    strategy: &str,
+    tag: &str,
+    extra: &[&str],
+) -> BTreeMap<String, Vec<f32>> {
     let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
     let out = dir.join(format!("{tag}.safetensors"));
     let mut program = vec![example("parity")];
@@ -325,7 +357,7 @@ fn run_parity(
         .chain(extra)
         .map(|s| s.to_string()),
     );
-    launch(n, program);
+    launch(program);
     read_weights(&out)
 }
 
@@ -406,4 +438,38 @@ fn zero3_under_bf16_and_fp16_trains_like_ddp() {
         let diff = max_diff(&ddp, &zero3);
         assert!(diff <= 1e-4, "{precision}: zero3 differs from ddp by {diff}");
     }
+}
+
+#[test]
+fn hybrid_sharding_on_2_machines_of_2_trains_like_ddp_on_4_and_checkpoints_once() {
+    let dir = scratch("hybrid");
+    make_weights_and_data(&dir, 3);
+    let ddp = run_parity(&dir, 4, "ddp", "ddp-4", &[]);
+    let two_by_two = |program| launch_machines(2, 2, program);
+    let hybrid = run_parity_with(&dir, two_by_two, "hybrid_shard", "hybrid", &[]);
+    let diff = max_diff(&ddp, &hybrid);
+    assert!(diff <= 1e-5, "hybrid_shard on 2x2 differs from ddp on 4 by {diff}");
+
+    // Its checkpoint keeps one copy of each shard (the first machine's) and merges whole.
+    let state = dir.join("state").display().to_string();
+    let stopped = run_parity_with(
+        &dir,
+        two_by_two,
+        "hybrid_shard",
+        "hybrid-stopped",
+        &["--state", &state, "--stop-after", "4"],
+    );
+    let files = |rank: usize| dir.join("state").join(format!("shard_{rank}.safetensors")).exists();
+    assert!(
+        files(0) && files(1) && !files(2) && !files(3),
+        "shard files of the first machine only"
+    );
+    let merged: BTreeMap<String, Vec<f32>> = accel_core::merge_weights(&dir.join("state"), 0)
+        .unwrap()
+        .into_iter()
+        .map(|(n, t)| (n, Vec::<f32>::try_from(t.flatten(0, -1)).unwrap()))
+        .collect();
+    assert_eq!(max_diff(&stopped, &merged), 0.0, "merged hybrid shards vs the gathered weights");
+    // And it continues on one machine of 2 under zero3.
+    run_parity(&dir, 2, "zero3", "hybrid-into-zero3", &["--resume", &state]);
 }

@@ -168,6 +168,7 @@ impl AcceleratorBuilder {
                 ddp: Mutex::new(Vec::new()),
                 shard_options: self.sharding,
                 sharded: Mutex::new(Vec::new()),
+                shard_groups: Mutex::new(None),
             }),
         };
         let _ = CURRENT.set(Mutex::new(None));
@@ -227,13 +228,15 @@ pub(crate) struct Inner {
     ddp: Mutex<Vec<Ddp>>,
     shard_options: ShardOptions,
     sharded: Mutex<Vec<Arc<ShardedModel>>>,
+    /// The shard group and, under hybrid sharding, the replica group (made once).
+    shard_groups: Mutex<Option<(ProcessGroup, Option<ProcessGroup>)>>,
 }
 
 /// What a strategy shards besides optimizer state, if it is zero2/zero3/fsdp.
 fn sharded_stage(strategy: Strategy) -> Option<Stage> {
     match strategy {
         Strategy::Zero2 => Some(Stage::Gradients),
-        Strategy::Zero3 | Strategy::Fsdp => Some(Stage::Parameters),
+        Strategy::Zero3 | Strategy::Fsdp | Strategy::HybridShard => Some(Stage::Parameters),
         Strategy::Single | Strategy::Ddp | Strategy::Zero1 => None,
     }
 }
@@ -430,7 +433,8 @@ impl Accelerator {
         match (&self.inner.group, sharded_stage(self.inner.config.strategy)) {
             (Some(group), Some(stage)) => {
                 let options = self.inner.shard_options.clone();
-                let model = ShardedModel::new(&params, group.clone(), stage, options)?;
+                let groups = self.shard_groups(group)?;
+                let model = ShardedModel::new(&params, group, groups, stage, options)?;
                 self.sharded_models().push(Arc::new(model));
             }
             (Some(group), None) => {
@@ -599,6 +603,42 @@ impl Accelerator {
             model.finish()?;
         }
         Ok(())
+    }
+
+    /// Whom parameters are split across: everyone, or under hybrid sharding the processes
+    /// of this machine (with the same shard's holders on the other machines as replicas).
+    /// Every process makes the same subgroups in the same order.
+    fn shard_groups(
+        &self,
+        everyone: &ProcessGroup,
+    ) -> Result<(ProcessGroup, Option<ProcessGroup>)> {
+        let mut cached = self.inner.shard_groups.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(groups) = &*cached {
+            return Ok(groups.clone());
+        }
+        let groups = if self.inner.config.strategy == Strategy::HybridShard {
+            let (world, local) = (self.num_processes(), self.inner.process.local_world_size);
+            if local == 0 || world % local != 0 || local == world {
+                return Err(Error::Config(format!(
+                    "hybrid_shard needs several machines with the same number of processes each \
+                     (here {world} process(es), {local} on this machine); use zero3 on one machine"
+                )));
+            }
+            let (mut shard, mut replicas) = (None, None);
+            for machine in 0..world / local {
+                let ranks: Vec<usize> = (machine * local..(machine + 1) * local).collect();
+                shard = everyone.new_subgroup(&ranks)?.or(shard);
+            }
+            for local_rank in 0..local {
+                let ranks: Vec<usize> = (local_rank..world).step_by(local).collect();
+                replicas = everyone.new_subgroup(&ranks)?.or(replicas);
+            }
+            (shard.expect("a member of its machine's group"), replicas)
+        } else {
+            (everyone.clone(), None)
+        };
+        *cached = Some(groups.clone());
+        Ok(groups)
     }
 
     pub(crate) fn sharded_models(&self) -> MutexGuard<'_, Vec<Arc<ShardedModel>>> {

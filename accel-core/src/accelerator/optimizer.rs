@@ -29,7 +29,8 @@ pub(crate) struct Slot {
 }
 
 pub(crate) struct ShardedSlot {
-    group: ProcessGroup,
+    /// The processes each parameter is split across.
+    pub(crate) group: ProcessGroup,
     pub(crate) models: Vec<Arc<ShardedModel>>,
     /// Elements of the whole parameter behind each master shard, by the optimizer's name
     /// for it: what a checkpoint needs to put a shard back together.

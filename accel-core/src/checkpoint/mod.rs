@@ -18,7 +18,8 @@ use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, SchedulerState};
 use crate::precision::ScalerState;
 use crate::shim::{rng_state, set_rng_state};
-use crate::strategy::fsdp::chunk_of;
+use crate::strategy::fsdp::{ShardedModel, chunk_of};
+use std::sync::Arc;
 
 const FORMAT: &str = "accel-checkpoint";
 const VERSION: u32 = 1;
@@ -63,6 +64,10 @@ struct Manifest {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct ShardRecord {
     numel: BTreeMap<String, i64>,
+    /// How many shard files hold the chunks, in order (0: all; hybrid sharding saves the
+    /// first machine's).
+    #[serde(default)]
+    chunks: usize,
     /// The shapes of the model's sharded parameters (what `merge_weights` restores).
     #[serde(default)]
     shapes: BTreeMap<String, Vec<i64>>,
@@ -86,10 +91,11 @@ fn shard_file(rank: usize) -> String {
 
 /// The whole size of optimizer state tensor `key` (`{param}/{slot}`) when it is a chunk of a
 /// zero2/zero3 master shard; `None` for scalars like `step` and for unsharded state.
-fn chunk_numel(slot: &Slot, key: &str, tensor: &Tensor, world: usize) -> Option<i64> {
+fn chunk_numel(slot: &Slot, key: &str, tensor: &Tensor) -> Option<i64> {
     let sharded = slot.sharded.as_ref()?;
     let numel = *sharded.numel.get(key.rsplit_once('/')?.0)?;
-    let chunk = (numel + world as i64 - 1) / world as i64;
+    let world = sharded.group.size() as i64;
+    let chunk = (numel + world - 1) / world;
     (tensor.dim() == 1 && tensor.size()[0] == chunk).then_some(numel)
 }
 
@@ -225,7 +231,8 @@ impl Accelerator {
                 }
             }
         }
-        let record = ShardRecord { numel, shapes };
+        let chunks = self.sharded_models().first().map_or(0, |m| m.group().size());
+        let record = ShardRecord { numel, chunks, shapes };
         let mine = pieces
             .and_then(|pieces| {
                 let mut files = vec![self.write_rng(&tmp)?];
@@ -275,8 +282,13 @@ impl Accelerator {
 
     /// The master shard of `param` when it is sharded (zero2/zero3).
     fn master_of(&self, param: &Tensor) -> Result<Option<Tensor>> {
+        Ok(self.sharded_model_of(param)?.map(|(_, master)| master))
+    }
+
+    /// The sharded model `param` belongs to, and its master shard.
+    fn sharded_model_of(&self, param: &Tensor) -> Result<Option<(Arc<ShardedModel>, Tensor)>> {
         let id = crate::shim::tensor_id(param)?;
-        Ok(self.sharded_models().iter().find_map(|m| m.master_of(id)))
+        Ok(self.sharded_models().iter().find_map(|m| m.master_of(id).map(|t| (m.clone(), t))))
     }
 
     /// What this process alone holds: its master shards and optimizer state chunks
@@ -286,19 +298,22 @@ impl Accelerator {
         let registry = self.registry();
         for (i, params) in registry.models.iter().enumerate() {
             for p in params {
-                if let Some(master) = self.master_of(&p.tensor)? {
-                    let key = format!("model_{i}/{}", p.name);
-                    pieces.push((key, master.f_detach()?, Some(p.tensor.numel() as i64)));
+                if let Some((model, master)) = self.sharded_model_of(&p.tensor)? {
+                    if model.writes_shards() {
+                        let key = format!("model_{i}/{}", p.name);
+                        pieces.push((key, master.f_detach()?, Some(p.tensor.numel() as i64)));
+                    }
                 }
             }
         }
         for (j, optimizer) in registry.optimizers.iter().enumerate() {
             let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
-            if !slot.zero1() && slot.sharded.is_none() {
+            let copies = slot.sharded.as_ref().is_some_and(|s| !s.models[0].writes_shards());
+            if (!slot.zero1() && slot.sharded.is_none()) || copies {
                 continue;
             }
             for (key, tensor) in slot.optimizer.state()?.tensors {
-                let numel = chunk_numel(&slot, &key, &tensor, self.num_processes());
+                let numel = chunk_numel(&slot, &key, &tensor);
                 if numel.is_some() || slot.zero1() {
                     pieces.push((format!("optimizer_{j}/{key}"), tensor, numel));
                 }
@@ -333,11 +348,10 @@ impl Accelerator {
         for (i, optimizer) in registry.optimizers.iter().enumerate() {
             let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
             let state = slot.optimizer.state()?;
-            let world = self.num_processes();
             let tensors: Vec<(String, Tensor)> = state
                 .tensors
                 .into_iter()
-                .filter(|(k, t)| !slot.zero1() && chunk_numel(&slot, k, t, world).is_none())
+                .filter(|(k, t)| !slot.zero1() && chunk_numel(&slot, k, t).is_none())
                 .collect();
             files.insert(optimizer_file(i), write_tensors(&tmp.join(optimizer_file(i)), &tensors)?);
             optimizers.push(OptimizerRecord {
@@ -431,13 +445,17 @@ impl Accelerator {
         if let Some(record) = &manifest.shards {
             let mut parts: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
             for rank in 0..manifest.world_size {
-                for (key, tensor) in file(shard_file(rank))?.1 {
-                    parts.entry(key).or_default().push(tensor);
+                let name = shard_file(rank);
+                if manifest.files.contains_key(&name) || rank < record.chunks {
+                    for (key, tensor) in file(name)?.1 {
+                        parts.entry(key).or_default().push(tensor);
+                    }
                 }
             }
+            let chunks = if record.chunks == 0 { manifest.world_size } else { record.chunks };
             for (key, parts) in parts {
                 let whole = match record.numel.get(&key) {
-                    Some(&numel) if parts.len() == manifest.world_size => {
+                    Some(&numel) if parts.len() == chunks => {
                         Tensor::f_cat(&parts, 0)?.f_narrow(0, 0, numel)?
                     }
                     Some(_) => {
@@ -523,7 +541,8 @@ impl Accelerator {
                 }
                 match numel {
                     Some(n) if tensor.numel() as i64 == n => {
-                        *tensor = chunk_of(tensor, self.process_index(), self.num_processes())?;
+                        let group = &slot.sharded.as_ref().expect("numel came from it").group;
+                        *tensor = chunk_of(tensor, group.rank(), group.size())?;
                     }
                     _ if tensor.numel() == target.numel() && tensor.size() != target.size() => {
                         *tensor = tensor.f_reshape(target.size().as_slice())?;
@@ -572,13 +591,10 @@ impl Accelerator {
         tch::no_grad(|| -> Result<()> {
             for (params, tensors) in registry.models.iter().zip(&models) {
                 for p in params {
-                    match self.master_of(&p.tensor)? {
-                        Some(master) => {
-                            let mine = chunk_of(
-                                &tensors[&p.name],
-                                self.process_index(),
-                                self.num_processes(),
-                            )?;
+                    match self.sharded_model_of(&p.tensor)? {
+                        Some((model, master)) => {
+                            let group = model.group();
+                            let mine = chunk_of(&tensors[&p.name], group.rank(), group.size())?;
                             master.shallow_clone().f_copy_(&mine)?;
                         }
                         None => {
@@ -752,8 +768,13 @@ pub fn merge_weights(dir: &Path, model: usize) -> Result<Vec<(String, Tensor)>> 
     if let Some(record) = &manifest.shards {
         let prefix = format!("model_{model}/");
         let mut parts: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+        let chunks = if record.chunks == 0 { manifest.world_size } else { record.chunks };
         for rank in 0..manifest.world_size {
-            for (key, tensor) in file(shard_file(rank))? {
+            let name = shard_file(rank);
+            if !manifest.files.contains_key(&name) && rank >= chunks {
+                continue;
+            }
+            for (key, tensor) in file(name)? {
                 if let Some(name) = key.strip_prefix(&prefix) {
                     parts.entry(name.to_string()).or_default().push(tensor);
                 }
@@ -765,7 +786,7 @@ pub fn merge_weights(dir: &Path, model: usize) -> Result<Vec<(String, Tensor)>> 
             else {
                 return Err(bad(dir, format!("the manifest lacks the size of `{key}`")));
             };
-            if parts.len() != manifest.world_size {
+            if parts.len() != chunks {
                 return Err(bad(dir, format!("`{key}` is missing from some shard files")));
             }
             let whole =

@@ -195,12 +195,12 @@ impl LaunchConfig {
                                 Some("FULL_SHARD" | "1") => Strategy::Zero3,
                                 Some("SHARD_GRAD_OP" | "2") => Strategy::Zero2,
                                 Some("NO_SHARD" | "3") => Strategy::Ddp,
-                                Some(
-                                    other @ ("HYBRID_SHARD" | "4" | "_HYBRID_SHARD_ZERO2" | "5"),
-                                ) => {
+                                Some("HYBRID_SHARD" | "4") => Strategy::HybridShard,
+                                Some(other @ ("_HYBRID_SHARD_ZERO2" | "5")) => {
                                     return Err(Error::Config(format!(
-                                        "fsdp_sharding_strategy {other} (hybrid sharding) is not \
-                                         implemented yet; use FULL_SHARD or SHARD_GRAD_OP"
+                                        "fsdp_sharding_strategy {other} (hybrid sharding of \
+                                         gradients only) is not implemented; use HYBRID_SHARD, \
+                                         FULL_SHARD or SHARD_GRAD_OP"
                                     )));
                                 }
                                 _ => Strategy::Fsdp,
@@ -299,12 +299,15 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.training.strategy, Some(Strategy::Zero2));
-        let err = LaunchConfig::from_yaml(
+        let c = LaunchConfig::from_yaml(
             "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n",
         )
-        .unwrap_err()
-        .to_string();
-        assert!(err.contains("HYBRID_SHARD") && err.contains("not implemented"), "{err}");
+        .unwrap();
+        assert_eq!(c.training.strategy, Some(Strategy::HybridShard));
+        let yaml =
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: _HYBRID_SHARD_ZERO2\n";
+        let err = LaunchConfig::from_yaml(yaml).unwrap_err().to_string();
+        assert!(err.contains("_HYBRID_SHARD_ZERO2") && err.contains("not implemented"), "{err}");
     }
 
     #[test]

@@ -59,18 +59,6 @@ fn clip_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     }
 }
 
-/// HYBRID_SHARD is a valid FSDP name that this release does not implement: better a
-/// compile error than running FULL_SHARD in its place.
-fn hybrid_not_yet(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
-    if let Some(s) = raw.sharding.as_ref().filter(|s| s.value == "hybrid_shard") {
-        errors.push(syn::Error::new(
-            s.span,
-            "`sharding = \"hybrid_shard\"` (shard within a machine, replicate across machines) is \
-             not implemented yet; use \"full_shard\" or \"shard_grad_op\"",
-        ));
-    }
-}
-
 /// FSDP's sharding strategies are an FSDP option; other strategies already say how they shard.
 fn sharding_needs_fsdp(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     if let Some(s) = &raw.sharding {
@@ -122,7 +110,6 @@ pub(crate) fn args(raw: &RawArgs) -> Vec<syn::Error> {
     accumulate_positive(raw, &mut errors);
     clip_positive(raw, &mut errors);
     sharding_needs_fsdp(raw, &mut errors);
-    hybrid_not_yet(raw, &mut errors);
     offload_needs_sharding(raw, &mut errors);
     fp8_not_on_cpu(raw, &mut errors);
     errors

@@ -31,6 +31,7 @@ pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path) -> TokenStream {
         (Some("fsdp"), Some("full_shard")) => Some("zero3"),
         (Some("fsdp"), Some("shard_grad_op")) => Some("zero2"),
         (Some("fsdp"), Some("no_shard")) => Some("ddp"),
+        (Some("fsdp"), Some("hybrid_shard")) => Some("hybridShard"),
         (Some(s), _) => Some(s),
         (None, _) => None,
     };

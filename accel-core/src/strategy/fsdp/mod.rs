@@ -136,7 +136,10 @@ struct UnitState {
 }
 
 struct Engine {
+    /// The processes a parameter is split across (all, or one machine's under hybrid).
     group: ProcessGroup,
+    /// Hybrid sharding: the processes holding the same shard on other machines.
+    replicas: Option<ProcessGroup>,
     options: ShardOptions,
     shards: Vec<Shard>,
     units: Vec<UnitState>,
@@ -233,13 +236,15 @@ impl ShardedModel {
     /// a master shard, releases the full parameters of zero3 units and hooks the rest.
     pub(crate) fn new(
         params: &[Param],
-        group: ProcessGroup,
+        everyone: &ProcessGroup,
+        groups: (ProcessGroup, Option<ProcessGroup>),
         stage: Stage,
         options: ShardOptions,
     ) -> Result<Self> {
+        let (group, replicas) = groups;
         tch::no_grad(|| -> Result<()> {
             for p in params {
-                group.broadcast(&p.tensor, 0)?;
+                everyone.broadcast(&p.tensor, 0)?;
             }
             Ok(())
         })?;
@@ -305,8 +310,15 @@ impl ShardedModel {
                 chunk,
             });
         }
-        let mut engine =
-            Engine { group, options, shards, units, error: None, in_flight: Default::default() };
+        let mut engine = Engine {
+            group,
+            replicas,
+            options,
+            shards,
+            units,
+            error: None,
+            in_flight: Default::default(),
+        };
         for u in 0..engine.units.len() {
             if engine.units[u].managed {
                 engine.release(u)?;
@@ -360,8 +372,15 @@ impl ShardedModel {
         lock(&self.engine).units.iter().position(|u| u.prefix == prefix)
     }
 
+    /// The processes each parameter is split across.
     pub(crate) fn group(&self) -> ProcessGroup {
         lock(&self.engine).group.clone()
+    }
+
+    /// Whether this process's shards are the ones a checkpoint keeps (under hybrid
+    /// sharding, those of the first machine; the other machines hold copies).
+    pub(crate) fn writes_shards(&self) -> bool {
+        lock(&self.engine).replicas.as_ref().is_none_or(|r| r.rank() == 0)
     }
 
     pub(crate) fn before_forward(&self, unit: usize) -> Result<()> {
@@ -510,8 +529,14 @@ impl Engine {
         let unit = &mut self.units[u];
         let Some((work, buffer)) = unit.reducing.take() else { return Ok(()) };
         work.wait()?;
-        let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
+        let rank = self.group.rank() as i64;
         let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
+        let mut world = self.group.size() as i64;
+        if let Some(replicas) = &self.replicas {
+            // Every machine reduced its own processes' gradients; sum the machines'.
+            replicas.all_reduce(&mine, crate::comm::ReduceOp::Sum)?;
+            world *= replicas.size() as i64;
+        }
         tch::no_grad(|| -> Result<()> {
             for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
                 let shard = &self.shards[s];

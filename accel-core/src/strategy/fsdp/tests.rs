@@ -66,7 +66,14 @@ fn zero3_releases_a_unit_outside_its_forward_and_backward_and_gets_ddp_gradients
         let rank = group.rank();
         let params = model(rank);
         let sharded = Arc::new(
-            ShardedModel::new(&params, group, Stage::Parameters, ShardOptions::default()).unwrap(),
+            ShardedModel::new(
+                &params,
+                &group,
+                (group.clone(), None),
+                Stage::Parameters,
+                ShardOptions::default(),
+            )
+            .unwrap(),
         );
         let bytes = |p: &Param| shim::storage_nbytes(&p.tensor).unwrap();
         let block = sharded.unit("blocks.0").unwrap();
