@@ -133,6 +133,8 @@ struct UnitState {
     reducing: Option<(Work, Tensor)>,
     /// Reduced in the current backward pass.
     reduced: bool,
+    /// An all-gather launched ahead of this unit's use (prefetch).
+    prefetched: Option<(Work, Tensor)>,
 }
 
 struct Engine {
@@ -146,6 +148,10 @@ struct Engine {
     error: Option<String>,
     /// Units whose reduce-scatter is in flight, oldest first.
     in_flight: std::collections::VecDeque<usize>,
+    /// Zero3 units in the order of the first forward pass, once complete: what to
+    /// prefetch next (the following unit in forward, the preceding one in backward).
+    order: Vec<usize>,
+    order_known: bool,
 }
 
 /// Reduce-scatters in flight at once: enough to overlap communication with the backward
@@ -292,6 +298,7 @@ impl ShardedModel {
                         ready: 0,
                         reducing: None,
                         reduced: false,
+                        prefetched: None,
                     });
                     units.len() - 1
                 }
@@ -318,6 +325,8 @@ impl ShardedModel {
             units,
             error: None,
             in_flight: Default::default(),
+            order: Vec::new(),
+            order_known: false,
         };
         for u in 0..engine.units.len() {
             if engine.units[u].managed {
@@ -383,9 +392,40 @@ impl ShardedModel {
         lock(&self.engine).replicas.as_ref().is_none_or(|r| r.rank() == 0)
     }
 
+    /// Gathers a unit for its forward, and starts gathering the one that follows it.
     pub(crate) fn before_forward(&self, unit: usize) -> Result<()> {
         let mut engine = lock(&self.engine);
-        if !engine.units[unit].gathered { engine.gather(unit) } else { Ok(()) }
+        if !engine.order_known {
+            if engine.order.contains(&unit) {
+                engine.order_known = true;
+            } else {
+                engine.order.push(unit);
+            }
+        }
+        if !engine.units[unit].gathered {
+            engine.gather(unit)?;
+        }
+        if engine.order_known {
+            let next = engine.order.iter().skip_while(|&&u| u != unit).nth(1).copied();
+            if let Some(next) = next {
+                engine.prefetch(next)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Gathers a unit for its backward, and starts gathering the one whose backward comes
+    /// next (the unit before it in the forward pass).
+    fn before_backward(&self, unit: usize) -> Result<()> {
+        let mut engine = lock(&self.engine);
+        if !engine.units[unit].gathered {
+            engine.gather(unit)?;
+        }
+        let previous = engine.order.iter().take_while(|&&u| u != unit).last().copied();
+        if let Some(previous) = previous {
+            engine.prefetch(previous)?;
+        }
+        Ok(())
     }
 
     /// Releases a zero3 unit's parameters after its forward and arranges for them to be
@@ -401,7 +441,7 @@ impl ShardedModel {
             let model = self.clone();
             let prefix = lock(&self.engine).units[unit].prefix.clone();
             add_grad_hook(output, move |_| {
-                if let Err(e) = model.before_forward(unit) {
+                if let Err(e) = model.before_backward(unit) {
                     panic!("zero3: gathering unit `{prefix}` for its backward failed: {e}");
                 }
                 None
@@ -461,6 +501,10 @@ impl ShardedModel {
     pub(crate) fn after_step(&self) -> Result<()> {
         let mut engine = lock(&self.engine);
         for u in 0..engine.units.len() {
+            // A gather launched before the step holds the old values.
+            if let Some((work, _)) = engine.units[u].prefetched.take() {
+                work.wait()?;
+            }
             if !engine.units[u].managed {
                 engine.gather(u)?;
             }
@@ -471,10 +515,11 @@ impl ShardedModel {
     /// The full value of every sharded parameter by [`shim::tensor_id`], gathered from the
     /// master shards (a collective: every rank must call it).
     pub(crate) fn full_parameters(&self) -> Result<Vec<(usize, Tensor)>> {
-        let engine = lock(&self.engine);
+        let mut engine = lock(&self.engine);
         let mut out = Vec::new();
         for u in 0..engine.units.len() {
-            for (s, full) in engine.units[u].members.iter().zip(engine.gathered(u)?) {
+            let full = engine.gathered(u)?;
+            for (s, full) in engine.units[u].members.iter().zip(full) {
                 out.push((engine.shards[*s].id, full));
             }
         }
@@ -556,8 +601,8 @@ impl Engine {
         })
     }
 
-    /// The unit's flat buffer with every rank's master shards, all-gathered.
-    fn all_gathered(&self, u: usize) -> Result<Tensor> {
+    /// The unit's flat buffer holding this rank's master shards in its segment.
+    fn own_shards_buffer(&self, u: usize) -> Result<Tensor> {
         let unit = &self.units[u];
         let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
         let buffer = Tensor::f_empty([world * unit.segment], (Kind::Float, Device::Cpu))?;
@@ -566,12 +611,23 @@ impl Engine {
             let shard = &self.shards[s];
             mine.f_narrow(0, offset, shard.chunk)?.f_copy_(&shard.master.f_detach()?)?;
         }
+        Ok(buffer)
+    }
+
+    /// The unit's flat buffer with every rank's master shards, all-gathered (or the
+    /// prefetched one).
+    fn all_gathered(&mut self, u: usize) -> Result<Tensor> {
+        if let Some((work, buffer)) = self.units[u].prefetched.take() {
+            work.wait()?;
+            return Ok(buffer);
+        }
+        let buffer = self.own_shards_buffer(u)?;
         self.group.all_gather_in_place_async(&buffer)?.wait()?;
         Ok(buffer)
     }
 
     /// The unit's full parameters as new tensors.
-    fn gathered(&self, u: usize) -> Result<Vec<Tensor>> {
+    fn gathered(&mut self, u: usize) -> Result<Vec<Tensor>> {
         let buffer = self.all_gathered(u)?;
         let unit = &self.units[u];
         let world = self.group.size() as i64;
@@ -614,8 +670,24 @@ impl Engine {
         Ok(())
     }
 
+    /// Launches the all-gather of a released zero3 unit without waiting; `gather` uses it.
+    fn prefetch(&mut self, u: usize) -> Result<()> {
+        let unit = &self.units[u];
+        if !unit.managed || unit.gathered || unit.prefetched.is_some() {
+            return Ok(());
+        }
+        let buffer = self.own_shards_buffer(u)?;
+        let work = self.group.all_gather_in_place_async(&buffer)?;
+        self.units[u].prefetched = Some((work, buffer));
+        Ok(())
+    }
+
     /// Releases the memory of a zero3 unit's full parameters.
     fn release(&mut self, u: usize) -> Result<()> {
+        if let Some((work, _)) = self.units[u].prefetched.take() {
+            // Gathered ahead but not used: finish the collective (every rank launched it).
+            work.wait()?;
+        }
         let unit = &mut self.units[u];
         if !unit.gathered {
             return Ok(());

@@ -115,3 +115,68 @@ fn zero3_releases_a_unit_outside_its_forward_and_backward_and_gets_ddp_gradients
         }
     }
 }
+
+#[test]
+fn zero3_prefetches_the_next_unit_in_forward_and_the_previous_in_backward() {
+    wrapped().insert("stack.0".into());
+    wrapped().insert("stack.1".into());
+    let results = on_ranks(2, Duration::from_secs(20), |group| {
+        let rank = group.rank();
+        let params = vec![
+            Param {
+                name: "stack.0.w".into(),
+                tensor: values(&[4, 3], 1.0).set_requires_grad(true),
+            },
+            Param {
+                name: "stack.1.w".into(),
+                tensor: values(&[2, 4], 2.0).set_requires_grad(true),
+            },
+        ];
+        let options = ShardOptions {
+            units: Some(vec!["stack.0".into(), "stack.1".into()]),
+            ..Default::default()
+        };
+        let model = Arc::new(
+            ShardedModel::new(&params, &group, (group.clone(), None), Stage::Parameters, options)
+                .unwrap(),
+        );
+        let (first, second) = (model.unit("stack.0").unwrap(), model.unit("stack.1").unwrap());
+        let pending = |u: usize| lock(&model.engine).units[u].prefetched.is_some();
+        let (x, y) = batch(rank);
+        let mut grads = Vec::new();
+        for iteration in 0..2 {
+            model.before_forward(first).unwrap();
+            // The order is learnt in the first pass; from the second on, the next unit's
+            // all-gather is already on its way while this one computes.
+            assert_eq!(pending(second), iteration == 1, "forward prefetch, pass {iteration}");
+            let hidden = x.matmul(&params[0].tensor.tr()).relu();
+            model.after_forward(first, &hidden).unwrap();
+            model.before_forward(second).unwrap();
+            let out = hidden.matmul(&params[1].tensor.tr());
+            model.after_forward(second, &out).unwrap();
+            let loss = (out - y.narrow(1, 0, 2)).square().mean(Kind::Float);
+            loss.backward();
+            // Unit 1's backward prefetched unit 0, which its own backward then used.
+            assert!(!pending(first) && !pending(second), "every prefetch consumed");
+            model.finish().unwrap();
+            let master = model.master_of(shim::tensor_id(&params[0].tensor).unwrap()).unwrap();
+            grads.push(Vec::<f32>::try_from(master.grad()).unwrap());
+            shim::set_grad(&master, None).unwrap();
+        }
+        assert_eq!(grads[0], grads[1], "the same gradients with and without prefetch");
+        grads.remove(0)
+    });
+    // The shards of both ranks form the gradient of the mean loss over both batches.
+    let (w0, w1) = (values(&[4, 3], 1.0).set_requires_grad(true), values(&[2, 4], 2.0));
+    let total = (0..2).fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |acc, r| {
+        let (x, y) = batch(r);
+        let out = x.matmul(&w0.tr()).relu().matmul(&w1.tr());
+        acc + (out - y.narrow(1, 0, 2)).square().mean(Kind::Float)
+    });
+    (total / 2.0).backward();
+    let full = Vec::<f32>::try_from(w0.grad().reshape([-1])).unwrap();
+    let sharded: Vec<f32> = results.concat();
+    for (a, b) in full.iter().zip(&sharded) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
+}
