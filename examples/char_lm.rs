@@ -16,7 +16,8 @@ use std::path::PathBuf;
 use accel_core::comm::ReduceOp;
 use accel_core::data::{DataLoader, LoaderOptions, Sampler, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW, Schedule};
-use accel_core::{Accelerator, Precision, Strategy, Unit};
+use accel_core::{Accelerator, Precision, Strategy};
+use accel_examples::gpt::{Gpt, GptConfig};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use tch::nn::{self, Module};
@@ -52,99 +53,12 @@ struct Args {
     /// Held-out loss (nats per character) the run must reach.
     #[arg(long, default_value_t = 1.8)]
     target: f64,
-    /// The text.
-    #[arg(long, default_value = "data/kjv-genesis-exodus.txt")]
-    text: PathBuf,
+    /// The text (default: data/kjv-genesis-exodus.txt).
+    #[arg(long)]
+    text: Option<PathBuf>,
     /// Also write the final held-out loss here, as JSON.
     #[arg(long)]
     metrics: Option<PathBuf>,
-}
-
-#[derive(Debug)]
-struct Block {
-    ln1: nn::LayerNorm,
-    qkv: nn::Linear,
-    proj: nn::Linear,
-    ln2: nn::LayerNorm,
-    up: nn::Linear,
-    down: nn::Linear,
-    heads: i64,
-}
-
-impl Block {
-    fn new(p: &nn::Path, width: i64, heads: i64) -> Self {
-        let linear = |name: &str, i, o| nn::linear(p / name, i, o, Default::default());
-        Self {
-            ln1: nn::layer_norm(p / "ln1", vec![width], Default::default()),
-            qkv: linear("qkv", width, 3 * width),
-            proj: linear("proj", width, width),
-            ln2: nn::layer_norm(p / "ln2", vec![width], Default::default()),
-            up: linear("up", width, 4 * width),
-            down: linear("down", 4 * width, width),
-            heads,
-        }
-    }
-}
-
-impl Module for Block {
-    fn forward(&self, x: &Tensor) -> Tensor {
-        let (b, t, c) = x.size3().expect("[batch, time, width]");
-        let heads = |y: &Tensor| y.view([b, t, self.heads, c / self.heads]).transpose(1, 2);
-        let qkv = x.apply(&self.ln1).apply(&self.qkv).split(c, 2);
-        let attended = Tensor::scaled_dot_product_attention::<Tensor>(
-            &heads(&qkv[0]),
-            &heads(&qkv[1]),
-            &heads(&qkv[2]),
-            None,
-            0.0,
-            true,
-            None,
-            false,
-        );
-        let x = x + attended.transpose(1, 2).contiguous().view([b, t, c]).apply(&self.proj);
-        let mlp = x.apply(&self.ln2).apply(&self.up).gelu("tanh").apply(&self.down);
-        x + mlp
-    }
-}
-
-#[derive(Debug)]
-struct Gpt {
-    tokens: nn::Embedding,
-    positions: nn::Embedding,
-    blocks: Vec<Unit<Block>>,
-    ln: nn::LayerNorm,
-    head: nn::Linear,
-}
-
-impl Gpt {
-    fn new(p: &nn::Path, vocab: i64, args: &Args) -> Self {
-        let blocks = (0..args.blocks)
-            .map(|i| {
-                let path = p / "blocks" / i;
-                Unit::new(&path, Block::new(&path, args.width, args.heads))
-            })
-            .collect();
-        Self {
-            tokens: nn::embedding(p / "tokens", vocab, args.width, Default::default()),
-            positions: nn::embedding(p / "positions", args.context, args.width, Default::default()),
-            blocks,
-            ln: nn::layer_norm(p / "ln", vec![args.width], Default::default()),
-            head: nn::linear(p / "head", args.width, vocab, Default::default()),
-        }
-    }
-}
-
-impl Module for Gpt {
-    /// Logits `[batch, time, vocab]` for token ids `[batch, time]`.
-    fn forward(&self, ids: &Tensor) -> Tensor {
-        let t = ids.size()[1];
-        let positions = Tensor::arange(t, (Kind::Int64, ids.device()));
-        let mut x = ids.apply(&self.tokens) + positions.apply(&self.positions);
-        for block in &self.blocks {
-            x = block.forward(&x);
-        }
-        x.apply(&self.ln).apply(&self.head)
-    }
 }
 
 /// Windows of `context + 1` characters starting every `stride`: inputs and next characters.
@@ -160,9 +74,10 @@ fn main() -> Result<()> {
         bail!("--width {} is not divisible by --heads {}", args.width, args.heads);
     }
     let acc = Accelerator::builder().seed(0).precision(args.precision).build()?;
-    let text = std::fs::read_to_string(&args.text).with_context(|| {
-        format!("reading {} (run from the repository root)", args.text.display())
-    })?;
+    let path = (args.text.clone())
+        .unwrap_or_else(|| accel_examples::data_dir().join("kjv-genesis-exodus.txt"));
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let mut vocab: Vec<char> = text.chars().collect();
     vocab.sort_unstable();
     vocab.dedup();
@@ -174,7 +89,14 @@ fn main() -> Result<()> {
         windows(&ids.narrow(0, split, ids.size()[0] - split), args.context, args.context)?;
 
     let vs = nn::VarStore::new(acc.device());
-    let model = Gpt::new(&vs.root(), vocab.len() as i64, &args);
+    let config = GptConfig {
+        vocab: vocab.len() as i64,
+        context: args.context,
+        width: args.width,
+        blocks: args.blocks,
+        heads: args.heads,
+    };
+    let model = Gpt::new(&vs.root(), &config);
     acc.prepare_model(&vs)?;
     let parameters: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
     let mut opt = acc.prepare_optimizer(AdamW::new(

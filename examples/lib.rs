@@ -1,5 +1,7 @@
 //! Helpers the examples share: the data sets shipped in `data/`.
 
+pub mod gpt;
+
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};

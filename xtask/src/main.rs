@@ -227,7 +227,7 @@ fn bench() -> Result<(), String> {
     let root = root();
     cargo(
         &["build", "--release", "-p", "accel-core", "--bin", "accel", "-p", "accel-examples"],
-        &["--example".into(), "mlp_bench".into()],
+        &["--example".into(), "mlp_bench".into(), "--example".into(), "lm_bench".into()],
     )?;
     cargo(&["build", "--quiet", "-p", "accel-examples", "--example", "existing_function"], &[])?;
     cargo(
@@ -303,6 +303,37 @@ fn bench() -> Result<(), String> {
         "accel / Accelerate, 2 processes: {:.2}x (Accelerate's default AdamW), {:.2}x (its fused AdamW)",
         ours2 / acc2,
         ours2 / accf2
+    );
+    let lm = root.join("target/release/examples/lm_bench");
+    let lm_script = root.join("python/reference/accelerate_lm.py");
+    let lm_theirs = |fused: bool| {
+        median_of(RUNS, || {
+            let mut command = Command::new(&python);
+            command.arg(&lm_script);
+            if fused {
+                command.arg("fused");
+            }
+            mlp_figures(&mut command)
+        })
+    };
+    let lm_rows = [
+        ("accel (fused AdamW, default)", median_of(RUNS, || mlp_figures(&mut Command::new(&lm)))?),
+        ("Accelerate (AdamW default)", lm_theirs(false)?),
+        ("Accelerate (AdamW fused)", lm_theirs(true)?),
+    ];
+    println!(
+        "\nGPT-style transformer (examples/gpt.rs: 4 blocks of width 128, context 64, 0.8M \
+         parameters), batch 16, AdamW, fp32, 1 process, 1 thread; median of {RUNS} runs each"
+    );
+    println!("{:<28} {:>12} {:>10} {:>14}", "sequences/s", "1 process", "step ms", "peak RSS MiB");
+    for (name, (rate, rss)) in &lm_rows {
+        println!("{name:<28} {rate:>12.1} {:>10.2} {rss:>14.0}", 16e3 / rate);
+    }
+    println!(
+        "accel / Accelerate, transformer step: {:.2}x (Accelerate's default AdamW), {:.2}x (its \
+         fused AdamW)\n",
+        lm_rows[0].1.0 / lm_rows[1].1.0,
+        lm_rows[0].1.0 / lm_rows[2].1.0
     );
     let (annotated, plain) =
         (rebuild_seconds("existing_function")?, rebuild_seconds("existing_function_plain")?);
