@@ -17,7 +17,7 @@ use std::path::PathBuf;
 
 use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW, Sgd, SgdConfig, named_params};
-use accel_core::{Accelerator, Precision, Strategy, Unit};
+use accel_core::{Accelerator, Precision, ShardOptions, Strategy, Unit};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use tch::nn::{self, Module};
@@ -72,6 +72,9 @@ struct Args {
     state: Option<PathBuf>,
     #[arg(long)]
     stop_after: Option<u64>,
+    /// zero2/zero3: reduce-scatter gradients in bf16.
+    #[arg(long)]
+    bf16_reductions: bool,
     /// Continue from a state saved by `--state` (any strategy, any number of processes).
     #[arg(long)]
     resume: Option<PathBuf>,
@@ -91,6 +94,10 @@ fn main() -> Result<()> {
         .cpu(true);
     if args.clip_grad_norm > 0.0 {
         builder = builder.clip_grad_norm(args.clip_grad_norm);
+    }
+    if args.bf16_reductions {
+        let reduce_dtype = Some(tch::Kind::BFloat16);
+        builder = builder.sharding(ShardOptions { reduce_dtype, ..Default::default() });
     }
     let acc = builder.build()?;
 
