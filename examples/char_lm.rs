@@ -9,7 +9,7 @@
 //!
 //!     cargo run --release -p accel-examples --example char_lm
 //!     accel launch --num-processes 2 --cpu target/release/examples/char_lm
-//!     accel launch --num-processes 2 --cpu --strategy zero3 target/release/examples/char_lm -- --steps 300
+//!     accel launch --num-processes 2 --cpu --strategy zero3 target/release/examples/char_lm --steps 300
 
 use std::path::PathBuf;
 

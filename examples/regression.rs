@@ -3,7 +3,7 @@
 //! end with the same a and b (examples/tests/parity.rs checks it to 1e-6).
 //!
 //! One process:    cargo run -p accel-examples --example regression -- --batch-size 16
-//! Two processes:  accel launch --num-processes 2 target/debug/examples/regression -- --batch-size 8
+//! Two processes:  accel launch --num-processes 2 target/debug/examples/regression --batch-size 8
 
 use std::path::PathBuf;
 

@@ -7,7 +7,7 @@
 //!
 //!     cargo xtask train                 (2 processes on CPU; installs libtorch on first use)
 //!     cargo run -p accel-examples --example train -- --precision bf16 --accumulate 2
-//!     accel launch --num-processes 2 target/debug/examples/train -- --resume
+//!     accel launch --num-processes 2 target/debug/examples/train --resume
 
 use std::path::PathBuf;
 
