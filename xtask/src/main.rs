@@ -355,8 +355,8 @@ fn bench() -> Result<(), String> {
     ]))
 }
 
-/// Peak memory per process of each strategy on a 52M-parameter model, against the ZeRO
-/// paper's model-state formulas.
+/// Peak memory per process of each strategy on a 52M-parameter model, accel beside
+/// PyTorch (DDP, ZeroRedundancyOptimizer, FSDP2) and the ZeRO paper's formulas.
 fn memory_bench() -> Result<(), String> {
     cargo(
         &["build", "--release", "-p", "accel-core", "--bin", "accel", "-p", "accel-examples"],
@@ -365,50 +365,49 @@ fn memory_bench() -> Result<(), String> {
     let root = root();
     let accel = root.join("target/release/accel");
     let example = root.join("target/release/examples/memory_bench");
-    eprintln!("xtask: measuring memory, 4 strategies x 2 and 4 processes (a few minutes) ...");
+    let torchrun = root.join(".venv/bin/torchrun");
+    let script = root.join("python/reference/torch_memory.py");
+    eprintln!("xtask: measuring memory, 4 strategies x 2 and 4 processes, accel and PyTorch ...");
     const MIB: f64 = 1024.0 * 1024.0;
     // The largest unit: one 2560x2560 Linear with its bias.
     let unit = 2560.0 * 2560.0 + 2560.0;
     println!(
         "\nPeak resident memory per process above the process's own baseline, during training \
-         steps 2-4 (max over ranks);\n8 Linear 2560x2560 units, AdamW fp32, batch 8, CPU; \
-         formula = ZeRO paper's model state (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N)\n\
-         + the working set, in copies of the largest unit (4 bytes x 6.6M): zero2 4 (the gradients \
-         being computed, their reduce-scatter buffer, two more in flight), zero3 5 (also its \
+         steps 2-4 (max over ranks);\n8 Linear 2560x2560 units (52.4M parameters), AdamW \
+         (fused) fp32, batch 8, CPU, 1 thread per process. PyTorch: DDP, DDP + \
+         ZeroRedundancyOptimizer,\nFSDP2 fully_shard with reshard_after_forward False / True. \
+         Formula = ZeRO paper's model state (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N)\n+ the working \
+         set, in copies of the largest unit (4 bytes x 6.6M): zero2 4 (the gradients being \
+         computed, their reduce-scatter buffer, two more in flight), zero3 5 (also its \
          gathered parameters)"
     );
     println!(
-        "{:<8} {:>3} {:>14} {:>14} {:>9} {:>12} {:>9}",
-        "strategy", "N", "measured MiB", "formula MiB", "ratio", "step s", "vs ddp"
+        "{:<8} {:>3} {:>10} {:>10} {:>8} {:>12} {:>9} {:>9} {:>9}",
+        "strategy",
+        "N",
+        "accel MiB",
+        "torch MiB",
+        "vs torch",
+        "formula MiB",
+        "vs form.",
+        "accel s",
+        "torch s"
     );
     for n in [2usize, 4] {
-        let mut ddp_step = None;
         for strategy in ["ddp", "zero1", "zero2", "zero3"] {
-            let mut command = Command::new(&accel);
-            command
-                .args(["launch", "--num-processes", &n.to_string(), "--main-process-port", "0"])
+            let mut ours = Command::new(&accel);
+            ours.args(["launch", "--num-processes", &n.to_string(), "--main-process-port", "0"])
                 .args(["--cpu", "--strategy", strategy])
                 .arg(&example)
                 .env("MALLOC_MMAP_THRESHOLD_", "65536");
-            let output = command.output().map_err(|e| format!("cannot run {command:?}: {e}"))?;
-            let text = String::from_utf8_lossy(&output.stdout).into_owned();
-            if !output.status.success() {
-                return Err(format!(
-                    "{command:?} failed:\n{text}{}",
-                    String::from_utf8_lossy(&output.stderr)
-                ));
-            }
-            let field = |line: &str, key: &str| -> Option<f64> {
-                let at = line.find(&format!("\"{key}\":"))? + key.len() + 3;
-                line[at..].split([',', '}']).next()?.trim().parse().ok()
-            };
-            let lines: Vec<&str> = text.lines().filter(|l| l.contains("\"peak_bytes\"")).collect();
-            if lines.len() != n {
-                return Err(format!("expected {n} result lines from {command:?}, got:\n{text}"));
-            }
-            let peak = lines.iter().filter_map(|l| field(l, "peak_bytes")).fold(0.0, f64::max);
-            let step = lines.iter().filter_map(|l| field(l, "step_s")).fold(0.0, f64::max);
-            let psi = lines.iter().find_map(|l| field(l, "params")).unwrap_or(0.0);
+            let mut theirs = Command::new(&torchrun);
+            theirs
+                .args([format!("--nproc-per-node={n}"), "--master-port=29791".into()])
+                .arg(&script)
+                .arg(strategy)
+                .env("MALLOC_MMAP_THRESHOLD_", "65536");
+            let (peak, step, psi) = memory_figures(&mut ours, n)?;
+            let (torch_peak, torch_step, _) = memory_figures(&mut theirs, n)?;
             let n_f = n as f64;
             let formula = match strategy {
                 "ddp" => 16.0 * psi,
@@ -416,18 +415,49 @@ fn memory_bench() -> Result<(), String> {
                 "zero2" => 4.0 * psi + 12.0 * psi / n_f + 4.0 * 4.0 * unit,
                 _ => 16.0 * psi / n_f + 5.0 * 4.0 * unit,
             };
-            let ddp = *ddp_step.get_or_insert(step);
             println!(
-                "{strategy:<8} {n:>3} {:>14.0} {:>14.0} {:>8.2}x {:>12.3} {:>8.2}x",
+                "{strategy:<8} {n:>3} {:>10.0} {:>10.0} {:>7.2}x {:>12.0} {:>8.2}x {:>9.3} {:>9.3}",
                 peak / MIB,
+                torch_peak / MIB,
+                peak / torch_peak,
                 formula / MIB,
                 peak / formula,
                 step,
-                step / ddp
+                torch_step
             );
         }
     }
     Ok(())
+}
+
+/// Runs a memory benchmark command of `n` processes; returns the highest peak bytes, the
+/// slowest step time and the parameter count from their JSON lines.
+fn memory_figures(command: &mut Command, n: usize) -> Result<(f64, f64, f64), String> {
+    let output = command.output().map_err(|e| format!("cannot run {command:?}: {e}"))?;
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    if !output.status.success() {
+        return Err(format!(
+            "{command:?} failed:\n{text}{}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    // Ranks print concurrently: objects may share a line.
+    let objects: Vec<&str> = text
+        .split('{')
+        .filter(|o| o.contains("\"peak_bytes\""))
+        .map(|o| o.split('}').next().unwrap_or(""))
+        .collect();
+    if objects.len() != n {
+        return Err(format!("expected {n} results from {command:?}, got:\n{text}"));
+    }
+    let field = |object: &str, key: &str| -> Option<f64> {
+        let at = object.find(&format!("\"{key}\":"))? + key.len() + 3;
+        object[at..].split([',', '}']).next()?.trim().parse().ok()
+    };
+    let peak = objects.iter().filter_map(|o| field(o, "peak_bytes")).fold(0.0, f64::max);
+    let step = objects.iter().filter_map(|o| field(o, "step_s")).fold(0.0, f64::max);
+    let psi = objects.iter().find_map(|o| field(o, "params")).unwrap_or(0.0);
+    Ok((peak, step, psi))
 }
 
 /// The main job: the `train` example on 2 processes of this machine, on CPU.
