@@ -378,8 +378,8 @@ fn memory_bench() -> Result<(), String> {
          ZeroRedundancyOptimizer,\nFSDP2 fully_shard with reshard_after_forward False / True. \
          Formula = ZeRO paper's model state (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N)\n+ the working \
          set, in copies of the largest unit (4 bytes x 6.6M): zero2 4 (the gradients being \
-         computed, their reduce-scatter buffer, two more in flight), zero3 5 (also its \
-         gathered parameters)"
+         computed, their reduce-scatter buffer, two more in flight), zero3 6 (also its \
+         gathered parameters and the next unit's, prefetched)"
     );
     println!(
         "{:<8} {:>3} {:>10} {:>10} {:>8} {:>12} {:>9} {:>9} {:>9}",
@@ -413,7 +413,7 @@ fn memory_bench() -> Result<(), String> {
                 "ddp" => 16.0 * psi,
                 "zero1" => 8.0 * psi + 8.0 * psi / n_f,
                 "zero2" => 4.0 * psi + 12.0 * psi / n_f + 4.0 * 4.0 * unit,
-                _ => 16.0 * psi / n_f + 5.0 * 4.0 * unit,
+                _ => 16.0 * psi / n_f + 6.0 * 4.0 * unit,
             };
             println!(
                 "{strategy:<8} {n:>3} {:>10.0} {:>10.0} {:>7.2}x {:>12.0} {:>8.2}x {:>9.3} {:>9.3}",
