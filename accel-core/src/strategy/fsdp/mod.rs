@@ -20,6 +20,9 @@ pub struct ShardOptions {
     /// wrappers, then each element of a repeated layer list (`layers.{i}`, `layer.{i}`,
     /// `h.{i}`, `blocks.{i}`); every other parameter belongs to the root unit.
     pub units: Option<Vec<String>>,
+    /// Instead of the repeated-layer rule: each parameter's unit is the innermost module
+    /// (name prefix) holding at least this many elements (FSDP's size-based wrap policy).
+    pub min_unit_params: Option<i64>,
     /// Keep the fp32 master shards, and so the optimizer state, in CPU memory.
     pub offload: bool,
     /// Reduce-scatter gradients in this dtype (bf16 or f16) instead of their own.
@@ -216,9 +219,37 @@ fn copy_from_columns(columns: &Tensor, flat: &Tensor, numel: i64, chunk: i64) ->
     Ok(())
 }
 
+/// For each parameter, the innermost module prefix holding at least `min` elements (none:
+/// the root); the distinct prefixes, for [`unit_of`].
+fn size_based_units(params: &[(&str, i64)], min: i64) -> Vec<String> {
+    let mut totals: std::collections::BTreeMap<String, i64> = Default::default();
+    for (name, numel) in params {
+        let parts: Vec<&str> = name.split('.').collect();
+        for end in 1..parts.len() {
+            *totals.entry(parts[..end].join(".")).or_default() += numel;
+        }
+    }
+    let mut units = BTreeSet::new();
+    for (name, _) in params {
+        let parts: Vec<&str> = name.split('.').collect();
+        if let Some(end) =
+            (1..parts.len()).rev().find(|&end| totals[&parts[..end].join(".")] >= min)
+        {
+            units.insert(parts[..end].join("."));
+        }
+    }
+    units.into_iter().collect()
+}
+
 /// The unit prefix of parameter `name`: the longest matching explicit or wrapped prefix,
-/// else its repeated-layer element (`....layers.3`), else the root (`""`).
-fn unit_of(name: &str, explicit: Option<&[String]>, wrapped: &BTreeSet<String>) -> String {
+/// else the longest size-based one (when `sized` is given), else its repeated-layer
+/// element (`....layers.3`), else the root (`""`).
+fn unit_of(
+    name: &str,
+    explicit: Option<&[String]>,
+    wrapped: &BTreeSet<String>,
+    sized: Option<&[String]>,
+) -> String {
     let longest = |prefixes: &mut dyn Iterator<Item = &String>| {
         prefixes.filter(|p| name.starts_with(&format!("{p}."))).max_by_key(|p| p.len()).cloned()
     };
@@ -227,6 +258,9 @@ fn unit_of(name: &str, explicit: Option<&[String]>, wrapped: &BTreeSet<String>) 
     }
     if let Some(p) = longest(&mut wrapped.iter()) {
         return p;
+    }
+    if let Some(list) = sized {
+        return longest(&mut list.iter()).unwrap_or_default();
     }
     let parts: Vec<&str> = name.split('.').collect();
     for i in 0..parts.len().saturating_sub(2) {
@@ -256,6 +290,14 @@ impl ShardedModel {
         })?;
         let (world, rank) = (group.size() as i64, group.rank() as i64);
         let wrapped = wrapped().clone();
+        let sized = options.min_unit_params.map(|min| {
+            let trainable: Vec<(&str, i64)> = params
+                .iter()
+                .filter(|p| p.tensor.requires_grad())
+                .map(|p| (p.name.as_str(), p.tensor.numel() as i64))
+                .collect();
+            size_based_units(&trainable, min)
+        });
         let mut shards = Vec::new();
         let mut units: Vec<UnitState> = Vec::new();
         for p in params.iter().filter(|p| p.tensor.requires_grad()) {
@@ -282,7 +324,7 @@ impl ShardedModel {
                     .f_detach_copy()?)
             })?
             .set_requires_grad(true);
-            let prefix = unit_of(&p.name, options.units.as_deref(), &wrapped);
+            let prefix = unit_of(&p.name, options.units.as_deref(), &wrapped, sized.as_deref());
             let u = match units.iter().position(|u| u.prefix == prefix) {
                 Some(u) => u,
                 None => {

@@ -8,24 +8,49 @@ use std::time::Duration;
 use tch::{Device, Kind, Tensor};
 
 use super::*;
+
+fn unit_of_(name: &str, explicit: Option<&[String]>, wrapped: &BTreeSet<String>) -> String {
+    unit_of(name, explicit, wrapped, None)
+}
 use crate::comm::tests::on_ranks;
 
 #[test]
 fn units_default_to_the_elements_of_repeated_layer_lists() {
     let none = BTreeSet::new();
-    assert_eq!(unit_of("layers.3.attn.weight", None, &none), "layers.3");
-    assert_eq!(unit_of("model.h.11.mlp.bias", None, &none), "model.h.11");
-    assert_eq!(unit_of("encoder.blocks.0.w", None, &none), "encoder.blocks.0");
-    assert_eq!(unit_of("head.weight", None, &none), "");
+    assert_eq!(unit_of_("layers.3.attn.weight", None, &none), "layers.3");
+    assert_eq!(unit_of_("model.h.11.mlp.bias", None, &none), "model.h.11");
+    assert_eq!(unit_of_("encoder.blocks.0.w", None, &none), "encoder.blocks.0");
+    assert_eq!(unit_of_("head.weight", None, &none), "");
     // A numbered list under another name is not split by default...
-    assert_eq!(unit_of("stages.1.weight", None, &none), "");
+    assert_eq!(unit_of_("stages.1.weight", None, &none), "");
     // ...but a wrapper or an explicit prefix list decides.
     let wrapped = BTreeSet::from(["stages.1".to_string()]);
-    assert_eq!(unit_of("stages.1.weight", None, &wrapped), "stages.1");
+    assert_eq!(unit_of_("stages.1.weight", None, &wrapped), "stages.1");
     let explicit = ["encoder".to_string(), "encoder.blocks.0".to_string()];
-    assert_eq!(unit_of("encoder.blocks.0.w", Some(&explicit), &none), "encoder.blocks.0");
-    assert_eq!(unit_of("encoder.norm.w", Some(&explicit), &none), "encoder");
-    assert_eq!(unit_of("layers.3.w", Some(&explicit), &none), "");
+    assert_eq!(unit_of_("encoder.blocks.0.w", Some(&explicit), &none), "encoder.blocks.0");
+    assert_eq!(unit_of_("encoder.norm.w", Some(&explicit), &none), "encoder");
+    assert_eq!(unit_of_("layers.3.w", Some(&explicit), &none), "");
+}
+
+#[test]
+fn size_based_units_take_the_innermost_module_big_enough() {
+    let params = [
+        ("embed.weight", 1000),
+        ("encoder.a.w", 300),
+        ("encoder.a.b", 10),
+        ("encoder.b.w", 300),
+        ("encoder.norm.w", 10),
+        ("head.w", 50),
+    ];
+    let units = size_based_units(&params, 200);
+    // embed (1000) and encoder.a / encoder.b (310, 300) qualify on their own; the norm's
+    // innermost big-enough module is the encoder (630); the head is too small: root.
+    assert_eq!(units, ["embed", "encoder", "encoder.a", "encoder.b"]);
+    let none = BTreeSet::new();
+    let unit = |name| unit_of(name, None, &none, Some(&units));
+    assert_eq!(unit("encoder.a.b"), "encoder.a");
+    assert_eq!(unit("encoder.norm.w"), "encoder");
+    assert_eq!(unit("head.w"), "");
 }
 
 /// Values that need no random generator (the ranks are threads sharing torch's).
