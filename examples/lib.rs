@@ -7,6 +7,17 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
+/// A field of /proc/self/status in bytes (`VmRSS:`, or `VmHWM:` for the peak).
+pub fn proc_status_bytes(field: &str) -> Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let line = status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .with_context(|| format!("no {field} in /proc/self/status"))?;
+    let kib: f64 = line.split_whitespace().nth(1).context("malformed")?.parse()?;
+    Ok(kib * 1024.0)
+}
+
 /// `data/` at the root of the repository.
 pub fn data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../data")

@@ -47,16 +47,12 @@ fn main() -> Result<()> {
         last = step()?;
     }
     let seconds = started.elapsed().as_secs_f64();
-    let peak_kib: u64 = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_owned))
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
-        .unwrap_or(0);
+    let peak = accel_examples::proc_status_bytes("VmHWM:").unwrap_or(0.0);
     acc.print(format!(
         "steps={STEPS} samples_per_s={:.1} step_ms={:.2} peak_rss_mib={:.0} loss={last:.4}",
         (STEPS as i64 * BATCH) as f64 / seconds,
         1e3 * seconds / STEPS as f64,
-        peak_kib as f64 / 1024.0
+        peak / (1024.0 * 1024.0)
     ));
     Ok(())
 }

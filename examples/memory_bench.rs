@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use accel_core::optim::{AdamConfig, AdamW};
 use accel_core::{Accelerator, Unit};
+use accel_examples::proc_status_bytes;
 use anyhow::{Context, Result};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -21,23 +22,12 @@ const WIDTH: i64 = 2560;
 const LAYERS: i64 = 8;
 const STEPS: usize = 4;
 
-/// A field of /proc/self/status in bytes (`VmRSS`, `VmHWM`).
-fn status_bytes(field: &str) -> Result<f64> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let line = status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .with_context(|| format!("no {field} in /proc/self/status"))?;
-    let kib: f64 = line.split_whitespace().nth(1).context("malformed")?.parse()?;
-    Ok(kib * 1024.0)
-}
-
 fn main() -> Result<()> {
     let acc = Accelerator::builder().seed(0).cpu(true).build()?;
     tch::set_num_threads(1);
     let x = Tensor::randn([8, WIDTH], (Kind::Float, Device::Cpu));
     let y = Tensor::randn([8, WIDTH], (Kind::Float, Device::Cpu));
-    let before = status_bytes("VmRSS:")?;
+    let before = proc_status_bytes("VmRSS:")?;
 
     let vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();
@@ -69,7 +59,7 @@ fn main() -> Result<()> {
     }
     acc.wait_for_everyone()?;
     let step_s = start.elapsed().as_secs_f64() / (STEPS - 1) as f64;
-    let peak = status_bytes("VmHWM:")? - before;
+    let peak = proc_status_bytes("VmHWM:")? - before;
     println!(
         "{}",
         serde_json::json!({

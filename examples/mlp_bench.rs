@@ -47,16 +47,12 @@ fn main() -> Result<()> {
     acc.wait_for_everyone()?;
     let seconds = started.elapsed().as_secs_f64();
     // Peak resident memory of this process (the main one's is printed).
-    let peak_kib: u64 = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_owned))
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
-        .unwrap_or(0);
+    let peak = accel_examples::proc_status_bytes("VmHWM:").unwrap_or(0.0);
     acc.print(format!(
         "procs={} steps_per_proc={steps} samples_per_s={:.1} peak_rss_mib={:.0} loss={last:.4}",
         acc.num_processes(),
         (steps * 64 * acc.num_processes() as u64) as f64 / seconds,
-        peak_kib as f64 / 1024.0
+        peak / (1024.0 * 1024.0)
     ));
     Ok(())
 }

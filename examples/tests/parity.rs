@@ -215,49 +215,13 @@ fn parity_example_matches_pytorch_and_accelerate() {
 #[test]
 fn every_zero_stage_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
     let dir = scratch("zero");
-    let (w, d) = make_weights_and_data(&dir, 1);
+    make_weights_and_data(&dir, 1);
     for n in [2, 3] {
         let mut runs = Vec::new();
         for strategy in STAGES {
-            let (out, losses) = (
-                dir.join(format!("{strategy}-{n}.safetensors")),
-                dir.join(format!("{strategy}-{n}.jsonl")),
-            );
-            let mut program = vec![example("parity")];
-            program.extend(
-                [
-                    "--init",
-                    w.to_str().unwrap(),
-                    "--data",
-                    d.to_str().unwrap(),
-                    "--hidden",
-                    "16,16",
-                    "--optimizer",
-                    "adamw",
-                    "--lr",
-                    "1e-2",
-                    "--batch-size",
-                    "4",
-                    "--accumulate",
-                    "2",
-                    "--epochs",
-                    "2",
-                    "--clip-grad-norm",
-                    "1.0",
-                    "--strategy",
-                    strategy,
-                ]
-                .iter()
-                .map(|s| s.to_string()),
-            );
-            program.extend([
-                "--out".into(),
-                out.display().to_string(),
-                "--losses".into(),
-                losses.display().to_string(),
-            ]);
-            launch(n, program);
-            runs.push((read_losses(&losses), read_weights(&out)));
+            let tag = format!("{strategy}-{n}");
+            let weights = run_parity(&dir, n, strategy, &tag, &[]);
+            runs.push((read_losses(&dir.join(format!("{tag}.jsonl"))), weights));
         }
         let (ddp_losses, ddp_weights) = &runs[0];
         for (strategy, (losses, weights)) in STAGES.iter().zip(&runs).skip(1) {
@@ -268,15 +232,11 @@ fn every_zero_stage_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
                     "{n} processes, {strategy}: loss at step {step}: ddp {a} vs {b}"
                 );
             }
-            assert_eq!(ddp_weights.len(), weights.len(), "{n} processes, {strategy}: names");
-            for (name, a) in ddp_weights {
-                let diff =
-                    a.iter().zip(&weights[name]).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-                assert!(
-                    diff <= 1e-5,
-                    "{n} processes: {name} differs between ddp and {strategy} by {diff}"
-                );
-            }
+            let diff = max_diff(ddp_weights, weights);
+            assert!(
+                diff <= 1e-5,
+                "{n} processes: weights differ between ddp and {strategy} by {diff}"
+            );
         }
     }
 }

@@ -76,6 +76,74 @@ struct ShardRecord {
 /// A tensor of this process's shard file: its key, value, and whole size if it is a chunk.
 type Piece = (String, Tensor, Option<i64>);
 
+impl Manifest {
+    /// Reads and checks `dir`'s manifest.
+    fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join(MANIFEST);
+        let text = std::fs::read_to_string(&path).map_err(|e| io_error(&path, e))?;
+        let manifest: Manifest = serde_json::from_str(&text)
+            .map_err(|e| bad(&path, format!("unreadable manifest: {e}")))?;
+        if manifest.format != FORMAT || manifest.version != VERSION {
+            return Err(bad(
+                &path,
+                format!(
+                    "format {} v{} is not {FORMAT} v{VERSION}",
+                    manifest.format, manifest.version
+                ),
+            ));
+        }
+        Ok(manifest)
+    }
+
+    /// The tensors of file `name` of the checkpoint, checked against this manifest.
+    fn read_file(&self, dir: &Path, name: &str) -> Result<BTreeMap<String, Tensor>> {
+        let path = dir.join(name);
+        let record = self.files.get(name).ok_or_else(|| bad(&path, "missing from the manifest"))?;
+        read_tensors(&path, record)
+    }
+
+    /// The tensors of the shard files whose key `keep` accepts, put back together: chunks
+    /// concatenated in rank order (flat, padding dropped), whole tensors as they are.
+    fn split_tensors(
+        &self,
+        dir: &Path,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<BTreeMap<String, Tensor>> {
+        let Some(record) = &self.shards else { return Ok(BTreeMap::new()) };
+        let chunks = if record.chunks == 0 { self.world_size } else { record.chunks };
+        let mut parts: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
+        for rank in 0..self.world_size {
+            let name = shard_file(rank);
+            // Processes with nothing to save wrote no file; chunk holders always do.
+            if !self.files.contains_key(&name) && rank >= record.chunks {
+                continue;
+            }
+            for (key, tensor) in self.read_file(dir, &name)? {
+                if keep(&key) {
+                    parts.entry(key).or_default().push(tensor);
+                }
+            }
+        }
+        let mut whole = BTreeMap::new();
+        for (key, parts) in parts {
+            let tensor = match record.numel.get(&key) {
+                Some(&numel) if parts.len() == chunks => {
+                    Tensor::f_cat(&parts, 0)?.f_narrow(0, 0, numel)?
+                }
+                Some(_) => {
+                    return Err(bad(
+                        dir,
+                        format!("`{key}` is missing from some of the processes' shard files"),
+                    ));
+                }
+                None => parts.into_iter().next().expect("one part at least"),
+            };
+            whole.insert(key, tensor);
+        }
+        Ok(whole)
+    }
+}
+
 fn model_file(i: usize) -> String {
     if i == 0 { "model.safetensors".into() } else { format!("model_{i}.safetensors") }
 }
@@ -394,20 +462,7 @@ impl Accelerator {
     /// every file checks out against the manifest and the prepared objects.
     pub fn load_state(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
-        let manifest_path = dir.join(MANIFEST);
-        let text =
-            std::fs::read_to_string(&manifest_path).map_err(|e| io_error(&manifest_path, e))?;
-        let manifest: Manifest = serde_json::from_str(&text)
-            .map_err(|e| bad(&manifest_path, format!("unreadable manifest: {e}")))?;
-        if manifest.format != FORMAT || manifest.version != VERSION {
-            return Err(bad(
-                &manifest_path,
-                format!(
-                    "format {} v{} is not {FORMAT} v{VERSION}",
-                    manifest.format, manifest.version
-                ),
-            ));
-        }
+        let manifest = Manifest::read(dir)?;
         let registry = self.registry();
         let expect = |what: &str, saved: usize, here: usize| -> Result<()> {
             if saved == here {
@@ -431,44 +486,13 @@ impl Accelerator {
             ));
         }
         let file = |name: String| -> Result<(PathBuf, BTreeMap<String, Tensor>)> {
-            let path = dir.join(&name);
-            let record =
-                manifest.files.get(&name).ok_or_else(|| bad(&path, "missing from the manifest"))?;
-            let tensors = read_tensors(&path, record)?;
-            Ok((path, tensors))
+            Ok((dir.join(&name), manifest.read_file(dir, &name)?))
         };
 
         // Read and check everything before changing anything. Tensors split across the
         // processes that saved them are put back together whole first (any world size can
         // then take its own share).
-        let mut split: BTreeMap<String, Tensor> = BTreeMap::new();
-        if let Some(record) = &manifest.shards {
-            let mut parts: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
-            for rank in 0..manifest.world_size {
-                let name = shard_file(rank);
-                if manifest.files.contains_key(&name) || rank < record.chunks {
-                    for (key, tensor) in file(name)?.1 {
-                        parts.entry(key).or_default().push(tensor);
-                    }
-                }
-            }
-            let chunks = if record.chunks == 0 { manifest.world_size } else { record.chunks };
-            for (key, parts) in parts {
-                let whole = match record.numel.get(&key) {
-                    Some(&numel) if parts.len() == chunks => {
-                        Tensor::f_cat(&parts, 0)?.f_narrow(0, 0, numel)?
-                    }
-                    Some(_) => {
-                        return Err(bad(
-                            dir,
-                            format!("`{key}` is missing from some of the processes' shard files"),
-                        ));
-                    }
-                    None => parts.into_iter().next().expect("one part at least"),
-                };
-                split.insert(key, whole);
-            }
-        }
+        let mut split = manifest.split_tensors(dir, |_| true)?;
         let mut models = Vec::new();
         for (i, params) in registry.models.iter().enumerate() {
             let (path, mut tensors) = file(model_file(i))?;
@@ -748,51 +772,21 @@ impl Accelerator {
 /// `accel merge-weights DIR OUT.safetensors` writes. Every file is checked against the
 /// manifest first.
 pub fn merge_weights(dir: &Path, model: usize) -> Result<Vec<(String, Tensor)>> {
-    let manifest_path = dir.join(MANIFEST);
-    let text = std::fs::read_to_string(&manifest_path).map_err(|e| io_error(&manifest_path, e))?;
-    let manifest: Manifest = serde_json::from_str(&text)
-        .map_err(|e| bad(&manifest_path, format!("unreadable manifest: {e}")))?;
+    let manifest = Manifest::read(dir)?;
     if model >= manifest.models {
         return Err(bad(
             dir,
             format!("it holds {} model(s); there is no model {model}", manifest.models),
         ));
     }
-    let file = |name: String| -> Result<BTreeMap<String, Tensor>> {
-        let path = dir.join(&name);
-        let record =
-            manifest.files.get(&name).ok_or_else(|| bad(&path, "missing from the manifest"))?;
-        read_tensors(&path, record)
-    };
-    let mut weights = file(model_file(model))?;
-    if let Some(record) = &manifest.shards {
-        let prefix = format!("model_{model}/");
-        let mut parts: BTreeMap<String, Vec<Tensor>> = BTreeMap::new();
-        let chunks = if record.chunks == 0 { manifest.world_size } else { record.chunks };
-        for rank in 0..manifest.world_size {
-            let name = shard_file(rank);
-            if !manifest.files.contains_key(&name) && rank >= chunks {
-                continue;
-            }
-            for (key, tensor) in file(name)? {
-                if let Some(name) = key.strip_prefix(&prefix) {
-                    parts.entry(name.to_string()).or_default().push(tensor);
-                }
-            }
-        }
-        for (name, parts) in parts {
-            let key = format!("{prefix}{name}");
-            let (Some(&numel), Some(shape)) = (record.numel.get(&key), record.shapes.get(&key))
-            else {
-                return Err(bad(dir, format!("the manifest lacks the size of `{key}`")));
-            };
-            if parts.len() != chunks {
-                return Err(bad(dir, format!("`{key}` is missing from some shard files")));
-            }
-            let whole =
-                Tensor::f_cat(&parts, 0)?.f_narrow(0, 0, numel)?.f_reshape(shape.as_slice())?;
-            weights.insert(name, whole);
-        }
+    let mut weights = manifest.read_file(dir, &model_file(model))?;
+    let prefix = format!("model_{model}/");
+    let shapes = manifest.shards.as_ref().map(|r| &r.shapes);
+    for (key, whole) in manifest.split_tensors(dir, |key| key.starts_with(&prefix))? {
+        let shape = shapes
+            .and_then(|shapes| shapes.get(&key))
+            .ok_or_else(|| bad(dir, format!("the manifest lacks the size of `{key}`")))?;
+        weights.insert(key[prefix.len()..].to_string(), whole.f_reshape(shape.as_slice())?);
     }
     Ok(weights.into_iter().collect())
 }

@@ -315,10 +315,8 @@ impl ShardedModel {
                 if in_place {
                     return Ok(flat.f_narrow(0, chunk * rank, chunk)?);
                 }
-                let padded = flat.f_constant_pad_nd([0, chunk * world - numel])?;
                 let device = if options.offload { Device::Cpu } else { p.tensor.device() };
-                Ok(padded
-                    .f_narrow(0, chunk * rank, chunk)?
+                Ok(chunk_of(&flat, rank as usize, world as usize)?
                     .f_to_kind(Kind::Float)?
                     .f_to_device(device)?
                     .f_detach_copy()?)
