@@ -27,9 +27,9 @@ pub mod tracking;
 
 pub use accel_macros::{ToDevice, accelerate};
 pub use accelerator::{
-    AcceleratedOptimizer, Accelerator, AcceleratorBuilder, DataPosition, ExitGuard,
-    IntoAccelOptimizer, PreparedBatches, PreparedIter, PreparedLoader, StepCounters, current,
-    split_between,
+    AcceleratedOptimizer, Accelerator, AcceleratorBuilder, AdoptOptimizer, DataPosition,
+    DriveOptimizer, Driven, ExitGuard, IntoAccelOptimizer, PreparedBatches, PreparedIter,
+    PreparedLoader, StepCounters, current, split_between,
 };
 pub use checkpoint::merge_weights;
 pub use config::{Config, Precision, Strategy};

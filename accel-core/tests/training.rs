@@ -371,3 +371,89 @@ fn map_datasets_fetch_items_and_collate_them() {
     let first = loader.iter().next().unwrap().unwrap();
     assert_eq!(Vec::<f32>::try_from(first.flatten(0, -1)).unwrap(), [0.0, 0.0, 1.0, 10.0]);
 }
+
+/// A two-group MLP (the head in tch parameter group 1), seeded.
+fn grouped_mlp(vs: &nn::VarStore) -> nn::Sequential {
+    tch::manual_seed(11);
+    let head = vs.root().set_group(1);
+    nn::seq()
+        .add(nn::linear(vs.root() / "layers" / 0, 8, 12, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&head / "layers" / 1, 12, 3, Default::default()))
+}
+
+#[test]
+fn the_prepared_optimizer_speaks_tchs_optimizer_api_with_tchs_results() {
+    let _serial = serial();
+    let (x, y) = data();
+    let config = nn::Sgd { momentum: 0.9, dampening: 0.0, wd: 1e-3, nesterov: true };
+    // tch's own optimizer, driven through its whole API.
+    let theirs_vs = nn::VarStore::new(Device::Cpu);
+    let theirs_net = grouped_mlp(&theirs_vs);
+    let mut theirs = config.build(&theirs_vs, 0.05).unwrap();
+    // The accelerator's, driven through the same calls.
+    let acc = Accelerator::builder().cpu(true).build().unwrap();
+    let ours_vs = nn::VarStore::new(Device::Cpu);
+    let ours_net = grouped_mlp(&ours_vs);
+    let mut ours = acc.build_optimizer(config, &ours_vs, 0.05).unwrap();
+    assert_eq!(ours.lrs().len(), 2, "tch's parameter groups become the optimizer's");
+    assert_eq!(ours.trainable_variables().len(), theirs.trainable_variables().len());
+    for step in 0..12i64 {
+        let (xb, yb) = (x.narrow(0, (step % 5) * 10, 10), y.narrow(0, (step % 5) * 10, 10));
+        match step {
+            3 => {
+                theirs.set_lr_group(1, 0.01);
+                ours.set_lr_group(1, 0.01);
+                theirs.set_weight_decay(1e-2);
+                ours.set_weight_decay(1e-2);
+            }
+            6 => {
+                theirs.set_momentum(0.5);
+                ours.set_momentum(0.5);
+                theirs.set_weight_decay_group(0, 0.0);
+                ours.set_weight_decay_group(0, 0.0);
+            }
+            9 => {
+                theirs.set_lr(0.02);
+                ours.set_lr(0.02);
+            }
+            _ => {}
+        }
+        let loss_theirs = theirs_net.forward(&xb).cross_entropy_for_logits(&yb);
+        let loss_ours = ours_net.forward(&xb).cross_entropy_for_logits(&yb);
+        match step % 3 {
+            0 => {
+                theirs.backward_step_clip(&loss_theirs, 0.05);
+                ours.backward_step_clip(&loss_ours, 0.05).unwrap();
+            }
+            1 => {
+                theirs.backward_step_clip_norm(&loss_theirs, 0.3);
+                ours.backward_step_clip_norm(&loss_ours, 0.3).unwrap();
+            }
+            _ => {
+                theirs.zero_grad();
+                loss_theirs.backward();
+                theirs.clip_grad_value(0.1);
+                theirs.step();
+                ours.zero_grad().unwrap();
+                acc.backward(&loss_ours).unwrap();
+                ours.clip_grad_value(0.1).unwrap();
+                ours.step().unwrap();
+            }
+        }
+    }
+    let mut moved = 0.0f64;
+    for (name, t) in theirs_vs.variables() {
+        let o = &ours_vs.variables()[&name];
+        let diff = max_abs_diff(&t, o);
+        assert!(diff < 1e-6, "{name} differs from tch's by {diff}");
+        moved = moved.max(max_abs_diff(&t, &grouped_start(&name)));
+    }
+    assert!(moved > 1e-2, "training did not move the weights ({moved})");
+}
+
+fn grouped_start(name: &str) -> Tensor {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _ = grouped_mlp(&vs);
+    vs.variables()[name].copy()
+}

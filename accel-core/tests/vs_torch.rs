@@ -155,6 +155,21 @@ fn adamw_equals_torch_over_100_steps_unfused_fused_and_with_groups() {
 }
 
 #[test]
+fn amsgrad_equals_torch_over_100_steps_for_adam_and_adamw() {
+    check_optimizer("adam_amsgrad", |p| {
+        let config =
+            AdamConfig { lr: 1e-2, weight_decay: 0.01, amsgrad: true, ..Default::default() };
+        Box::new(Adam::new(unnamed_params(&p), config).unwrap())
+    });
+    // Fused is asked for and AMSGrad takes torch's single-tensor path anyway.
+    check_optimizer("adamw_amsgrad", |p| {
+        let config =
+            AdamConfig { lr: 1e-2, weight_decay: 0.1, amsgrad: true, ..AdamConfig::adamw() };
+        Box::new(AdamW::new(unnamed_params(&p), config).unwrap())
+    });
+}
+
+#[test]
 fn schedules_equal_torch_step_by_step() {
     let r = optim_reference();
     let schedules = [

@@ -31,6 +31,8 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     "adamw_fused": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True)),
     "adamw_groups": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.05)),
+    "adam_amsgrad": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.01, amsgrad=True)),
+    "adamw_amsgrad": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
 }
 
 for name, (cls, kwargs) in OPTIMIZERS.items():

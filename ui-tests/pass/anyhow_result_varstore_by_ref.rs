@@ -1,27 +1,33 @@
-//! A VarStore passed by reference, `anyhow::Result`, a value returned through the closure.
+//! A VarStore passed by reference and given to `build` as it is (`build(vs, ..)`, no `&`),
+//! `anyhow::Result`, clipping from the attribute, a value returned through the body.
 #![deny(warnings)]
 
 use tch::nn::{self, Module, OptimizerConfig};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
-#[accel_core::accelerate(precision = "bf16", clip_grad_norm = 1.0, cpu = true)]
-fn train(vs: &nn::VarStore, batches: Vec<(Tensor, Tensor)>) -> anyhow::Result<usize> {
-    let net = nn::linear(vs.root() / "lin", 3, 1, Default::default());
+use crate::common::{Data, mlp, weights};
+
+#[accel_core::accelerate(strategy = "ddp", clip_grad_norm = 1.0, cpu = true)]
+fn train(vs: &nn::VarStore, data: &Data) -> anyhow::Result<usize> {
+    let net = mlp(&vs.root());
     let mut opt = nn::AdamW::default().build(vs, 1e-2)?;
     let mut steps = 0;
-    for (x, y) in batches {
-        let loss = net.forward(&x).to_kind(Kind::Float).mse_loss(&y, tch::Reduction::Mean);
-        opt.zero_grad();
-        loss.backward();
-        opt.step();
-        steps += 1;
+    for _ in 0..data.epochs {
+        for (x, y) in data.batches() {
+            let loss = net.forward(&x).cross_entropy_for_logits(&y);
+            opt.zero_grad();
+            loss.backward();
+            opt.step();
+            steps += 1;
+        }
     }
     Ok(steps)
 }
 
-fn main() -> anyhow::Result<()> {
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let vs = nn::VarStore::new(Device::Cpu);
-    let batches = (0..3).map(|_| (Tensor::ones([4, 3], (Kind::Float, Device::Cpu)), Tensor::ones([4, 1], (Kind::Float, Device::Cpu)))).collect();
-    assert_eq!(train(&vs, batches)?, 3);
-    Ok(())
+    let steps = train(&vs, data)?;
+    let processes = accel_core::topology::Topology::from_env()?.world_size;
+    anyhow::ensure!(steps as i64 == data.epochs as i64 * 128 / data.batch_size / processes as i64);
+    Ok(weights(&vs, ""))
 }

@@ -1,26 +1,31 @@
-//! Nested epoch loops, a loss used inline, accel's own AdamW, and a chosen binding name.
+//! Nested epoch loops, a loss used inline, accel's own AdamW over `named_params(&vs)` stepped
+//! as written for it (`opt.step()?`), and a chosen binding name for the accelerator.
 #![deny(warnings)]
 
-use accel_core::optim::{AdamConfig, AdamW, named_params};
+use accel_core::optim::{AdamConfig, AdamW, Optimizer as _, named_params};
 use tch::nn::{self, Module};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
 
-#[accel_core::accelerate(name = acc, strategy = "ddp", seed = 3, cpu = true)]
-fn train(epochs: usize) -> anyhow::Result<u64> {
+use crate::common::{Data, mlp, weights};
+
+#[accel_core::accelerate(name = acc, strategy = "ddp", cpu = true)]
+fn train(data: &Data) -> anyhow::Result<(u64, Vec<(String, Tensor)>)> {
     let vs = nn::VarStore::new(Device::Cpu);
-    let net = nn::linear(vs.root() / "lin", 2, 1, Default::default());
+    let net = mlp(&vs.root());
     let mut opt = AdamW::new(named_params(&vs), AdamConfig { lr: 1e-2, ..AdamConfig::adamw() })?;
-    for _epoch in 0..epochs {
-        for x in (0..3).map(|_| Tensor::ones([4, 2], (Kind::Float, Device::Cpu))).collect::<Vec<_>>() {
-            net.forward(&x).square().mean(Kind::Float).backward();
-            opt.step();
-            opt.zero_grad();
+    for _epoch in 0..data.epochs {
+        for (x, y) in data.batches() {
+            net.forward(&x).cross_entropy_for_logits(&y).backward();
+            opt.step()?;
+            opt.zero_grad()?;
         }
     }
-    Ok(acc.counters().optimizer_steps)
+    Ok((acc.counters().optimizer_steps, weights(&vs, "")))
 }
 
-fn main() -> anyhow::Result<()> {
-    assert_eq!(train(2)?, 6);
-    Ok(())
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let (steps, weights) = train(data)?;
+    let processes = accel_core::topology::Topology::from_env()?.world_size as u64;
+    anyhow::ensure!(steps == data.epochs as u64 * 128 / data.batch_size as u64 / processes);
+    Ok(weights)
 }

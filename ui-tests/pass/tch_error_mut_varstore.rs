@@ -1,23 +1,29 @@
-//! A `&mut VarStore` and tch's own error type.
+//! A `&mut VarStore` given to `build` as it is, and tch's own error type: the shape the
+//! attribute once passed through unprepared.
 #![deny(warnings)]
 
 use tch::nn::{self, Module, OptimizerConfig};
-use tch::{Device, Kind, TchError, Tensor};
+use tch::{Device, TchError, Tensor};
 
-#[accel_core::accelerate(cpu = true)]
-fn train(vs: &mut nn::VarStore) -> Result<(), TchError> {
-    let net = nn::linear(vs.root() / "lin", 2, 1, Default::default());
+use crate::common::{Data, mlp, weights};
+
+#[accel_core::accelerate(strategy = "ddp", cpu = true)]
+fn train(vs: &mut nn::VarStore, data: &Data) -> Result<(), TchError> {
+    let net = mlp(&vs.root());
     let mut opt = nn::Adam::default().build(vs, 1e-2)?;
-    for x in (0..2).map(|_| Tensor::ones([4, 2], (Kind::Float, Device::Cpu))).collect::<Vec<_>>() {
-        let loss = net.forward(&x).sum(Kind::Float);
-        opt.zero_grad();
-        loss.backward();
-        opt.step();
+    for _ in 0..data.epochs {
+        for (x, y) in data.batches() {
+            let loss = net.forward(&x).cross_entropy_for_logits(&y);
+            opt.zero_grad();
+            loss.backward();
+            opt.step();
+        }
     }
     Ok(())
 }
 
-fn main() {
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let mut vs = nn::VarStore::new(Device::Cpu);
-    train(&mut vs).unwrap();
+    train(&mut vs, data)?;
+    Ok(weights(&vs, ""))
 }

@@ -1,15 +1,24 @@
 //! What `#[accelerate]` expansions call besides the public API: turning tch optimizer
-//! configurations into accel optimizers, and the guard that ends a run cleanly.
+//! configurations into accel optimizers, adopting optimizers made where the attribute
+//! cannot see, and the guard that ends a run cleanly.
 
 use tch::nn::VarStore;
 
 use super::{AcceleratedOptimizer, Accelerator};
-use crate::error::{Error, Result};
-use crate::optim::{Adam, AdamConfig, AdamW, Optimizer, Sgd, SgdConfig, TchOptimizer};
+use crate::error::Result;
+use crate::optim::{Adam, AdamConfig, AdamW, Optimizer, Param, Sgd, SgdConfig, TchOptimizer};
 
 /// An optimizer configuration the attribute can turn into an accelerator optimizer: tch's
-/// `nn::Sgd`, `nn::Adam`, `nn::AdamW` (as accel's own optimizers, with exportable state)
-/// and `nn::RmsProp` (as tch's, which cannot be checkpointed).
+/// `nn::Sgd`, `nn::Adam`, `nn::AdamW` (as accel's own optimizers, with exportable state,
+/// AMSGrad included) and `nn::RmsProp` (as tch's, which cannot be checkpointed or sharded).
+/// The VarStore's parameter groups (`vs.root().set_group(g)`) become the optimizer's groups.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an optimizer configuration #[accelerate] can prepare",
+    label = "this `.build(..)` is turned into the accelerator's optimizer",
+    note = "the configurations are tch's nn::Sgd, nn::Adam, nn::AdamW and nn::RmsProp; for another \
+            optimizer, build it with accel_core::optim or make it outside the loop and name the \
+            model: #[accelerate(model = vs)]"
+)]
 pub trait IntoAccelOptimizer {
     /// The optimizer over `vs`'s trainable variables with learning rate `lr`.
     fn into_accel(
@@ -18,6 +27,28 @@ pub trait IntoAccelOptimizer {
         vs: &VarStore,
         lr: f64,
     ) -> Result<Box<dyn Optimizer>>;
+}
+
+/// The trainable variables of `vs` by tch parameter group (`Path::set_group`), each group
+/// sorted by name; one group when the store uses only group 0.
+fn param_groups(acc: &Accelerator, vs: &VarStore) -> Result<Vec<Vec<Param>>> {
+    let group_of: std::collections::HashMap<usize, usize> = {
+        let variables = vs.variables_.lock().unwrap_or_else(|e| e.into_inner());
+        variables
+            .trainable_variables
+            .iter()
+            .map(|v| Ok((crate::shim::tensor_id(&v.tensor)?, v.group)))
+            .collect::<Result<_>>()?
+    };
+    let mut groups: Vec<Vec<Param>> = vec![Vec::new()];
+    for param in acc.params(vs) {
+        let group = group_of.get(&crate::shim::tensor_id(&param.tensor)?).copied().unwrap_or(0);
+        if groups.len() <= group {
+            groups.resize_with(group + 1, Vec::new);
+        }
+        groups[group].push(param);
+    }
+    Ok(groups)
 }
 
 impl IntoAccelOptimizer for tch::nn::Sgd {
@@ -30,40 +61,43 @@ impl IntoAccelOptimizer for tch::nn::Sgd {
             nesterov: self.nesterov,
             maximize: false,
         };
-        Ok(Box::new(Sgd::new(acc.params(vs), config)?))
+        let mut groups = param_groups(acc, vs)?.into_iter();
+        let mut sgd = Sgd::new(groups.next().unwrap_or_default(), config)?;
+        for group in groups {
+            sgd.add_param_group(group, config)?;
+        }
+        Ok(Box::new(sgd))
     }
 }
 
-fn adam_config(
-    lr: f64,
-    beta1: f64,
-    beta2: f64,
-    eps: f64,
-    wd: f64,
-    amsgrad: bool,
-    fused: bool,
-) -> Result<AdamConfig> {
-    if amsgrad {
-        return Err(Error::Unsupported(
-            "amsgrad: accel's Adam/AdamW do not implement it yet".into(),
-        ));
-    }
-    Ok(AdamConfig { lr, beta1, beta2, eps, weight_decay: wd, maximize: false, fused })
+fn adam_config(lr: f64, beta1: f64, beta2: f64, eps: f64, wd: f64, amsgrad: bool) -> AdamConfig {
+    AdamConfig { lr, beta1, beta2, eps, weight_decay: wd, maximize: false, fused: false, amsgrad }
 }
 
 impl IntoAccelOptimizer for tch::nn::Adam {
     fn into_accel(self, acc: &Accelerator, vs: &VarStore, lr: f64) -> Result<Box<dyn Optimizer>> {
-        let config =
-            adam_config(lr, self.beta1, self.beta2, self.eps, self.wd, self.amsgrad, false)?;
-        Ok(Box::new(Adam::new(acc.params(vs), config)?))
+        let config = adam_config(lr, self.beta1, self.beta2, self.eps, self.wd, self.amsgrad);
+        let mut groups = param_groups(acc, vs)?.into_iter();
+        let mut adam = Adam::new(groups.next().unwrap_or_default(), config)?;
+        for group in groups {
+            adam.add_param_group(group, config)?;
+        }
+        Ok(Box::new(adam))
     }
 }
 
 impl IntoAccelOptimizer for tch::nn::AdamW {
     fn into_accel(self, acc: &Accelerator, vs: &VarStore, lr: f64) -> Result<Box<dyn Optimizer>> {
-        let config =
-            adam_config(lr, self.beta1, self.beta2, self.eps, self.wd, self.amsgrad, true)?;
-        Ok(Box::new(AdamW::new(acc.params(vs), config)?))
+        let config = AdamConfig {
+            fused: true,
+            ..adam_config(lr, self.beta1, self.beta2, self.eps, self.wd, self.amsgrad)
+        };
+        let mut groups = param_groups(acc, vs)?.into_iter();
+        let mut adamw = AdamW::new(groups.next().unwrap_or_default(), config)?;
+        for group in groups {
+            adamw.add_param_group(group, config)?;
+        }
+        Ok(Box::new(adamw))
     }
 }
 
@@ -74,9 +108,41 @@ impl IntoAccelOptimizer for tch::nn::RmsProp {
     }
 }
 
+/// An optimizer made where `#[accelerate]` cannot see (a helper function, a closure), which
+/// it prepares once the model is named with `model = ...`: tch's `nn::Optimizer` (single and
+/// DDP runs; it cannot be sharded), any of accel's optimizers, or one already prepared.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an optimizer the accelerator can prepare",
+    note = "the optimizers are tch's nn::Optimizer, accel_core::optim::{{Sgd, Adam, AdamW}} (or any \
+            accel_core::optim::Optimizer) and an AcceleratedOptimizer"
+)]
+pub trait AdoptOptimizer {
+    /// The optimizer prepared by `accelerator`.
+    fn adopt(self, accelerator: &Accelerator) -> AcceleratedOptimizer;
+}
+
+impl AdoptOptimizer for tch::nn::Optimizer {
+    fn adopt(self, accelerator: &Accelerator) -> AcceleratedOptimizer {
+        accelerator.prepare_optimizer(TchOptimizer::adopted(self))
+    }
+}
+
+impl<O: Optimizer + 'static> AdoptOptimizer for O {
+    fn adopt(self, accelerator: &Accelerator) -> AcceleratedOptimizer {
+        accelerator.prepare_optimizer(self)
+    }
+}
+
+impl AdoptOptimizer for AcceleratedOptimizer {
+    fn adopt(self, _accelerator: &Accelerator) -> AcceleratedOptimizer {
+        self
+    }
+}
+
 impl Accelerator {
     /// Prepares the model in `vs` (once) and builds the accelerator's optimizer from a tch
-    /// optimizer configuration: what `config.build(&vs, lr)` becomes under `#[accelerate]`.
+    /// optimizer configuration: what `config.build(vs, lr)` becomes under `#[accelerate]`
+    /// (`vs` is whatever the user passed to tch's `build`).
     pub fn build_optimizer(
         &self,
         config: impl IntoAccelOptimizer,
@@ -86,6 +152,17 @@ impl Accelerator {
         self.prepare_model_once(vs)?;
         let optimizer = config.into_accel(self, vs, lr)?;
         Ok(self.prepare_boxed_optimizer(optimizer))
+    }
+
+    /// Prepares the model in `vs` (once) and then `optimizer`, made elsewhere: what an
+    /// optimizer from a helper or a closure becomes under `#[accelerate(model = vs)]`.
+    pub fn adopt_optimizer(
+        &self,
+        vs: &VarStore,
+        optimizer: impl AdoptOptimizer,
+    ) -> Result<AcceleratedOptimizer> {
+        self.prepare_model_once(vs)?;
+        Ok(optimizer.adopt(self))
     }
 
     /// Ends the run when dropped: on the error or panic path it aborts the process group so

@@ -106,15 +106,24 @@ where
         let mut position = self.position.lock().unwrap_or_else(|e| e.into_inner());
         let Some((item, last)) = self.lookahead.advance() else {
             self.state.set_end_of_dataloader(false);
+            self.state.end_batches();
             return None;
         };
         self.state.set_end_of_dataloader(last);
+        self.state.mark_new_batch();
         position.batches += 1;
         if last {
             self.state.set_remainder(self.remainder);
             *position = DataPosition { epoch: position.epoch + 1, batches: 0 };
         }
         Some(item.to_device(self.device))
+    }
+}
+
+impl<I: Iterator> Drop for PreparedIter<I> {
+    fn drop(&mut self) {
+        // Left early (a `break`): backward passes outside prepared data count alone again.
+        self.state.end_batches();
     }
 }
 

@@ -5,6 +5,7 @@
 
 mod attribute;
 mod data;
+mod driven;
 mod optimizer;
 mod state;
 
@@ -26,8 +27,9 @@ use crate::strategy::ddp::{Ddp, DdpOptions};
 use crate::strategy::fsdp::{ShardOptions, ShardedModel, Stage};
 use crate::topology::Topology;
 
-pub use attribute::{ExitGuard, IntoAccelOptimizer};
+pub use attribute::{AdoptOptimizer, ExitGuard, IntoAccelOptimizer};
 pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader, Rounds};
+pub use driven::{DriveOptimizer, Driven};
 pub use optimizer::AcceleratedOptimizer;
 pub(crate) use optimizer::Slot;
 pub(crate) use state::GradientState;
@@ -169,6 +171,7 @@ impl AcceleratorBuilder {
                 shard_options: self.sharding,
                 sharded: Mutex::new(Vec::new()),
                 shard_groups: Mutex::new(None),
+                driven_unscaled: Mutex::new(Default::default()),
             }),
         };
         let _ = CURRENT.set(Mutex::new(None));
@@ -230,6 +233,8 @@ pub(crate) struct Inner {
     sharded: Mutex<Vec<Arc<ShardedModel>>>,
     /// The shard group and, under hybrid sharding, the replica group (made once).
     shard_groups: Mutex<Option<(ProcessGroup, Option<ProcessGroup>)>>,
+    /// Driven optimizers (by their first parameter) whose gradients this step unscaled.
+    driven_unscaled: Mutex<std::collections::HashSet<usize>>,
 }
 
 /// What a strategy shards besides optimizer state, if it is zero2/zero3/fsdp.
@@ -460,15 +465,7 @@ impl Accelerator {
         let zero1 =
             self.inner.group.clone().filter(|_| self.inner.config.strategy == Strategy::Zero1);
         let sharded = self.sharded_models().clone();
-        let prepared = AcceleratedOptimizer::new(
-            optimizer,
-            self.inner.state.clone(),
-            self.inner.scaler.clone(),
-            self.inner.config.clip_grad_norm,
-            self.num_processes(),
-            zero1,
-            sharded,
-        );
+        let prepared = AcceleratedOptimizer::new(optimizer, self, zero1, sharded);
         self.registry().optimizers.push(prepared.clone());
         prepared
     }
@@ -482,6 +479,24 @@ impl Accelerator {
     ) -> Result<AcceleratedOptimizer> {
         self.prepare_model_once(vs)?;
         Ok(self.prepare_optimizer(optimizer))
+    }
+
+    /// The shapes of those of `params` that belong to no prepared model.
+    pub(crate) fn unprepared(&self, params: &[Tensor]) -> Result<Vec<Vec<i64>>> {
+        let registry = self.registry();
+        let prepared: std::collections::HashSet<usize> = registry
+            .models
+            .iter()
+            .flatten()
+            .map(|p| crate::shim::tensor_id(&p.tensor))
+            .collect::<Result<_>>()?;
+        let mut strays = Vec::new();
+        for p in params {
+            if !prepared.contains(&crate::shim::tensor_id(p)?) {
+                strays.push(p.size());
+            }
+        }
+        Ok(strays)
     }
 
     /// [`prepare_model`](Self::prepare_model) unless this `VarStore` was prepared already.
@@ -582,6 +597,17 @@ impl Accelerator {
             return Err(Error::Training(format!(
                 "backward needs a scalar loss, got shape {:?}; reduce it first (mean or sum)",
                 loss.size()
+            )));
+        }
+        if self.num_processes() > 1 && self.registry().models.is_empty() {
+            return Err(Error::Training(format!(
+                "backward on rank {} of {} with no prepared model: its gradients would not be \
+                 averaged across processes, and each process would train a model of its own. \
+                 Call `accelerator.prepare_model(&vs)` on the model's VarStore first (under \
+                 #[accelerate], build the optimizer in the function over the VarStore, or name \
+                 it with `model = vs`)",
+                self.process_index(),
+                self.num_processes()
             )));
         }
         self.inner.state.begin_micro_step();

@@ -3,14 +3,17 @@
 //!
 //! [`Accelerator::prepare_optimizer`]: super::Accelerator::prepare_optimizer
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tch::Tensor;
 
 use super::state::GradientState;
+use super::{Accelerator, Inner};
 use crate::comm::ProcessGroup;
-use crate::error::Result;
-use crate::optim::{LrScheduler, Optimizer, Schedule, clip_grad_norm, clip_grad_norm_sharded};
+use crate::error::{Error, Result};
+use crate::optim::{
+    LrScheduler, Optimizer, Schedule, clip_grad_norm, clip_grad_norm_sharded, clip_grad_value,
+};
 use crate::precision::GradScaler;
 use crate::strategy::fsdp::ShardedModel;
 
@@ -26,6 +29,11 @@ pub(crate) struct Slot {
     zero: Option<Zero1>,
     /// Zero2/zero3: the models whose master shards this optimizer steps.
     pub(crate) sharded: Option<ShardedSlot>,
+    /// The model's parameters as the user sees them (before any sharding): what
+    /// `trainable_variables` returns.
+    trainable: Vec<Tensor>,
+    /// Whether the first sync step checked that every parameter belongs to a prepared model.
+    membership_checked: bool,
 }
 
 pub(crate) struct ShardedSlot {
@@ -81,6 +89,8 @@ pub struct AcceleratedOptimizer {
     scaler: Option<Arc<Mutex<GradScaler>>>,
     clip: Option<f64>,
     num_processes: usize,
+    /// For `backward_step*` (weak: the accelerator's registry holds this optimizer).
+    accelerator: Weak<Inner>,
 }
 
 impl std::fmt::Debug for AcceleratedOptimizer {
@@ -96,14 +106,13 @@ impl std::fmt::Debug for AcceleratedOptimizer {
 impl AcceleratedOptimizer {
     pub(crate) fn new(
         optimizer: Box<dyn Optimizer>,
-        state: Arc<GradientState>,
-        scaler: Option<Arc<Mutex<GradScaler>>>,
-        clip: Option<f64>,
-        num_processes: usize,
+        accelerator: &Accelerator,
         zero1: Option<ProcessGroup>,
         sharded: Vec<Arc<ShardedModel>>,
     ) -> Self {
+        let inner = &accelerator.inner;
         let mut optimizer = optimizer;
+        let trainable = optimizer.params();
         let mut deferred = None;
         let zero = zero1.map(|group| {
             let all = optimizer.params();
@@ -148,8 +157,26 @@ impl AcceleratedOptimizer {
             deferred,
             zero,
             sharded,
+            trainable,
+            membership_checked: false,
         };
-        Self { slot: Arc::new(Mutex::new(slot)), state, scaler, clip, num_processes }
+        Self {
+            slot: Arc::new(Mutex::new(slot)),
+            state: inner.state.clone(),
+            scaler: inner.scaler.clone(),
+            clip: inner.config.clip_grad_norm,
+            num_processes: inner.process.world_size,
+            accelerator: Arc::downgrade(inner),
+        }
+    }
+
+    fn accelerator(&self) -> Result<Accelerator> {
+        self.accelerator.upgrade().map(|inner| Accelerator { inner }).ok_or_else(|| {
+            Error::Training(
+                "backward_step: the accelerator this optimizer was prepared by has been dropped"
+                    .into(),
+            )
+        })
     }
 
     /// Every parameter the model trains (under zero1 also those another process steps).
@@ -195,6 +222,80 @@ impl AcceleratedOptimizer {
         for g in 0..slot.optimizer.num_groups() {
             slot.optimizer.set_lr(g, lr);
         }
+    }
+
+    /// Sets the learning rate of group `group` (tch's `set_lr_group`).
+    pub fn set_lr_group(&mut self, group: usize, lr: f64) {
+        self.lock().optimizer.set_lr(group, lr);
+    }
+
+    /// Sets the momentum of every group: SGD's momentum, Adam's `beta1` (tch's `set_momentum`).
+    pub fn set_momentum(&mut self, momentum: f64) {
+        let mut slot = self.lock();
+        for g in 0..slot.optimizer.num_groups() {
+            slot.optimizer.set_momentum(g, momentum);
+        }
+    }
+
+    /// Sets the momentum of group `group` (tch's `set_momentum_group`).
+    pub fn set_momentum_group(&mut self, group: usize, momentum: f64) {
+        self.lock().optimizer.set_momentum(group, momentum);
+    }
+
+    /// Sets the weight decay of every group (tch's `set_weight_decay`).
+    pub fn set_weight_decay(&mut self, weight_decay: f64) {
+        let mut slot = self.lock();
+        for g in 0..slot.optimizer.num_groups() {
+            slot.optimizer.set_weight_decay(g, weight_decay);
+        }
+    }
+
+    /// Sets the weight decay of group `group` (tch's `set_weight_decay_group`).
+    pub fn set_weight_decay_group(&mut self, group: usize, weight_decay: f64) {
+        self.lock().optimizer.set_weight_decay(group, weight_decay);
+    }
+
+    /// The model's parameters this optimizer trains, whole (tch's `trainable_variables`;
+    /// under zero2/zero3 these are the model's parameters, not this process's shards).
+    pub fn trainable_variables(&self) -> Vec<Tensor> {
+        self.lock().trainable.iter().map(Tensor::shallow_clone).collect()
+    }
+
+    /// tch's `backward_step`: `zero_grad`, the accelerator's `backward`, `step`.
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
+        self.zero_grad()?;
+        self.accelerator()?.backward(loss)?;
+        self.step()
+    }
+
+    /// tch's `backward_step_clip`: as [`backward_step`](Self::backward_step), with every
+    /// gradient element clamped to `[-max, max]` before the step.
+    pub fn backward_step_clip(&mut self, loss: &Tensor, max: f64) -> Result<()> {
+        self.zero_grad()?;
+        self.accelerator()?.backward(loss)?;
+        self.clip_grad_value(max)?;
+        self.step()
+    }
+
+    /// tch's `backward_step_clip_norm`: as [`backward_step`](Self::backward_step), with the
+    /// global gradient norm (across processes and shards) clipped to `max` before the step.
+    pub fn backward_step_clip_norm(&mut self, loss: &Tensor, max: f64) -> Result<()> {
+        self.zero_grad()?;
+        self.accelerator()?.backward(loss)?;
+        self.clip_grad_norm(max)?;
+        self.step()
+    }
+
+    /// Clamps every gradient element to `[-max, max]` (tch's `clip_grad_value`), after
+    /// unscaling fp16 gradients; on sync steps only, like [`clip_grad_norm`](Self::clip_grad_norm).
+    /// Elementwise, so shards clamp alone.
+    pub fn clip_grad_value(&mut self, max: f64) -> Result<()> {
+        if !self.state.sync_gradients() {
+            return Ok(());
+        }
+        let mut slot = self.lock();
+        self.unscale(&mut slot)?;
+        clip_grad_value(&self.all_params(&slot), max)
     }
 
     /// Whether the last sync step was skipped because of inf/NaN gradients (fp16).
@@ -243,6 +344,10 @@ impl AcceleratedOptimizer {
         if let Some(why) = &slot.deferred {
             return Err(crate::Error::Unsupported(why.clone()));
         }
+        if !slot.membership_checked && self.num_processes > 1 && slot.sharded.is_none() {
+            self.check_membership(&slot)?;
+            slot.membership_checked = true;
+        }
         self.unscale(&mut slot)?;
         let params = self.all_params(&slot);
         let skipped = match &self.scaler {
@@ -261,7 +366,7 @@ impl AcceleratedOptimizer {
             if let Some(max) = self.clip {
                 Self::clip(&slot, &params, max)?;
             }
-            slot.optimizer.step()?;
+            crate::optim::prepared_step(|| slot.optimizer.step())?;
             if let Some(s) = &slot.sharded {
                 for model in &s.models {
                     model.after_step()?;
@@ -292,6 +397,28 @@ impl AcceleratedOptimizer {
         slot.step_was_skipped = skipped;
         slot.unscaled = false;
         self.state.record_optimizer_step(skipped);
+        Ok(())
+    }
+
+    /// The safety net under a model that was never prepared: its gradients would not be
+    /// averaged, and this step would train this process's replica alone.
+    fn check_membership(&self, slot: &Slot) -> Result<()> {
+        let accelerator = self.accelerator()?;
+        let strays = accelerator.unprepared(&self.all_params(slot))?;
+        if let Some(size) = strays.first() {
+            return Err(Error::Training(format!(
+                "{} steps {} parameter(s) (the first of shape {size:?}) that belong to no model \
+                 the accelerator prepared, on rank {} of {}: their gradients are not averaged \
+                 across processes, so the replicas would drift apart. Call \
+                 `accelerator.prepare_model(&vs)` on the model's VarStore before training (under \
+                 #[accelerate], build the optimizer in the function over the VarStore, or name \
+                 it with `model = vs`)",
+                slot.optimizer.name(),
+                strays.len(),
+                accelerator.process_index(),
+                self.num_processes
+            )));
+        }
         Ok(())
     }
 

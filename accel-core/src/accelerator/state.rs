@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 pub struct StepCounters {
     /// Micro-steps since the last sync step (Accelerate's `accelerator.step`).
     pub micro_step: u64,
-    /// `backward` calls in the whole run.
+    /// Micro-steps in the whole run: `backward` calls, or with prepared data the batches
+    /// that ran one (a second backward on one batch joins its micro-step).
     pub micro_steps_total: u64,
     /// Optimizer steps taken (skipped fp16 steps not counted).
     pub optimizer_steps: u64,
@@ -26,6 +27,9 @@ struct Inner {
     /// Samples in the last round that are real (not padding), when known: the data set's
     /// length modulo the total batch size across processes (Accelerate's `remainder`).
     remainder: Option<usize>,
+    /// While a prepared data source's batch is being worked on: the backward passes run on
+    /// it so far (`None` outside prepared data, where each backward is a micro-step).
+    backwards_on_batch: Option<u32>,
 }
 
 /// Shared by every handle of one accelerator.
@@ -50,10 +54,29 @@ impl GradientState {
         self.accumulate
     }
 
+    /// A prepared data source handed out a new batch: the next `backward` starts a
+    /// micro-step, and further ones on the same batch (two models, two losses) join it.
+    pub(crate) fn mark_new_batch(&self) {
+        self.lock().backwards_on_batch = Some(0);
+    }
+
+    /// The prepared data source ran out or was dropped: backward counts alone again.
+    pub(crate) fn end_batches(&self) {
+        self.lock().backwards_on_batch = None;
+    }
+
     /// Starts a micro-step (called by `backward`): a sync step every `accumulate` steps and
     /// at the end of the data, which also restarts the window (Accelerate's `_do_sync`).
+    /// With prepared data, a micro-step is a batch, as Accelerate counts them: a second
+    /// backward on the same batch stays in its micro-step.
     pub(crate) fn begin_micro_step(&self) -> bool {
         let mut s = self.lock();
+        if let Some(n) = &mut s.backwards_on_batch {
+            *n += 1;
+            if *n > 1 {
+                return s.sync_gradients;
+            }
+        }
         s.counters.micro_steps_total += 1;
         if s.end_of_dataloader {
             s.counters.micro_step = 0;
@@ -126,5 +149,21 @@ mod tests {
             [state.begin_micro_step(), state.begin_micro_step(), state.begin_micro_step()],
             [false, false, true]
         );
+    }
+
+    #[test]
+    fn backward_twice_on_one_prepared_batch_is_one_micro_step() {
+        let state = GradientState::new(2);
+        let mut syncs = Vec::new();
+        for _batch in 0..4 {
+            state.mark_new_batch();
+            // A GAN's two losses: the second backward joins the first one's micro-step.
+            syncs.push((state.begin_micro_step(), state.begin_micro_step()));
+        }
+        assert_eq!(syncs, [(false, false), (true, true), (false, false), (true, true)]);
+        assert_eq!(state.counters().micro_steps_total, 4);
+        // Once the data is done, each backward is a micro-step again.
+        state.end_batches();
+        assert_eq!([state.begin_micro_step(), state.begin_micro_step()], [false, true]);
     }
 }

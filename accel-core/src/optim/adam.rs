@@ -27,8 +27,11 @@ pub struct AdamConfig {
     pub weight_decay: f64,
     /// Maximise the objective instead.
     pub maximize: bool,
-    /// Use ATen's fused kernel (AdamW only).
+    /// Use ATen's fused kernel (AdamW only; AMSGrad steps take torch's single-tensor path).
     pub fused: bool,
+    /// AMSGrad: normalise by the largest second moment seen so far (`amsgrad=True`).
+    #[serde(default)]
+    pub amsgrad: bool,
 }
 
 impl Default for AdamConfig {
@@ -41,6 +44,7 @@ impl Default for AdamConfig {
             weight_decay: 0.0,
             maximize: false,
             fused: false,
+            amsgrad: false,
         }
     }
 }
@@ -77,6 +81,19 @@ struct Moments {
     step: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
+    /// AMSGrad's running maximum of `exp_avg_sq`.
+    max_exp_avg_sq: Option<Tensor>,
+}
+
+impl Moments {
+    fn zeros(param: &Tensor, amsgrad: bool) -> Result<Self> {
+        Ok(Self {
+            step: Tensor::zeros([], (Kind::Float, Device::Cpu)),
+            exp_avg: param.f_zeros_like()?.f_detach()?,
+            exp_avg_sq: param.f_zeros_like()?.f_detach()?,
+            max_exp_avg_sq: if amsgrad { Some(param.f_zeros_like()?.f_detach()?) } else { None },
+        })
+    }
 }
 
 /// The shared implementation; `decoupled` tells AdamW from Adam.
@@ -102,6 +119,7 @@ impl AdamCore {
     }
 
     fn step(&mut self) -> Result<()> {
+        super::guard_unprepared_step(self.name)?;
         let mut index = 0;
         for group in &self.groups {
             let h = group.hyper;
@@ -110,11 +128,7 @@ impl AdamCore {
             // Lazily create the state of parameters that have a gradient now.
             for (param, moments) in group.params.iter().zip(&mut self.moments[first..index]) {
                 if moments.is_none() && param.tensor.grad().defined() {
-                    *moments = Some(Moments {
-                        step: Tensor::zeros([], (Kind::Float, Device::Cpu)),
-                        exp_avg: param.tensor.f_zeros_like()?.f_detach()?,
-                        exp_avg_sq: param.tensor.f_zeros_like()?.f_detach()?,
-                    });
+                    *moments = Some(Moments::zeros(&param.tensor, h.amsgrad)?);
                 }
             }
             let live: Vec<(&Param, &Moments)> = group
@@ -124,7 +138,7 @@ impl AdamCore {
                 .filter(|(p, _)| p.tensor.grad().defined())
                 .filter_map(|(p, m)| m.as_ref().map(|m| (p, m)))
                 .collect();
-            if h.fused {
+            if h.fused && !h.amsgrad {
                 fused_step(&live, h)?;
             } else {
                 for (param, moments) in live {
@@ -146,6 +160,9 @@ impl AdamCore {
                 state.tensors.insert(format!("{name}/step"), m.step.copy());
                 state.tensors.insert(format!("{name}/exp_avg"), m.exp_avg.copy());
                 state.tensors.insert(format!("{name}/exp_avg_sq"), m.exp_avg_sq.copy());
+                if let Some(max) = &m.max_exp_avg_sq {
+                    state.tensors.insert(format!("{name}/max_exp_avg_sq"), max.copy());
+                }
             }
         }
         state
@@ -157,19 +174,21 @@ impl AdamCore {
         for (group, hyper) in self.groups.iter_mut().zip(hypers) {
             group.hyper = hyper;
         }
-        let params: Vec<Param> =
-            self.groups.iter().flat_map(|g| g.params.iter().cloned()).collect();
-        for (param, moments) in params.iter().zip(&mut self.moments) {
+        let params: Vec<(Param, bool)> = self
+            .groups
+            .iter()
+            .flat_map(|g| g.params.iter().map(|p| (p.clone(), g.hyper.amsgrad)))
+            .collect();
+        for ((param, amsgrad), moments) in params.iter().zip(&mut self.moments) {
             let key = |slot: &str| format!("{}/{slot}", param.name);
             *moments = if state.tensors.contains_key(&key("step")) {
-                let m = Moments {
-                    step: Tensor::zeros([], (Kind::Float, Device::Cpu)),
-                    exp_avg: param.tensor.f_zeros_like()?.f_detach()?,
-                    exp_avg_sq: param.tensor.f_zeros_like()?.f_detach()?,
-                };
+                let m = Moments::zeros(&param.tensor, *amsgrad)?;
                 restore_slot(state, self.name, &key("step"), &m.step)?;
                 restore_slot(state, self.name, &key("exp_avg"), &m.exp_avg)?;
                 restore_slot(state, self.name, &key("exp_avg_sq"), &m.exp_avg_sq)?;
+                if let Some(max) = &m.max_exp_avg_sq {
+                    restore_slot(state, self.name, &key("max_exp_avg_sq"), max)?;
+                }
                 Some(m)
             } else {
                 None
@@ -179,7 +198,7 @@ impl AdamCore {
     }
 }
 
-/// `torch.optim.adam._single_tensor_adam` (non-capturable, amsgrad off).
+/// `torch.optim.adam._single_tensor_adam` (non-capturable).
 fn single_tensor_step(param: &Param, m: &Moments, h: AdamConfig, decoupled: bool) -> Result<()> {
     tch::no_grad(|| -> Result<()> {
         let grad = param.tensor.grad();
@@ -202,7 +221,15 @@ fn single_tensor_step(param: &Param, m: &Moments, h: AdamConfig, decoupled: bool
         let bias_correction1 = 1.0 - h.beta1.powf(t);
         let bias_correction2 = 1.0 - h.beta2.powf(t);
         let step_size = h.lr / bias_correction1;
-        let denom = (exp_avg_sq.f_sqrt()? / bias_correction2.sqrt()).f_add_scalar(h.eps)?;
+        let second = match &m.max_exp_avg_sq {
+            Some(max) => {
+                let max = max.shallow_clone();
+                let _ = max.f_maximum_out(&max, &exp_avg_sq)?;
+                max
+            }
+            None => exp_avg_sq.shallow_clone(),
+        };
+        let denom = (second.f_sqrt()? / bias_correction2.sqrt()).f_add_scalar(h.eps)?;
         let _ = p.f_addcdiv_(&(&exp_avg * -step_size), &denom)?;
         Ok(())
     })
@@ -295,6 +322,9 @@ macro_rules! adam_optimizer {
             }
             fn set_momentum(&mut self, group: usize, momentum: f64) {
                 self.0.groups[group].hyper.beta1 = momentum;
+            }
+            fn set_weight_decay(&mut self, group: usize, weight_decay: f64) {
+                self.0.groups[group].hyper.weight_decay = weight_decay;
             }
             fn state(&self) -> Result<OptimizerState> {
                 Ok(self.0.state())

@@ -108,6 +108,9 @@ pub trait Optimizer: Send {
     fn momentum(&self, group: usize) -> Option<f64>;
     /// Sets that momentum.
     fn set_momentum(&mut self, group: usize, momentum: f64);
+    /// Sets the weight decay of group `group` (SGD's and Adam's L2 penalty, AdamW's
+    /// decoupled decay).
+    fn set_weight_decay(&mut self, group: usize, weight_decay: f64);
     /// Exports the state (a copy; the optimizer keeps going).
     fn state(&self) -> Result<OptimizerState>;
     /// Restores a state from [`Optimizer::state`] of an optimizer over the same parameters.
@@ -121,6 +124,19 @@ pub trait Optimizer: Send {
             self.name()
         )))
     }
+    /// This optimizer prepared by `accelerator` over the model in `vs` (which is prepared
+    /// first, once): [`crate::Accelerator::prepare_optimizer_for`] as a method, which is what
+    /// `#[accelerate]` makes of `AdamW::new(..)`.
+    fn into_prepared(
+        self,
+        accelerator: &crate::Accelerator,
+        vs: &tch::nn::VarStore,
+    ) -> Result<crate::AcceleratedOptimizer>
+    where
+        Self: Sized + 'static,
+    {
+        accelerator.prepare_optimizer_for(vs, self)
+    }
     /// Puts `replace(p)` in place of every parameter `p` (before the first step): how
     /// zero2/zero3 make the optimizer step each process's parameter shards.
     fn replace_params(&mut self, replace: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<()> {
@@ -129,6 +145,40 @@ pub trait Optimizer: Send {
             "{} cannot step parameter shards (zero2/zero3/fsdp); use accel's Sgd, Adam or AdamW",
             self.name()
         )))
+    }
+}
+
+thread_local! {
+    /// Set while an [`crate::AcceleratedOptimizer`] steps its optimizer on this thread.
+    static PREPARED_STEP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `step` as the step of a prepared optimizer (see [`guard_unprepared_step`]).
+pub(crate) fn prepared_step<T>(step: impl FnOnce() -> T) -> T {
+    let outer = PREPARED_STEP.with(|p| p.replace(true));
+    let out = step();
+    PREPARED_STEP.with(|p| p.set(outer));
+    out
+}
+
+/// The safety net under forgetting `prepare_optimizer`: with several processes, an
+/// optimizer of ours stepped directly (not through the accelerator) would apply this
+/// process's gradients alone, skip accumulation and loss scaling, and let the replicas
+/// drift apart without a word. That is an error instead.
+pub(crate) fn guard_unprepared_step(name: &str) -> Result<()> {
+    if PREPARED_STEP.with(std::cell::Cell::get) {
+        return Ok(());
+    }
+    match crate::current() {
+        Some(acc) if acc.num_processes() > 1 => Err(Error::Training(format!(
+            "{name}.step() was called directly on rank {} of {}: this optimizer was not prepared \
+             by the accelerator, so its step would ignore accumulation and loss scaling, and \
+             under zero1/zero2/zero3 the shards. Wrap it with \
+             `accelerator.prepare_optimizer(optimizer)` (after `prepare_model`) and step that",
+            acc.process_index(),
+            acc.num_processes()
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -195,6 +245,19 @@ pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> Result<f64> {
         Ok(())
     })?;
     Ok(total.f_double_value(&[])?)
+}
+
+/// Clamps every gradient element to `[-max, max]`, as `torch.nn.utils.clip_grad_value_`.
+pub fn clip_grad_value(params: &[Tensor], max: f64) -> Result<()> {
+    tch::no_grad(|| -> Result<()> {
+        for p in params {
+            let mut grad = p.grad();
+            if grad.defined() {
+                let _ = grad.f_clamp_(-max, max)?;
+            }
+        }
+        Ok(())
+    })
 }
 
 /// [`clip_grad_norm`] over gradients sharded across `group`: the norm is of all ranks'
@@ -295,6 +358,12 @@ impl TchOptimizer {
     pub fn new(optimizer: tch::nn::Optimizer, lr: f64) -> Self {
         Self { inner: optimizer, lrs: vec![lr], momenta: vec![None] }
     }
+
+    /// Wraps `optimizer` built elsewhere with a learning rate nobody told us: [`Optimizer::lr`]
+    /// reports NaN until [`Optimizer::set_lr`] sets one (schedules refuse to start from it).
+    pub fn adopted(optimizer: tch::nn::Optimizer) -> Self {
+        Self::new(optimizer, f64::NAN)
+    }
 }
 
 impl Optimizer for TchOptimizer {
@@ -328,6 +397,9 @@ impl Optimizer for TchOptimizer {
     fn set_momentum(&mut self, group: usize, momentum: f64) {
         self.inner.set_momentum_group(group, momentum);
         self.momenta[group] = Some(momentum);
+    }
+    fn set_weight_decay(&mut self, group: usize, weight_decay: f64) {
+        self.inner.set_weight_decay_group(group, weight_decay);
     }
     fn state(&self) -> Result<OptimizerState> {
         Err(Error::Unsupported(

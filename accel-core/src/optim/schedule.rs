@@ -163,6 +163,13 @@ impl LrScheduler {
             }
             _ => (0..optimizer.num_groups()).map(|g| optimizer.lr(g)).collect(),
         };
+        if base_lrs.iter().any(|lr: &f64| lr.is_nan()) {
+            return Err(Error::Config(format!(
+                "a schedule starts from the optimizer's learning rate, and {}'s is unknown (it \
+                 was built outside accel): call set_lr first",
+                optimizer.name()
+            )));
+        }
         if let Schedule::OneCycle { cycle_momentum: true, max_momentum, .. } = schedule {
             for g in 0..optimizer.num_groups() {
                 if optimizer.momentum(g).is_none() {

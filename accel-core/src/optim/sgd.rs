@@ -86,6 +86,7 @@ impl Optimizer for Sgd {
     }
 
     fn step(&mut self) -> Result<()> {
+        super::guard_unprepared_step("SGD")?;
         let mut index = 0;
         tch::no_grad(|| -> Result<()> {
             for group in &self.groups {
@@ -146,6 +147,9 @@ impl Optimizer for Sgd {
     }
     fn set_momentum(&mut self, group: usize, momentum: f64) {
         self.groups[group].hyper.momentum = momentum;
+    }
+    fn set_weight_decay(&mut self, group: usize, weight_decay: f64) {
+        self.groups[group].hyper.weight_decay = weight_decay;
     }
 
     fn state(&self) -> Result<OptimizerState> {

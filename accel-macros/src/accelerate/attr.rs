@@ -42,7 +42,8 @@ pub(crate) struct RawArgs {
     pub offload: Option<Spanned<bool>>,
     pub config: Option<Spanned<String>>,
     pub name: Option<syn::Ident>,
-    pub model: Option<syn::Ident>,
+    /// The model's VarStore: a variable or a field (`vs`, `self.vs`).
+    pub model: Option<Expr>,
     pub krate: Option<syn::Path>,
 }
 
@@ -111,6 +112,24 @@ fn expect_ident(expr: &Expr, key: &str) -> syn::Result<syn::Ident> {
     }
 }
 
+fn expect_place(expr: &Expr, key: &str) -> syn::Result<Expr> {
+    let place = match expr {
+        Expr::Lit(ExprLit { lit: Lit::Str(s), .. }) => s.parse::<Expr>()?,
+        other => other.clone(),
+    };
+    if super::body::place_key(&place).is_some() {
+        Ok(place)
+    } else {
+        Err(syn::Error::new_spanned(
+            expr,
+            format!(
+                "`{key}` takes the model's VarStore as a variable or a field, e.g. `{key} = vs` or \
+                 `{key} = self.vs`"
+            ),
+        ))
+    }
+}
+
 /// Parses `key = value, ...`, collecting every error rather than stopping at the first.
 pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
     let mut raw = RawArgs::default();
@@ -167,7 +186,7 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
                 "offload" => raw.offload = Some(expect_bool(v, &key)?),
                 "config" => raw.config = Some(expect_str(v, &key, "\"accel.yaml\"")?),
                 "name" => raw.name = Some(expect_ident(v, &key)?),
-                "model" => raw.model = Some(expect_ident(v, &key)?),
+                "model" => raw.model = Some(expect_place(v, &key)?),
                 "crate" => {
                     raw.krate = Some(match v {
                         Expr::Path(p) => p.path.clone(),

@@ -1,13 +1,17 @@
-//! Generating the rewritten function. Knows nothing of parsing: it gets checked arguments
-//! and a parsed function and applies the rules of DESIGN.md, "The attribute".
+//! Generating the rewritten function. Knows nothing of parsing: it gets checked arguments,
+//! the body's optimizers (body.rs) and a parsed function, and applies the rules of
+//! DESIGN.md, "The attribute".
+
+use std::collections::HashMap;
 
 use proc_macro2::{Span, TokenStream};
 use quote::{ToTokens, quote, quote_spanned};
 use syn::visit::Visit;
 use syn::visit_mut::VisitMut;
-use syn::{Block, Expr, ExprMethodCall, ItemFn, Pat, Stmt, parse_quote};
+use syn::{Block, Expr, ExprMethodCall, ItemFn, Stmt, parse_quote};
 
 use super::attr::RawArgs;
+use super::body::{self, FALLIBLE, INFALLIBLE, Init, Optimizers, Source, span_of};
 use super::check::Returns;
 
 /// Names the rewrite needs.
@@ -16,8 +20,8 @@ pub(crate) struct Context {
     pub krate: syn::Path,
     /// The binding through which the body reaches the accelerator.
     pub name: syn::Ident,
-    /// The model's VarStore, when known.
-    pub model: Option<syn::Ident>,
+    /// The model's VarStore as the `model` key names it (a variable or a field).
+    pub model: Option<Expr>,
 }
 
 /// The builder chain the arguments ask for.
@@ -70,287 +74,233 @@ pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path) -> TokenStream {
     quote!(#krate::Accelerator::builder() #calls .build())
 }
 
-fn last_segments(path: &syn::Path, n: usize) -> Vec<String> {
-    let segs: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
-    segs[segs.len().saturating_sub(n)..].to_vec()
-}
-
 fn is_call_to(expr: &Expr, tail: &[&str]) -> bool {
-    match expr {
-        Expr::Call(call) => match &*call.func {
-            Expr::Path(p) => last_segments(&p.path, tail.len()) == tail,
-            _ => false,
-        },
-        _ => false,
-    }
+    let Expr::Call(call) = expr else { return false };
+    let Expr::Path(p) = &*call.func else { return false };
+    let segs: Vec<String> = p.path.segments.iter().map(|s| s.ident.to_string()).collect();
+    segs.len() >= tail.len() && segs[segs.len() - tail.len()..] == *tail
 }
 
-/// Names of tch optimizer configurations, to recognise `config.build(&vs, lr)`.
-const OPTIMIZER_CONFIGS: &[&str] =
-    &["Sgd", "Adam", "AdamW", "RmsProp", "sgd", "adam", "adamw", "rms_prop"];
-
-fn mentions_optimizer_config(expr: &Expr) -> bool {
-    struct Finder(bool);
-    impl<'a> Visit<'a> for Finder {
-        fn visit_path(&mut self, p: &'a syn::Path) {
-            if p.segments.iter().any(|s| OPTIMIZER_CONFIGS.contains(&s.ident.to_string().as_str()))
-            {
-                self.0 = true;
-            }
-            syn::visit::visit_path(self, p);
-        }
-    }
-    let mut f = Finder(false);
-    f.visit_expr(expr);
+/// Whether `node` runs a backward pass (closures not counted: they may never run).
+fn has_backward(visit: impl FnOnce(&mut BackwardFinder)) -> bool {
+    let mut f = BackwardFinder(false);
+    visit(&mut f);
     f.0
 }
 
-fn ident_of_ref(expr: &Expr) -> Option<syn::Ident> {
-    let Expr::Reference(r) = expr else { return None };
-    let Expr::Path(p) = &*r.expr else { return None };
-    p.path.get_ident().cloned()
-}
+struct BackwardFinder(bool);
 
-/// VarStores created in the body (`let vs = ...VarStore::new(..)`) and taken as parameters.
-pub(crate) fn find_varstores(f: &ItemFn) -> Vec<syn::Ident> {
-    struct Finder(Vec<syn::Ident>);
-    impl<'a> Visit<'a> for Finder {
-        fn visit_local(&mut self, local: &'a syn::Local) {
-            if let (Pat::Ident(p), Some(init)) = (&local.pat, &local.init) {
-                let mut calls = CallFinder(false);
-                calls.visit_expr(&init.expr);
-                if calls.0 {
-                    self.0.push(p.ident.clone());
-                }
-            }
-            syn::visit::visit_local(self, local);
-        }
-    }
-    struct CallFinder(bool);
-    impl<'a> Visit<'a> for CallFinder {
-        fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
-            if is_call_to(&Expr::Call(c.clone()), &["VarStore", "new"]) {
-                self.0 = true;
-            }
-            syn::visit::visit_expr_call(self, c);
-        }
-    }
-    let mut found = Vec::new();
-    for input in &f.sig.inputs {
-        if let syn::FnArg::Typed(t) = input {
-            let mut ty = &*t.ty;
-            while let syn::Type::Reference(r) = ty {
-                ty = &r.elem;
-            }
-            if let (syn::Type::Path(p), Pat::Ident(id)) = (ty, &*t.pat) {
-                if p.path.segments.last().is_some_and(|s| s.ident == "VarStore") {
-                    found.push(id.ident.clone());
-                }
-            }
-        }
-    }
-    let mut finder = Finder(Vec::new());
-    finder.visit_block(&f.block);
-    found.extend(finder.0);
-    found
-}
-
-/// Whether `expr`/`block` contains a backward call (not counting closures).
-struct BackwardFinder<'c> {
-    found: bool,
-    optimizers: &'c [syn::Ident],
-}
-
-impl<'a> Visit<'a> for BackwardFinder<'_> {
+impl<'a> Visit<'a> for BackwardFinder {
     fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
-        let method = m.method.to_string();
-        if (method == "backward" && m.args.is_empty())
-            || (method.starts_with("backward_step") && receiver_is(&m.receiver, self.optimizers))
-        {
-            self.found = true;
-        }
+        self.0 |= body::is_backward(m);
         syn::visit::visit_expr_method_call(self, m);
     }
     fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
 }
 
-fn receiver_is(expr: &Expr, names: &[syn::Ident]) -> bool {
-    matches!(expr, Expr::Path(p) if p.path.get_ident().is_some_and(|i| names.contains(i)))
+fn block_has_backward(block: &Block) -> bool {
+    has_backward(|f| f.visit_block(block))
 }
 
-fn has_backward(block: &Block, optimizers: &[syn::Ident]) -> bool {
-    let mut f = BackwardFinder { found: false, optimizers };
-    f.visit_block(block);
-    f.found
+fn stmt_has_backward(stmt: &Stmt) -> bool {
+    has_backward(|f| f.visit_stmt(stmt))
 }
 
-fn stmt_has_backward(stmt: &Stmt, optimizers: &[syn::Ident]) -> bool {
-    let mut f = BackwardFinder { found: false, optimizers };
-    f.visit_stmt(stmt);
-    f.found
-}
-
-/// Optimizer bindings: `let [mut] opt = <expr with an optimizer build>`.
-pub(crate) fn find_optimizers(f: &ItemFn, model: &Option<syn::Ident>) -> Vec<syn::Ident> {
-    struct Finder<'m> {
-        found: Vec<syn::Ident>,
-        model: &'m Option<syn::Ident>,
-    }
-    impl<'a> Visit<'a> for Finder<'_> {
-        fn visit_local(&mut self, local: &'a syn::Local) {
-            if let (Pat::Ident(p), Some(init)) = (&local.pat, &local.init) {
-                let mut b = BuildFinder { found: false, model: self.model };
-                b.visit_expr(&init.expr);
-                if b.found {
-                    self.found.push(p.ident.clone());
-                }
-            }
-            syn::visit::visit_local(self, local);
+/// Whether a loop (for, while, loop) inside `body` runs backward.
+fn contains_training_loop(body: &Block) -> bool {
+    struct Finder(bool);
+    impl<'a> Visit<'a> for Finder {
+        fn visit_expr_for_loop(&mut self, l: &'a syn::ExprForLoop) {
+            self.0 |= block_has_backward(&l.body);
         }
-    }
-    let mut finder = Finder { found: Vec::new(), model };
-    finder.visit_block(&f.block);
-    finder.found
-}
-
-struct BuildFinder<'m> {
-    found: bool,
-    model: &'m Option<syn::Ident>,
-}
-
-impl<'a> Visit<'a> for BuildFinder<'_> {
-    fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
-        if is_optimizer_build(m, self.model) {
-            self.found = true;
+        fn visit_expr_while(&mut self, w: &'a syn::ExprWhile) {
+            self.0 |= block_has_backward(&w.body);
         }
-        syn::visit::visit_expr_method_call(self, m);
-    }
-    fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
-        if is_accel_optimizer_new(&Expr::Call(c.clone())) {
-            self.found = true;
+        fn visit_expr_loop(&mut self, l: &'a syn::ExprLoop) {
+            self.0 |= block_has_backward(&l.body);
         }
-        syn::visit::visit_expr_call(self, c);
+        fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
     }
+    let mut f = Finder(false);
+    f.visit_block(body);
+    f.0
 }
 
-/// VarStores that an optimizer configuration is built over (`config.build(&vs, lr)`).
-pub(crate) fn optimizer_varstores(f: &ItemFn) -> Vec<syn::Ident> {
-    struct Finder(Vec<syn::Ident>);
+/// The iterator a loop takes its data from: `while let .. = it.next()`, or the first
+/// `it.next()` in its body (`let Some(b) = it.next() else { break };`).
+fn next_receiver(cond: Option<&Expr>, body: &Block) -> Option<syn::Ident> {
+    struct Finder(Option<syn::Ident>);
     impl<'a> Visit<'a> for Finder {
         fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
-            if m.method == "build" && m.args.len() == 2 && mentions_optimizer_config(&m.receiver) {
-                self.0.extend(ident_of_ref(&m.args[0]));
+            if self.0.is_none() && m.method == "next" && m.args.is_empty() {
+                if let Expr::Path(p) = &*m.receiver {
+                    self.0 = p.path.get_ident().cloned();
+                }
             }
             syn::visit::visit_expr_method_call(self, m);
         }
+        fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
     }
-    let mut finder = Finder(Vec::new());
-    finder.visit_block(&f.block);
-    finder.0
+    let mut f = Finder(None);
+    if let Some(cond) = cond {
+        f.visit_expr(cond);
+    }
+    if f.0.is_none() {
+        if let Some(first) = body.stmts.first() {
+            f.visit_stmt(first);
+        }
+    }
+    f.0
 }
 
-fn is_optimizer_build(m: &ExprMethodCall, model: &Option<syn::Ident>) -> bool {
-    if m.method != "build" || m.args.len() != 2 {
-        return false;
-    }
-    match (ident_of_ref(&m.args[0]), model) {
-        (Some(vs), Some(model)) if vs == *model => true,
-        (Some(_), _) => mentions_optimizer_config(&m.receiver),
-        _ => false,
-    }
+/// Replaces `it.next()` by `with.next()` in `node`.
+struct RenameNext<'a> {
+    from: &'a syn::Ident,
+    to: &'a syn::Ident,
 }
 
-fn is_accel_optimizer_new(expr: &Expr) -> bool {
-    ["Sgd", "Adam", "AdamW"].iter().any(|o| is_call_to(expr, &[o, "new"]))
+impl VisitMut for RenameNext<'_> {
+    fn visit_expr_method_call_mut(&mut self, m: &mut ExprMethodCall) {
+        syn::visit_mut::visit_expr_method_call_mut(self, m);
+        if m.method == "next" && m.args.is_empty() {
+            if let Expr::Path(p) = &mut *m.receiver {
+                if p.path.is_ident(self.from) {
+                    let to = self.to;
+                    *m.receiver = parse_quote!(#to);
+                }
+            }
+        }
+    }
 }
 
 /// The rewrite of the body.
 struct Rewriter<'c> {
     cx: &'c Context,
-    optimizers: Vec<syn::Ident>,
+    optimizers: &'c Optimizers,
+    varstores: &'c [syn::Ident],
     unit: bool,
     errors: Vec<syn::Error>,
     in_closure: usize,
     rewrote_build: bool,
+    /// `let`s of each optimizer seen so far (to find the one an `Unseen` source names).
+    lets_seen: HashMap<String, usize>,
 }
 
 impl Rewriter<'_> {
-    /// Wraps the iterable of the innermost loops that contain a backward call, and puts their
-    /// forward part under autocast.
+    /// Wraps the data of the innermost loops that run backward, and puts their forward part
+    /// under autocast.
     fn rewrite_loops(&mut self, block: &mut Block) {
-        let n = block.stmts.len();
-        for i in 0..n {
+        let mut i = 0;
+        while i < block.stmts.len() {
             let (before, rest) = block.stmts.split_at_mut(i);
             let stmt = &mut rest[0];
-            let Stmt::Expr(expr, _) = stmt else {
-                if let Stmt::Local(local) = stmt {
+            let replacement = match stmt {
+                Stmt::Local(local) => {
                     if let Some(init) = &mut local.init {
                         self.rewrite_loops_in_expr(&mut init.expr);
                     }
+                    None
                 }
-                continue;
+                Stmt::Expr(expr, _) => self.rewrite_loop(expr, before),
+                _ => None,
             };
-            match expr {
-                Expr::ForLoop(l) if has_backward(&l.body, &self.optimizers) => {
-                    if self.contains_inner_loop_with_backward(&l.body) {
-                        self.rewrite_loops(&mut l.body);
-                    } else {
-                        let name = &self.cx.name;
-                        let iterable = &l.expr;
-                        *l.expr = parse_quote!(#name.prepare_iter(#iterable));
-                        self.add_autocast(&mut l.body);
-                    }
+            if let Some(wrapped) = replacement {
+                block.stmts[i] = wrapped;
+            }
+            i += 1;
+        }
+    }
+
+    /// A statement that is a loop; returns a replacement when the loop had to be wrapped.
+    fn rewrite_loop(&mut self, expr: &mut Expr, before: &mut [Stmt]) -> Option<Stmt> {
+        match expr {
+            Expr::ForLoop(l) if block_has_backward(&l.body) => {
+                if contains_training_loop(&l.body) {
+                    self.rewrite_loops(&mut l.body);
+                    return None;
                 }
-                Expr::While(w) if has_backward(&w.body, &self.optimizers) => {
-                    if self.contains_inner_loop_with_backward(&w.body) {
-                        self.rewrite_loops(&mut w.body);
-                        continue;
+                let name = &self.cx.name;
+                // `enumerate` counts this process's batches, as Python's `enumerate` over a
+                // prepared data loader does, so it stays outside.
+                match &mut *l.expr {
+                    Expr::MethodCall(m) if m.method == "enumerate" && m.args.is_empty() => {
+                        let data = &m.receiver;
+                        *m.receiver = parse_quote!(#name.prepare_iter(#data));
                     }
-                    // `while let Some(x) = it.next()`: wrap where `it` is made.
-                    let iterator = match &*w.cond {
-                        Expr::Let(l) => match &*l.expr {
-                            Expr::MethodCall(m) if m.method == "next" && m.args.is_empty() => {
-                                match &*m.receiver {
-                                    Expr::Path(p) => p.path.get_ident().cloned(),
-                                    _ => None,
-                                }
-                            }
-                            _ => None,
-                        },
-                        _ => None,
-                    };
-                    let made = iterator.as_ref().and_then(|it| {
-                        before.iter_mut().rev().find_map(|s| match s {
-                            Stmt::Local(local) => match (&local.pat, &mut local.init) {
-                                (Pat::Ident(p), Some(init)) if p.ident == *it => Some(init),
-                                _ => None,
-                            },
-                            _ => None,
-                        })
-                    });
-                    match made {
-                        Some(init) => {
-                            let name = &self.cx.name;
-                            let e = &init.expr;
-                            *init.expr = parse_quote!(#name.prepare_iter(#e));
-                            self.add_autocast(&mut w.body);
-                        }
-                        None => self.errors.push(syn::Error::new_spanned(
-                            &w.cond,
-                            "#[accelerate] wraps the data of the loop that calls `.backward()`, but \
-                             cannot see where this loop's iterator is made; write `for batch in data \
-                             { .. }`, or `let mut it = data.into_iter();` right before a `while let \
-                             Some(batch) = it.next()` loop",
-                        )),
-                    }
+                    data => *data = parse_quote!(#name.prepare_iter(#data)),
                 }
-                Expr::Loop(l) if has_backward(&l.body, &self.optimizers) => {
-                    self.rewrite_loops(&mut l.body)
+                self.add_autocast(&mut l.body);
+                None
+            }
+            Expr::While(w) if block_has_backward(&w.body) => {
+                if contains_training_loop(&w.body) {
+                    self.rewrite_loops(&mut w.body);
+                    return None;
                 }
-                Expr::Block(b) => self.rewrite_loops(&mut b.block),
-                other => self.rewrite_loops_in_expr(other),
+                let iterator = next_receiver(Some(&w.cond), &w.body);
+                let span = span_of(&w.cond);
+                self.add_autocast(&mut w.body);
+                self.prepare_iterator(iterator, before, expr, span)
+            }
+            Expr::Loop(l) if block_has_backward(&l.body) => {
+                if contains_training_loop(&l.body) {
+                    self.rewrite_loops(&mut l.body);
+                    return None;
+                }
+                let iterator = next_receiver(None, &l.body);
+                let span = span_of(&l.loop_token);
+                self.add_autocast(&mut l.body);
+                self.prepare_iterator(iterator, before, expr, span)
+            }
+            other => {
+                self.rewrite_loops_in_expr(other);
+                None
             }
         }
+    }
+
+    /// Prepares the iterator `it` of a `while`/`loop` that calls `it.next()`: where it is
+    /// made, when that is a `let` just before; else by borrowing it for the loop.
+    fn prepare_iterator(
+        &mut self,
+        iterator: Option<syn::Ident>,
+        before: &mut [Stmt],
+        the_loop: &mut Expr,
+        span: Span,
+    ) -> Option<Stmt> {
+        let name = self.cx.name.clone();
+        let Some(it) = iterator else {
+            self.errors.push(syn::Error::new(
+                span,
+                "#[accelerate] prepares the data of the loop that calls `.backward()`, but cannot \
+                 see where this loop takes its batches from; write `for batch in data { .. }`, \
+                 `while let Some(batch) = it.next() { .. }`, or start the loop with \
+                 `let Some(batch) = it.next() else { break };`",
+            ));
+            return None;
+        };
+        let made = before.iter_mut().rev().find_map(|s| match s {
+            Stmt::Local(local) => match (body::simple_binding(&local.pat), &mut local.init) {
+                (Some(ident), Some(init)) if *ident == it => Some(init),
+                _ => None,
+            },
+            _ => None,
+        });
+        if let Some(init) = made {
+            let e = &init.expr;
+            *init.expr = parse_quote!(#name.prepare_iter(#e));
+            return None;
+        }
+        // Made elsewhere (an argument, say): the loop borrows it through a prepared view.
+        let prepared = syn::Ident::new(&format!("__accel_{it}"), it.span());
+        RenameNext { from: &it, to: &prepared }.visit_expr_mut(the_loop);
+        Some(Stmt::Expr(
+            parse_quote!({
+                let mut #prepared = #name.prepare_iter(#it.by_ref());
+                #the_loop
+            }),
+            None,
+        ))
     }
 
     fn rewrite_loops_in_expr(&mut self, expr: &mut Expr) {
@@ -366,68 +316,266 @@ impl Rewriter<'_> {
         }
     }
 
-    fn contains_inner_loop_with_backward(&self, body: &Block) -> bool {
-        struct Finder<'o> {
-            found: bool,
-            optimizers: &'o [syn::Ident],
-        }
-        impl<'a> Visit<'a> for Finder<'_> {
-            fn visit_expr_for_loop(&mut self, l: &'a syn::ExprForLoop) {
-                self.found |= has_backward(&l.body, self.optimizers);
-            }
-            fn visit_expr_while(&mut self, w: &'a syn::ExprWhile) {
-                self.found |= has_backward(&w.body, self.optimizers);
-            }
-            fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
-        }
-        let mut f = Finder { found: false, optimizers: &self.optimizers };
-        f.visit_block(body);
-        f.found
-    }
-
     /// The loop body's forward part runs under autocast: the guard is taken first and
-    /// dropped before the statement that runs backward.
+    /// dropped before the statement that runs backward. A loss computed inside that
+    /// statement (`net.forward(&x).mse_loss(..).backward();`) is computed first, under it.
     fn add_autocast(&self, body: &mut Block) {
         let name = &self.cx.name;
-        let position = body
-            .stmts
-            .iter()
-            .position(|s| stmt_has_backward(s, &self.optimizers))
-            .unwrap_or(body.stmts.len());
+        let position = body.stmts.iter().position(stmt_has_backward).unwrap_or(body.stmts.len());
+        if let Some(Stmt::Expr(Expr::MethodCall(m), Some(_))) = body.stmts.get_mut(position) {
+            if m.method == "backward" && m.args.is_empty() && !matches!(&*m.receiver, Expr::Path(_))
+            {
+                let loss = &m.receiver;
+                let hoisted: Stmt = parse_quote!(let __accel_loss = #loss;);
+                *m.receiver = parse_quote!(__accel_loss);
+                body.stmts.insert(position, hoisted);
+                body.stmts.insert(position + 1, parse_quote!(drop(__accel_autocast);));
+                body.stmts.insert(0, parse_quote!(let __accel_autocast = #name.autocast()?;));
+                return;
+            }
+        }
         body.stmts.insert(position, parse_quote!(drop(__accel_autocast);));
         body.stmts.insert(0, parse_quote!(let __accel_autocast = #name.autocast()?;));
     }
 
-    /// Whether an optimizer configuration's `.build(&vs, lr)` was rewritten.
-    fn built_optimizer(&self) -> bool {
-        self.rewrote_build
+    /// Before the first statement that runs backward (looking into plain blocks), the model
+    /// named by `model = ..` is prepared, so that driven optimizers step a prepared model.
+    fn prepare_model_before_training(&self, block: &mut Block) {
+        let (Some(model), name) = (&self.cx.model, &self.cx.name) else { return };
+        let Some(i) = block.stmts.iter().position(stmt_has_backward) else { return };
+        if let Stmt::Expr(Expr::Block(inner), _) = &mut block.stmts[i] {
+            return self.prepare_model_before_training(&mut inner.block);
+        }
+        block.stmts.insert(i, parse_quote!(#name.prepare_model_once(&#model)?;));
+    }
+
+    /// A model for accel's own `Sgd/Adam/AdamW::new(..)`: the `model` key, else the
+    /// VarStore its arguments name, else the function's only VarStore.
+    fn model_for(&mut self, call: &syn::ExprCall) -> Option<Expr> {
+        if let Some(model) = &self.cx.model {
+            return Some(model.clone());
+        }
+        if let Some(vs) = body::varstore_in_args(call) {
+            return Some(vs);
+        }
+        if let [only] = self.varstores {
+            return Some(parse_quote!(#only));
+        }
+        self.errors.push(syn::Error::new(
+            span_of(call),
+            "#[accelerate] cannot tell which model this optimizer trains: pass the parameters as \
+             `named_params(&vs)` (or `accelerator.params(&vs)`), or name the model's VarStore: \
+             #[accelerate(model = vs)]",
+        ));
+        None
+    }
+
+    /// The name to suggest in messages for the model's VarStore.
+    fn suggested_model(&self, field: bool) -> String {
+        match self.varstores {
+            [only] => only.to_string(),
+            _ if field => "self.vs".into(),
+            _ => "vs".into(),
+        }
+    }
+
+    /// An optimizer's `let`: replaced by the accelerator's, adopted, or left (and refused).
+    fn rewrite_optimizer_let(&mut self, key: &str, index: usize, init: &mut Expr) {
+        let name = self.cx.name.clone();
+        match self.optimizers.by_key.get(key).cloned() {
+            Some(Source::Made) => {
+                let target = peel_mut(init);
+                let replacement = match body::classify(target, &name) {
+                    Init::Build(m) => {
+                        let (config, vs, lr) = (&m.receiver, &m.args[0], &m.args[1]);
+                        self.rewrote_build = true;
+                        Some(quote!(#name.build_optimizer(#config, #vs, #lr)))
+                    }
+                    // A method of accel's `Optimizer` trait, so that the user's import of it
+                    // (which `opt.step()` needed) stays in use.
+                    Init::AccelNew(call) => self
+                        .model_for(call)
+                        .map(|model| quote!(#call?.into_prepared(&#name, &#model))),
+                    Init::Prepared | Init::Other => None,
+                };
+                if let Some(tokens) = replacement {
+                    let span = span_of(target);
+                    *target = parse_quote_spanned_expr(span, tokens);
+                }
+            }
+            Some(Source::Unseen { what, span, index: last }) if index == last => {
+                match &self.cx.model {
+                    Some(model) => {
+                        let e = &*init;
+                        *init = parse_quote_spanned_expr(
+                            span,
+                            quote!(#name.adopt_optimizer(&#model, #e)?),
+                        );
+                    }
+                    None => self.errors.push(syn::Error::new(
+                        span,
+                        format!(
+                            "`{key}` is stepped in the training loop, but it is made by {what}, \
+                             which #[accelerate] cannot see into: it cannot tell which model \
+                             that optimizer trains, so the model would not be prepared and each \
+                             process would train a copy of its own. Build the optimizer here \
+                             (e.g. `let mut {key} = nn::Adam::default().build(&vs, 1e-3)?;`), or \
+                             name the model's VarStore: #[accelerate(model = {})]",
+                            self.suggested_model(false)
+                        ),
+                    )),
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A method call on an optimizer, as the accelerator's; `question` adds the `?` that
+    /// fallible calls need (not when the user wrote one already: `opt.step()?`).
+    fn rewrite_optimizer_call(
+        &mut self,
+        m: &ExprMethodCall,
+        question: bool,
+    ) -> Option<TokenStream> {
+        let source = self.optimizers.source(&m.receiver)?;
+        let method = m.method.to_string();
+        let fallible = FALLIBLE.contains(&method.as_str());
+        if !fallible && !INFALLIBLE.contains(&method.as_str()) {
+            return None;
+        }
+        let name = &self.cx.name;
+        let receiver = place(&m.receiver);
+        let (method_ident, args) = (&m.method, &m.args);
+        let driven = match source {
+            Source::Made | Source::Unseen { .. } => None,
+            Source::Argument { by_ref: true, .. } => Some(quote!(&mut *#receiver)),
+            Source::Argument { by_ref: false, .. } | Source::Field { .. } => {
+                Some(quote!(&mut #receiver))
+            }
+            Source::Invisible { .. } => return None,
+        };
+        let question = (fallible && question).then(|| quote!(?));
+        Some(match driven {
+            None if question.is_some() => quote!(#receiver.#method_ident(#args)?),
+            None => return None,
+            Some(target) => quote!(#name.drive(#target).#method_ident(#args) #question),
+        })
+    }
+
+    /// Errors for optimizers that can be neither replaced nor driven.
+    fn refuse_unreachable_optimizers(&mut self) {
+        for (span, receiver) in &self.optimizers.not_places {
+            self.errors.push(syn::Error::new(
+                *span,
+                format!(
+                    "the optimizer is reached through `{receiver}`, which #[accelerate] cannot \
+                     follow; call it through a variable or a field (`opt.step()`, \
+                     `self.opt.step()`)"
+                ),
+            ));
+        }
+        for (key, source) in &self.optimizers.by_key {
+            let message = match source {
+                Source::Invisible { why, span } => Some((*span, why.clone())),
+                Source::Argument { span, .. } if self.cx.model.is_none() => Some((
+                    *span,
+                    format!(
+                        "`{key}` is stepped in the training loop, but it is passed in, so \
+                         #[accelerate] cannot see which model it trains: build the optimizer in \
+                         this function, or name the model's VarStore: #[accelerate(model = {})]",
+                        self.suggested_model(false)
+                    ),
+                )),
+                Source::Field { span } if self.cx.model.is_none() => Some((
+                    *span,
+                    format!(
+                        "`{key}` is stepped in the training loop, but it is kept in a field, so \
+                         #[accelerate] cannot see which model it trains: build the optimizer in \
+                         this function, or name the model's VarStore: #[accelerate(model = {})]",
+                        self.suggested_model(true)
+                    ),
+                )),
+                _ => None,
+            };
+            if let Some((span, message)) = message {
+                self.errors.push(syn::Error::new(span, message));
+            }
+        }
+    }
+}
+
+/// `receiver` as written, minus parentheses and derefs (`(*opt)` is `opt`).
+fn place(expr: &Expr) -> &Expr {
+    match expr {
+        Expr::Paren(p) => place(&p.expr),
+        Expr::Unary(u) if matches!(u.op, syn::UnOp::Deref(_)) => place(&u.expr),
+        other => other,
+    }
+}
+
+fn peel_mut(expr: &mut Expr) -> &mut Expr {
+    let peelable = match expr {
+        Expr::Try(_) | Expr::Paren(_) => true,
+        Expr::MethodCall(m) => {
+            (m.method == "unwrap" && m.args.is_empty())
+                || (m.method == "expect" && m.args.len() == 1)
+        }
+        _ => false,
+    };
+    if !peelable {
+        return expr;
+    }
+    match expr {
+        Expr::Try(t) => peel_mut(&mut t.expr),
+        Expr::Paren(p) => peel_mut(&mut p.expr),
+        Expr::MethodCall(m) => peel_mut(&mut m.receiver),
+        _ => unreachable!("checked above"),
     }
 }
 
 impl VisitMut for Rewriter<'_> {
+    fn visit_local_mut(&mut self, local: &mut syn::Local) {
+        // Counted before the initializer is visited, in the order body.rs saw them.
+        let optimizer = match (body::simple_binding(&local.pat), &local.init) {
+            (Some(ident), Some(_)) if self.in_closure == 0 => {
+                let key = ident.to_string();
+                self.optimizers.by_key.contains_key(&key).then(|| {
+                    let seen = self.lets_seen.entry(key.clone()).or_insert(0);
+                    *seen += 1;
+                    (key, *seen - 1)
+                })
+            }
+            _ => None,
+        };
+        syn::visit_mut::visit_local_mut(self, local);
+        if let (Some((key, index)), Some(init)) = (optimizer, &mut local.init) {
+            self.rewrite_optimizer_let(&key, index, &mut init.expr);
+        }
+    }
+
     fn visit_expr_mut(&mut self, expr: &mut Expr) {
+        // `opt.step()?` as written by users of accel's own optimizers keeps its one `?`.
+        if let Expr::Try(t) = expr {
+            if let Expr::MethodCall(m) = &mut *t.expr {
+                if self.optimizers.source(&m.receiver).is_some() {
+                    syn::visit_mut::visit_expr_method_call_mut(self, m);
+                    let span = span_of(&*m);
+                    if let Some(tokens) = self.rewrite_optimizer_call(m, false) {
+                        *t.expr = parse_quote_spanned_expr(span, tokens);
+                    }
+                    return;
+                }
+            }
+        }
         syn::visit_mut::visit_expr_mut(self, expr);
         let name = self.cx.name.clone();
-        let span = expr_span(expr);
+        let span = span_of(expr);
         // Hard-coded accelerator devices become the process's device.
         if is_call_to(expr, &["Device", "cuda_if_available"])
             || is_call_to(expr, &["Device", "Cuda"])
         {
             *expr = parse_quote_spanned_expr(span, quote!(#name.device()));
             return;
-        }
-        // Our optimizers built by hand over the model's variables.
-        if let Expr::Try(t) = &*expr {
-            if is_accel_optimizer_new(&t.expr) {
-                if let Some(model) = &self.cx.model {
-                    let inner = &t.expr;
-                    *expr = parse_quote_spanned_expr(
-                        span,
-                        quote!(#name.prepare_optimizer_for(&#model, #inner?)?),
-                    );
-                }
-                return;
-            }
         }
         let Expr::MethodCall(m) = &*expr else {
             if self.unit && self.in_closure == 0 {
@@ -439,33 +587,11 @@ impl VisitMut for Rewriter<'_> {
             }
             return;
         };
-        let method = m.method.to_string();
-        let receiver = &m.receiver;
-        let args: Vec<&Expr> = m.args.iter().collect();
-        let on_optimizer = receiver_is(receiver, &self.optimizers);
-        let replacement = match (method.as_str(), args.as_slice()) {
-            ("backward", []) => Some(quote!(#name.backward(&#receiver)?)),
-            ("build", [vs, lr]) if is_optimizer_build(m, &self.cx.model) => {
-                self.rewrote_build = true;
-                Some(quote!(#name.build_optimizer(#receiver, #vs, #lr)))
-            }
-            ("step" | "zero_grad", []) if on_optimizer => {
-                let method = &m.method;
-                Some(quote!(#receiver.#method()?))
-            }
-            ("backward_step", [loss]) if on_optimizer => {
-                Some(quote!({ #receiver.zero_grad()?; #name.backward(#loss)?; #receiver.step()? }))
-            }
-            ("backward_step_clip_norm", [loss, max]) if on_optimizer => Some(quote!({
-                #receiver.zero_grad()?;
-                #name.backward(#loss)?;
-                #receiver.clip_grad_norm(#max)?;
-                #receiver.step()?
-            })),
-            ("clip_grad_norm", [max]) if on_optimizer => {
-                Some(quote!(#receiver.clip_grad_norm(#max)?))
-            }
-            _ => None,
+        let replacement = if m.method == "backward" && m.args.is_empty() {
+            let receiver = &m.receiver;
+            Some(quote!(#name.backward(&#receiver)?))
+        } else {
+            self.rewrite_optimizer_call(m, true)
         };
         if let Some(tokens) = replacement {
             *expr = parse_quote_spanned_expr(span, tokens);
@@ -477,10 +603,6 @@ impl VisitMut for Rewriter<'_> {
         syn::visit_mut::visit_expr_closure_mut(self, c);
         self.in_closure -= 1;
     }
-}
-
-fn expr_span(expr: &Expr) -> Span {
-    expr.to_token_stream().into_iter().next().map_or_else(Span::call_site, |t| t.span())
 }
 
 fn parse_quote_spanned_expr(span: Span, tokens: TokenStream) -> Expr {
@@ -495,26 +617,37 @@ pub(crate) fn function(
     cx: Context,
     returns: Returns,
 ) -> syn::Result<TokenStream> {
-    let optimizers = find_optimizers(&f, &cx.model);
+    let optimizers = body::optimizers(&f, &cx.name);
+    let varstores = body::varstores(&f);
     let unit = matches!(returns, Returns::Unit);
     let mut rewriter = Rewriter {
         cx: &cx,
-        optimizers,
+        optimizers: &optimizers,
+        varstores: &varstores,
         unit,
         errors: Vec::new(),
         in_closure: 0,
         rewrote_build: false,
+        lets_seen: HashMap::new(),
     };
+    rewriter.refuse_unreachable_optimizers();
     let mut body = (*f.block).clone();
+    let driven = optimizers
+        .by_key
+        .values()
+        .any(|s| matches!(s, Source::Argument { .. } | Source::Field { .. }));
+    if driven {
+        rewriter.prepare_model_before_training(&mut body);
+    }
     rewriter.rewrite_loops(&mut body);
     rewriter.visit_block_mut(&mut body);
-    if let Some(mut first) = rewriter.errors.pop() {
-        for e in rewriter.errors {
+    if let Some(mut first) = rewriter.errors.first().cloned() {
+        for e in rewriter.errors.into_iter().skip(1) {
             first.combine(e);
         }
         return Err(first);
     }
-    if rewriter.built_optimizer() {
+    if rewriter.rewrote_build {
         // `config.build(..)` became the accelerator's; keep the user's import of tch's
         // OptimizerConfig (which that call needed) from turning into an unused import.
         body.stmts.insert(

@@ -1,11 +1,15 @@
-//! `#[accelerate(...)]`: parse (attr.rs) → check (check.rs) → expand (expand.rs).
+//! `#[accelerate(...)]`: parse (attr.rs) → check (check.rs, and lint.rs for collectives
+//! that only some processes would reach) → read the body (body.rs: which values are
+//! optimizers and where they are made) → expand (expand.rs).
 //!
 //! On any error the user's function is still emitted unchanged, followed by every error
 //! as `compile_error!`, so that editors keep working inside the body.
 
 mod attr;
+mod body;
 mod check;
 mod expand;
+mod lint;
 
 use proc_macro2::TokenStream;
 use quote::{ToTokens, quote};
@@ -41,29 +45,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         plain.into_token_stream()
     };
 
-    let varstores = expand::find_varstores(&function);
-    let model = match (&raw.model, varstores.as_slice()) {
-        (Some(m), _) => Some(m.clone()),
-        (None, [one]) => Some(one.clone()),
-        (None, []) => None,
-        (None, [first, second, ..]) => {
-            // The optimizer's VarStore is the likely model: suggest it.
-            let trained = expand::optimizer_varstores(&function)
-                .into_iter()
-                .find(|v| varstores.contains(v))
-                .unwrap_or_else(|| first.clone());
-            errors.push(syn::Error::new(
-                second.span(),
-                format!(
-                    "two VarStores (`{first}` and `{second}`): say which one holds the model being \
-                     trained, e.g. #[accelerate(model = {trained})]"
-                ),
-            ));
-            None
-        }
-    };
-    let optimizers = expand::find_optimizers(&function, &model);
-    if !has_any_backward(&function, &optimizers) {
+    if !has_any_backward(&function) {
         errors.push(syn::Error::new(
             check::name_span(&function),
             "#[accelerate] found no `loss.backward()` (or `opt.backward_step(&loss)`) in this \
@@ -72,6 +54,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
              gradients), so the training loop must be written in the function itself",
         ));
     }
+    errors.extend(lint::collectives_in_rank_branches(&function));
     if !errors.is_empty() {
         return with_errors(item, errors);
     }
@@ -82,7 +65,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
             .name
             .clone()
             .unwrap_or_else(|| syn::Ident::new("accelerator", proc_macro2::Span::call_site())),
-        model,
+        model: raw.model.clone(),
     };
     match expand::function(function, &raw, context, returns) {
         Ok(tokens) => tokens,
@@ -90,21 +73,15 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
     }
 }
 
-fn has_any_backward(f: &syn::ItemFn, optimizers: &[syn::Ident]) -> bool {
-    struct Finder<'o>(bool, &'o [syn::Ident]);
-    impl<'a> syn::visit::Visit<'a> for Finder<'_> {
+fn has_any_backward(f: &syn::ItemFn) -> bool {
+    struct Finder(bool);
+    impl<'a> syn::visit::Visit<'a> for Finder {
         fn visit_expr_method_call(&mut self, m: &'a syn::ExprMethodCall) {
-            let method = m.method.to_string();
-            let on_optimizer = matches!(&*m.receiver, syn::Expr::Path(p) if p.path.get_ident().is_some_and(|i| self.1.contains(i)));
-            if (method == "backward" && m.args.is_empty())
-                || (method.starts_with("backward_step") && on_optimizer)
-            {
-                self.0 = true;
-            }
+            self.0 |= body::is_backward(m);
             syn::visit::visit_expr_method_call(self, m);
         }
     }
-    let mut finder = Finder(false, optimizers);
+    let mut finder = Finder(false);
     syn::visit::Visit::visit_block(&mut finder, &f.block);
     finder.0
 }

@@ -27,25 +27,39 @@ fn annotated_files() -> Vec<PathBuf> {
     files
 }
 
-/// Expands every `#[accelerate(..)]` function of a file.
+/// The attribute's arguments if `attrs` holds `#[accelerate(..)]` (removed from `attrs`).
+fn take_attribute(attrs: &mut Vec<syn::Attribute>) -> Option<proc_macro2::TokenStream> {
+    let index = attrs
+        .iter()
+        .position(|a| a.path().segments.last().is_some_and(|s| s.ident == "accelerate"))?;
+    Some(match attrs.remove(index).meta {
+        syn::Meta::List(list) => list.tokens,
+        _ => proc_macro2::TokenStream::new(),
+    })
+}
+
+/// Expands every `#[accelerate(..)]` function of a file, methods included.
 fn expand_file(text: &str) -> String {
     let mut file: syn::File = syn::parse_str(text).expect("the file parses");
     for item in &mut file.items {
-        let syn::Item::Fn(f) = item else { continue };
-        let Some(index) = f
-            .attrs
-            .iter()
-            .position(|a| a.path().segments.last().is_some_and(|s| s.ident == "accelerate"))
-        else {
-            continue;
-        };
-        let attr = f.attrs.remove(index);
-        let args = match attr.meta {
-            syn::Meta::List(list) => list.tokens,
-            _ => proc_macro2::TokenStream::new(),
-        };
-        let expanded = super::expand(args, f.to_token_stream());
-        *item = syn::parse2(expanded).expect("the expansion parses as an item");
+        match item {
+            syn::Item::Fn(f) => {
+                if let Some(args) = take_attribute(&mut f.attrs) {
+                    let expanded = super::expand(args, f.to_token_stream());
+                    *item = syn::parse2(expanded).expect("the expansion parses as an item");
+                }
+            }
+            syn::Item::Impl(block) => {
+                for member in &mut block.items {
+                    let syn::ImplItem::Fn(method) = member else { continue };
+                    if let Some(args) = take_attribute(&mut method.attrs) {
+                        let expanded = super::expand(args, method.to_token_stream());
+                        *member = syn::parse2(expanded).expect("the expansion parses as a method");
+                    }
+                }
+            }
+            _ => {}
+        }
     }
     prettyplease::unparse(&file)
 }

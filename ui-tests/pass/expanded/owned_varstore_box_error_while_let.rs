@@ -1,19 +1,23 @@
-//! An owned VarStore, `Box<dyn Error>`, and a `while let` loop over an iterator.
+//! An owned VarStore, `Box<dyn Error>`, accumulation over 3 batches, and a `while let` loop
+//! over an iterator made just before it.
 #![deny(warnings)]
 use tch::nn::{self, Module, OptimizerConfig};
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Tensor};
+use crate::common::{Data, mlp, weights};
+#[allow(clippy::while_let_on_iterator)]
 fn train(
     vs: nn::VarStore,
-    data: Vec<Tensor>,
-) -> Result<f64, Box<dyn std::error::Error>> {
+    data: &Data,
+) -> Result<Vec<(String, Tensor)>, Box<dyn std::error::Error>> {
     let accelerator = ::accel_core::Accelerator::builder()
+        .strategy(::accel_core::Strategy::Ddp)
         .accumulate(3u32)
         .cpu(true)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
-    let __accel_result: Result<f64, Box<dyn std::error::Error>> = (|| {
+    let __accel_result: Result<Vec<(String, Tensor)>, Box<dyn std::error::Error>> = (|| {
         use OptimizerConfig as _;
-        let net = nn::linear(vs.root() / "lin", 2, 1, Default::default());
+        let net = mlp(&vs.root());
         let mut opt = accelerator
             .build_optimizer(
                 nn::Sgd {
@@ -21,31 +25,26 @@ fn train(
                     ..Default::default()
                 },
                 &vs,
-                0.01,
+                0.05,
             )?;
-        let mut batches = accelerator.prepare_iter(data.into_iter());
-        let mut last = 0.0;
-        while let Some(x) = batches.next() {
-            let __accel_autocast = accelerator.autocast()?;
-            let loss = net.forward(&x).square().mean(Kind::Float);
-            opt.zero_grad()?;
-            drop(__accel_autocast);
-            accelerator.backward(&loss)?;
-            opt.step()?;
-            last = loss.double_value(&[]);
+        for _ in 0..data.epochs {
+            let mut batches = accelerator.prepare_iter(data.batches().into_iter());
+            while let Some((x, y)) = batches.next() {
+                let __accel_autocast = accelerator.autocast()?;
+                let loss = net.forward(&x).cross_entropy_for_logits(&y);
+                opt.zero_grad()?;
+                drop(__accel_autocast);
+                accelerator.backward(&loss)?;
+                opt.step()?;
+            }
         }
-        Ok(last)
+        Ok(weights(&vs, ""))
     })();
     if __accel_result.is_ok() {
         __accel_exit.finish()?;
     }
     __accel_result
 }
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let vs = nn::VarStore::new(Device::Cpu);
-    let data = (0..4)
-        .map(|_| Tensor::ones([4, 2], (Kind::Float, Device::Cpu)))
-        .collect::<Vec<_>>();
-    assert!(train(vs, data) ?.is_finite());
-    Ok(())
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    train(nn::VarStore::new(Device::Cpu), data).map_err(|e| anyhow::anyhow!("{e}"))
 }

@@ -1,26 +1,28 @@
-//! A `&mut VarStore` and tch's own error type.
+//! A `&mut VarStore` given to `build` as it is, and tch's own error type: the shape the
+//! attribute once passed through unprepared.
 #![deny(warnings)]
 use tch::nn::{self, Module, OptimizerConfig};
-use tch::{Device, Kind, TchError, Tensor};
-fn train(vs: &mut nn::VarStore) -> Result<(), TchError> {
-    let accelerator = ::accel_core::Accelerator::builder().cpu(true).build()?;
+use tch::{Device, TchError, Tensor};
+use crate::common::{Data, mlp, weights};
+fn train(vs: &mut nn::VarStore, data: &Data) -> Result<(), TchError> {
+    let accelerator = ::accel_core::Accelerator::builder()
+        .strategy(::accel_core::Strategy::Ddp)
+        .cpu(true)
+        .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<(), TchError> = (|| {
-        let net = nn::linear(vs.root() / "lin", 2, 1, Default::default());
-        let mut opt = nn::Adam::default().build(vs, 1e-2)?;
-        for x in accelerator
-            .prepare_iter(
-                (0..2)
-                    .map(|_| Tensor::ones([4, 2], (Kind::Float, Device::Cpu)))
-                    .collect::<Vec<_>>(),
-            )
-        {
-            let __accel_autocast = accelerator.autocast()?;
-            let loss = net.forward(&x).sum(Kind::Float);
-            opt.zero_grad();
-            drop(__accel_autocast);
-            accelerator.backward(&loss)?;
-            opt.step();
+        use OptimizerConfig as _;
+        let net = mlp(&vs.root());
+        let mut opt = accelerator.build_optimizer(nn::Adam::default(), vs, 1e-2)?;
+        for _ in 0..data.epochs {
+            for (x, y) in accelerator.prepare_iter(data.batches()) {
+                let __accel_autocast = accelerator.autocast()?;
+                let loss = net.forward(&x).cross_entropy_for_logits(&y);
+                opt.zero_grad()?;
+                drop(__accel_autocast);
+                accelerator.backward(&loss)?;
+                opt.step()?;
+            }
         }
         Ok(())
     })();
@@ -29,7 +31,8 @@ fn train(vs: &mut nn::VarStore) -> Result<(), TchError> {
     }
     __accel_result
 }
-fn main() {
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let mut vs = nn::VarStore::new(Device::Cpu);
-    train(&mut vs).unwrap();
+    train(&mut vs, data)?;
+    Ok(weights(&vs, ""))
 }

@@ -1,0 +1,360 @@
+//! Optimizers the accelerator drives without owning them: one kept in a struct field or
+//! passed in by reference, which `#[accelerate(model = ...)]` cannot replace where it is
+//! made. Each call (`accelerator.drive(&mut self.opt).step()`) follows the accelerator's
+//! rules (sync steps, fp16 unscaling and skipped steps, clipping), as a prepared optimizer's
+//! would.
+
+use tch::Tensor;
+
+use super::{AcceleratedOptimizer, Accelerator};
+use crate::error::{Error, Result};
+use crate::optim::{Optimizer, clip_grad_norm, clip_grad_value};
+
+/// What [`Accelerator::drive`] needs of an optimizer it does not own: tch's
+/// `nn::Optimizer`, any of accel's [`Optimizer`]s, or an [`AcceleratedOptimizer`] (whose own
+/// methods are used as they are).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an optimizer the accelerator can drive",
+    note = "the optimizers are tch's nn::Optimizer, any accel_core::optim::Optimizer and an \
+            AcceleratedOptimizer"
+)]
+pub trait DriveOptimizer {
+    /// `Some` for an optimizer the accelerator already prepared (it keeps its own rules).
+    fn prepared(&mut self) -> Option<&mut AcceleratedOptimizer> {
+        None
+    }
+    /// A short name for messages.
+    fn name(&self) -> &'static str;
+    /// The parameters, whole.
+    fn params(&self) -> Vec<Tensor>;
+    /// The optimizer's own step.
+    fn raw_step(&mut self) -> Result<()>;
+    /// The optimizer's own `zero_grad`.
+    fn raw_zero_grad(&mut self) -> Result<()>;
+    /// Number of parameter groups (for setting every group).
+    fn groups(&self) -> usize;
+    /// Sets every group's learning rate.
+    fn set_lr_all(&mut self, lr: f64) {
+        for g in 0..self.groups() {
+            self.set_lr_group(g, lr);
+        }
+    }
+    /// Sets every group's momentum.
+    fn set_momentum_all(&mut self, momentum: f64) {
+        for g in 0..self.groups() {
+            self.set_momentum_group(g, momentum);
+        }
+    }
+    /// Sets every group's weight decay.
+    fn set_weight_decay_all(&mut self, weight_decay: f64) {
+        for g in 0..self.groups() {
+            self.set_weight_decay_group(g, weight_decay);
+        }
+    }
+    /// Sets a group's learning rate.
+    fn set_lr_group(&mut self, group: usize, lr: f64);
+    /// Sets a group's momentum.
+    fn set_momentum_group(&mut self, group: usize, momentum: f64);
+    /// Sets a group's weight decay.
+    fn set_weight_decay_group(&mut self, group: usize, weight_decay: f64);
+}
+
+impl DriveOptimizer for tch::nn::Optimizer {
+    fn name(&self) -> &'static str {
+        "tch::nn::Optimizer"
+    }
+    fn params(&self) -> Vec<Tensor> {
+        self.trainable_variables()
+    }
+    fn raw_step(&mut self) -> Result<()> {
+        self.step();
+        Ok(())
+    }
+    fn raw_zero_grad(&mut self) -> Result<()> {
+        self.zero_grad();
+        Ok(())
+    }
+    // tch does not say how many groups it has; its own setters reach all of them.
+    fn groups(&self) -> usize {
+        1
+    }
+    fn set_lr_all(&mut self, lr: f64) {
+        tch::nn::Optimizer::set_lr(self, lr)
+    }
+    fn set_momentum_all(&mut self, momentum: f64) {
+        tch::nn::Optimizer::set_momentum(self, momentum)
+    }
+    fn set_weight_decay_all(&mut self, weight_decay: f64) {
+        tch::nn::Optimizer::set_weight_decay(self, weight_decay)
+    }
+    fn set_lr_group(&mut self, group: usize, lr: f64) {
+        tch::nn::Optimizer::set_lr_group(self, group, lr)
+    }
+    fn set_momentum_group(&mut self, group: usize, momentum: f64) {
+        tch::nn::Optimizer::set_momentum_group(self, group, momentum)
+    }
+    fn set_weight_decay_group(&mut self, group: usize, weight_decay: f64) {
+        tch::nn::Optimizer::set_weight_decay_group(self, group, weight_decay)
+    }
+}
+
+impl<O: Optimizer> DriveOptimizer for O {
+    fn name(&self) -> &'static str {
+        Optimizer::name(self)
+    }
+    fn params(&self) -> Vec<Tensor> {
+        Optimizer::params(self)
+    }
+    fn raw_step(&mut self) -> Result<()> {
+        crate::optim::prepared_step(|| Optimizer::step(self))
+    }
+    fn raw_zero_grad(&mut self) -> Result<()> {
+        Optimizer::zero_grad(self)
+    }
+    fn groups(&self) -> usize {
+        self.num_groups()
+    }
+    fn set_lr_group(&mut self, group: usize, lr: f64) {
+        self.set_lr(group, lr)
+    }
+    fn set_momentum_group(&mut self, group: usize, momentum: f64) {
+        self.set_momentum(group, momentum)
+    }
+    fn set_weight_decay_group(&mut self, group: usize, weight_decay: f64) {
+        self.set_weight_decay(group, weight_decay)
+    }
+}
+
+impl DriveOptimizer for AcceleratedOptimizer {
+    fn prepared(&mut self) -> Option<&mut AcceleratedOptimizer> {
+        Some(self)
+    }
+    fn name(&self) -> &'static str {
+        "AcceleratedOptimizer"
+    }
+    fn params(&self) -> Vec<Tensor> {
+        self.trainable_variables()
+    }
+    fn raw_step(&mut self) -> Result<()> {
+        self.step()
+    }
+    fn raw_zero_grad(&mut self) -> Result<()> {
+        self.zero_grad()
+    }
+    fn groups(&self) -> usize {
+        self.lrs().len()
+    }
+    fn set_lr_group(&mut self, group: usize, lr: f64) {
+        AcceleratedOptimizer::set_lr_group(self, group, lr)
+    }
+    fn set_momentum_group(&mut self, group: usize, momentum: f64) {
+        AcceleratedOptimizer::set_momentum_group(self, group, momentum)
+    }
+    fn set_weight_decay_group(&mut self, group: usize, weight_decay: f64) {
+        AcceleratedOptimizer::set_weight_decay_group(self, group, weight_decay)
+    }
+}
+
+/// An optimizer driven by the accelerator for one call; see [`Accelerator::drive`]. The
+/// methods are tch's `nn::Optimizer` API with the accelerator's meaning.
+#[derive(Debug)]
+pub struct Driven<'a, O: DriveOptimizer> {
+    accelerator: &'a Accelerator,
+    optimizer: &'a mut O,
+}
+
+impl Accelerator {
+    /// Drives `optimizer`, which the accelerator does not own (a struct field, a `&mut`
+    /// argument), through one call of tch's optimizer API with the accelerator's rules:
+    /// what `self.opt.step()` becomes under `#[accelerate(model = self.vs)]`. The model must
+    /// be prepared (the attribute does it before the training loop); its optimizer state
+    /// cannot be sharded, so zero2/zero3 refuse it.
+    pub fn drive<'a, O: DriveOptimizer>(&'a self, optimizer: &'a mut O) -> Driven<'a, O> {
+        Driven { accelerator: self, optimizer }
+    }
+
+    /// The fp16 unscale of a driven optimizer's gradients, once per step (keyed by the
+    /// optimizer's parameters, which outlive the call that borrowed it).
+    fn unscale_driven(&self, params: &[Tensor]) -> Result<()> {
+        let Some(scaler) = &self.inner.scaler else { return Ok(()) };
+        let Some(first) = params.first() else { return Ok(()) };
+        let key = crate::shim::tensor_id(first)?;
+        let mut unscaled = self.inner.driven_unscaled.lock().unwrap_or_else(|e| e.into_inner());
+        if unscaled.insert(key) {
+            scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(params)?;
+        }
+        Ok(())
+    }
+}
+
+impl<O: DriveOptimizer> Driven<'_, O> {
+    fn sync(&self) -> bool {
+        self.accelerator.sync_gradients()
+    }
+
+    fn refuse_shards(&self) -> Result<()> {
+        if !self.accelerator.sharded_models().is_empty() {
+            return Err(Error::Unsupported(format!(
+                "{} is kept outside the #[accelerate] function (a field or an argument), so it \
+                 cannot be given this process's parameter shards (zero2/zero3/fsdp): build the \
+                 optimizer in the function, or use strategy ddp or zero1",
+                self.optimizer.name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Clears gradients on sync steps (in place with several processes, so that they stay
+    /// views of DDP's buckets).
+    pub fn zero_grad(self) -> Result<()> {
+        if let Some(prepared) = self.optimizer.prepared() {
+            return prepared.zero_grad();
+        }
+        if !self.sync() {
+            return Ok(());
+        }
+        if self.accelerator.num_processes() > 1 {
+            tch::no_grad(|| -> Result<()> {
+                for p in self.optimizer.params() {
+                    let mut grad = p.grad();
+                    if grad.defined() {
+                        let _ = grad.f_zero_()?;
+                    }
+                }
+                Ok(())
+            })
+        } else {
+            self.optimizer.raw_zero_grad()
+        }
+    }
+
+    /// The optimizer step on sync steps: fp16 gradients unscaled and checked (a step with
+    /// inf/NaN is skipped), the configured norm clipping, then the optimizer's own step.
+    pub fn step(self) -> Result<()> {
+        if let Some(prepared) = self.optimizer.prepared() {
+            return prepared.step();
+        }
+        if !self.sync() {
+            return Ok(());
+        }
+        self.refuse_shards()?;
+        let acc = self.accelerator;
+        if acc.num_processes() > 1 {
+            let strays = acc.unprepared(&self.optimizer.params())?;
+            if let Some(size) = strays.first() {
+                return Err(Error::Training(format!(
+                    "{} steps a parameter of shape {size:?} that belongs to no prepared model, on \
+                     rank {}: name the model's VarStore with #[accelerate(model = ...)] or call \
+                     accelerator.prepare_model on it",
+                    self.optimizer.name(),
+                    acc.process_index()
+                )));
+            }
+        }
+        let params = self.optimizer.params();
+        acc.unscale_driven(&params)?;
+        let skipped = match &acc.inner.scaler {
+            Some(scaler) => {
+                let mut scaler = scaler.lock().unwrap_or_else(|e| e.into_inner());
+                let overflow = scaler.found_inf(&params)?;
+                scaler.update()?;
+                overflow
+            }
+            None => false,
+        };
+        if !skipped {
+            if let Some(max) = acc.inner.config.clip_grad_norm {
+                clip_grad_norm(&params, max)?;
+            }
+            self.optimizer.raw_step()?;
+        }
+        if let Some(first) = params.first() {
+            let key = crate::shim::tensor_id(first)?;
+            acc.inner.driven_unscaled.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+        }
+        acc.inner.state.record_optimizer_step(skipped);
+        Ok(())
+    }
+
+    /// Unscales and clips the global gradient norm to `max`; returns the norm before (0 on
+    /// accumulation steps).
+    pub fn clip_grad_norm(self, max: f64) -> Result<f64> {
+        if let Some(prepared) = self.optimizer.prepared() {
+            return prepared.clip_grad_norm(max);
+        }
+        if !self.sync() {
+            return Ok(0.0);
+        }
+        let params = self.optimizer.params();
+        self.accelerator.unscale_driven(&params)?;
+        clip_grad_norm(&params, max)
+    }
+
+    /// Unscales and clamps every gradient element to `[-max, max]`.
+    pub fn clip_grad_value(self, max: f64) -> Result<()> {
+        if let Some(prepared) = self.optimizer.prepared() {
+            return prepared.clip_grad_value(max);
+        }
+        if !self.sync() {
+            return Ok(());
+        }
+        let params = self.optimizer.params();
+        self.accelerator.unscale_driven(&params)?;
+        clip_grad_value(&params, max)
+    }
+
+    /// `zero_grad`, the accelerator's `backward`, `step`.
+    pub fn backward_step(self, loss: &Tensor) -> Result<()> {
+        let (acc, opt) = (self.accelerator, self.optimizer);
+        acc.drive(&mut *opt).zero_grad()?;
+        acc.backward(loss)?;
+        acc.drive(opt).step()
+    }
+
+    /// As [`backward_step`](Self::backward_step), clamping gradient values to `max` first.
+    pub fn backward_step_clip(self, loss: &Tensor, max: f64) -> Result<()> {
+        let (acc, opt) = (self.accelerator, self.optimizer);
+        acc.drive(&mut *opt).zero_grad()?;
+        acc.backward(loss)?;
+        acc.drive(&mut *opt).clip_grad_value(max)?;
+        acc.drive(opt).step()
+    }
+
+    /// As [`backward_step`](Self::backward_step), clipping the gradient norm to `max` first.
+    pub fn backward_step_clip_norm(self, loss: &Tensor, max: f64) -> Result<()> {
+        let (acc, opt) = (self.accelerator, self.optimizer);
+        acc.drive(&mut *opt).zero_grad()?;
+        acc.backward(loss)?;
+        acc.drive(&mut *opt).clip_grad_norm(max)?;
+        acc.drive(opt).step()
+    }
+
+    /// Sets the learning rate of every group.
+    pub fn set_lr(self, lr: f64) {
+        self.optimizer.set_lr_all(lr)
+    }
+    /// Sets the learning rate of one group.
+    pub fn set_lr_group(self, group: usize, lr: f64) {
+        self.optimizer.set_lr_group(group, lr)
+    }
+    /// Sets the momentum of every group.
+    pub fn set_momentum(self, momentum: f64) {
+        self.optimizer.set_momentum_all(momentum)
+    }
+    /// Sets the momentum of one group.
+    pub fn set_momentum_group(self, group: usize, momentum: f64) {
+        self.optimizer.set_momentum_group(group, momentum)
+    }
+    /// Sets the weight decay of every group.
+    pub fn set_weight_decay(self, weight_decay: f64) {
+        self.optimizer.set_weight_decay_all(weight_decay)
+    }
+    /// Sets the weight decay of one group.
+    pub fn set_weight_decay_group(self, group: usize, weight_decay: f64) {
+        self.optimizer.set_weight_decay_group(group, weight_decay)
+    }
+    /// The parameters the optimizer trains.
+    pub fn trainable_variables(self) -> Vec<Tensor> {
+        self.optimizer.params()
+    }
+}

@@ -1,0 +1,24 @@
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+#[accel_core::accelerate(strategy = "ddp")]
+fn train(data: Vec<Tensor>, rank: usize) -> anyhow::Result<()> {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = nn::linear(vs.root() / "lin", 2, 1, Default::default());
+    let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+    for x in data {
+        let loss = net.forward(&x).sum(Kind::Float);
+        opt.backward_step(&loss);
+        if accelerator.process_index() == 0 {
+            let all = accelerator.gather(&loss)?;
+            println!("{all}");
+        }
+    }
+    match rank {
+        0 => accelerator.wait_for_everyone()?,
+        _ => println!("not rank 0"),
+    }
+    Ok(())
+}
+
+fn main() {}

@@ -1,0 +1,34 @@
+//! `enumerate`, `continue` and `break` in the training loop (every fourth batch skipped; a
+//! break that ends an epoch early).
+#![deny(warnings)]
+
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Tensor};
+
+use crate::common::{Data, mlp, weights};
+
+#[accel_core::accelerate(strategy = "ddp", cpu = true)]
+fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = mlp(&vs.root());
+    let mut opt = nn::Adam::default().build(&vs, 1e-2)?;
+    for _ in 0..data.epochs {
+        for (i, (x, y)) in data.batches().into_iter().enumerate() {
+            if i % 4 == 3 {
+                continue;
+            }
+            if i == 6 {
+                break;
+            }
+            let loss = net.forward(&x).cross_entropy_for_logits(&y);
+            opt.zero_grad();
+            loss.backward();
+            opt.step();
+        }
+    }
+    Ok(weights(&vs, ""))
+}
+
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    train(data)
+}

@@ -1,0 +1,40 @@
+//! A loop over indices into a vector of batches: the indices are what is dealt to the
+//! processes.
+#![deny(warnings)]
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Tensor};
+use crate::common::{Data, mlp, weights};
+#[allow(clippy::needless_range_loop)]
+fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let accelerator = ::accel_core::Accelerator::builder()
+        .strategy(::accel_core::Strategy::Ddp)
+        .cpu(true)
+        .build()?;
+    let __accel_exit = accelerator.exit_guard();
+    let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
+        use OptimizerConfig as _;
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = mlp(&vs.root());
+        let mut opt = accelerator.build_optimizer(nn::Adam::default(), &vs, 1e-2)?;
+        let batches = data.batches();
+        for _ in 0..data.epochs {
+            for i in accelerator.prepare_iter(0..batches.len()) {
+                let __accel_autocast = accelerator.autocast()?;
+                let (x, y) = &batches[i];
+                let loss = net.forward(x).cross_entropy_for_logits(y);
+                opt.zero_grad()?;
+                drop(__accel_autocast);
+                accelerator.backward(&loss)?;
+                opt.step()?;
+            }
+        }
+        Ok(weights(&vs, ""))
+    })();
+    if __accel_result.is_ok() {
+        __accel_exit.finish()?;
+    }
+    __accel_result
+}
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    train(data)
+}

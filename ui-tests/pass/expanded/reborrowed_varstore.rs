@@ -1,0 +1,37 @@
+//! `build(&*vs, lr)` over a `&mut VarStore`, and accel's checkpoint-free tch RmsProp.
+#![deny(warnings)]
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Tensor};
+use crate::common::{Data, mlp, weights};
+fn train(vs: &mut nn::VarStore, data: &Data) -> anyhow::Result<()> {
+    let accelerator = ::accel_core::Accelerator::builder()
+        .strategy(::accel_core::Strategy::Ddp)
+        .cpu(true)
+        .build()?;
+    let __accel_exit = accelerator.exit_guard();
+    let __accel_result: anyhow::Result<()> = (|| {
+        use OptimizerConfig as _;
+        let net = mlp(&vs.root());
+        let mut opt = accelerator.build_optimizer(nn::RmsProp::default(), &*vs, 1e-3)?;
+        for _ in 0..data.epochs {
+            for (x, y) in accelerator.prepare_iter(data.batches()) {
+                let __accel_autocast = accelerator.autocast()?;
+                let loss = net.forward(&x).cross_entropy_for_logits(&y);
+                opt.zero_grad()?;
+                drop(__accel_autocast);
+                accelerator.backward(&loss)?;
+                opt.step()?;
+            }
+        }
+        Ok(())
+    })();
+    if __accel_result.is_ok() {
+        __accel_exit.finish()?;
+    }
+    __accel_result
+}
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    train(&mut vs, data)?;
+    Ok(weights(&vs, ""))
+}

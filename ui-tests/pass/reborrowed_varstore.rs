@@ -1,0 +1,28 @@
+//! `build(&*vs, lr)` over a `&mut VarStore`, and accel's checkpoint-free tch RmsProp.
+#![deny(warnings)]
+
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Tensor};
+
+use crate::common::{Data, mlp, weights};
+
+#[accel_core::accelerate(strategy = "ddp", cpu = true)]
+fn train(vs: &mut nn::VarStore, data: &Data) -> anyhow::Result<()> {
+    let net = mlp(&vs.root());
+    let mut opt = nn::RmsProp::default().build(&*vs, 1e-3)?;
+    for _ in 0..data.epochs {
+        for (x, y) in data.batches() {
+            let loss = net.forward(&x).cross_entropy_for_logits(&y);
+            opt.zero_grad();
+            loss.backward();
+            opt.step();
+        }
+    }
+    Ok(())
+}
+
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    train(&mut vs, data)?;
+    Ok(weights(&vs, ""))
+}
