@@ -1,6 +1,8 @@
-//! Helpers the examples share: the data sets shipped in `data/`.
+//! Helpers the examples share: the data sets shipped in `data/`, the GPT model, and Local SGD
+//! (a strategy written outside accel-core).
 
 pub mod gpt;
+pub mod local_sgd;
 
 use std::path::{Path, PathBuf};
 

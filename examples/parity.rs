@@ -78,6 +78,11 @@ struct Args {
     /// Continue from a state saved by `--state` (any strategy, any number of processes).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Local SGD instead of `--strategy`: no gradient all-reduce, parameters averaged every
+    /// K batches and at the end (accel_examples::local_sgd, a strategy written outside
+    /// accel-core).
+    #[arg(long, value_name = "K")]
+    local_sgd: Option<u64>,
     #[arg(long)]
     out: PathBuf,
     /// Loss log (rank 0).
@@ -94,6 +99,9 @@ fn main() -> Result<()> {
         .cpu(true);
     if args.clip_grad_norm > 0.0 {
         builder = builder.clip_grad_norm(args.clip_grad_norm);
+    }
+    if let Some(every) = args.local_sgd {
+        builder = builder.custom_strategy(accel_examples::local_sgd::LocalSgd::new(every));
     }
     if args.bf16_reductions {
         let reduce_dtype = Some(tch::Kind::BFloat16);
@@ -205,6 +213,8 @@ fn main() -> Result<()> {
             }
         }
     }
+    // The strategy's last word (Local SGD averages the replicas once more).
+    acc.end_training()?;
     // Under zero2/zero3 every rank holds a shard: all take part in gathering them.
     let named = acc.full_state_dict(&vs)?;
     if acc.is_main_process() {

@@ -6,106 +6,15 @@
 //! the builder overrides a value that the environment or file also set, that is logged
 //! once on the main process.
 
-use std::fmt;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-/// How the work is split across processes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Strategy {
-    /// One process, no distribution (Accelerate's `NO`).
-    #[default]
-    Single,
-    /// Data parallel: replicated parameters, averaged gradients.
-    Ddp,
-    /// ZeRO stage 1: optimizer state sharded.
-    Zero1,
-    /// ZeRO stage 2: optimizer state and gradients sharded.
-    Zero2,
-    /// ZeRO stage 3: optimizer state, gradients and parameters sharded.
-    Zero3,
-    /// FSDP, with a sharding strategy (full_shard = zero3 by default).
-    Fsdp,
-    /// FSDP's `HYBRID_SHARD`: zero3 among the processes of each machine, replicated across
-    /// machines (gradients all-reduced between the replicas of each shard).
-    #[serde(rename = "hybrid_shard")]
-    HybridShard,
-}
+pub use accel_choices::{Precision, Sharding, Strategy, UnknownChoice};
 
-/// Arithmetic precision of the forward and backward passes (master weights stay fp32).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    /// fp32 throughout.
-    #[default]
-    No,
-    /// fp16 autocast with dynamic loss scaling.
-    Fp16,
-    /// bf16 autocast, no scaling.
-    Bf16,
-    /// fp8 matmuls (Ada/Hopper GPUs), the rest under bf16.
-    Fp8,
-}
-
-macro_rules! string_enum {
-    ($ty:ident, $what:literal, $($name:literal => $variant:ident),+ $(,)?) => {
-        impl $ty {
-            /// Every valid spelling, for messages.
-            pub const NAMES: &'static [&'static str] = &[$($name),+];
-
-            /// The canonical lowercase name.
-            pub fn as_str(self) -> &'static str {
-                match self { $($ty::$variant => $name),+ }
-            }
-        }
-
-        impl FromStr for $ty {
-            type Err = Error;
-            fn from_str(s: &str) -> Result<Self> {
-                match s.to_ascii_lowercase().as_str() {
-                    $($name => Ok($ty::$variant),)+
-                    other => Err(Error::Config(unknown_choice($what, other, Self::NAMES))),
-                }
-            }
-        }
-
-        impl fmt::Display for $ty {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-    };
-}
-
-string_enum!(Strategy, "strategy", "single" => Single, "ddp" => Ddp, "zero1" => Zero1,
-    "zero2" => Zero2, "zero3" => Zero3, "fsdp" => Fsdp, "hybrid_shard" => HybridShard);
-string_enum!(Precision, "precision", "no" => No, "fp16" => Fp16, "bf16" => Bf16, "fp8" => Fp8);
-
-/// "unknown precision `bf61`; the precisions are `no`, `fp16`, `bf16`, `fp8` — did you mean
-/// `bf16`?"
-pub fn unknown_choice(what: &str, got: &str, valid: &[&str]) -> String {
-    let list = valid.iter().map(|v| format!("`{v}`")).collect::<Vec<_>>().join(", ");
-    let mut message = format!("unknown {what} `{got}`; the {what}s are {list}");
-    if let Some(best) = closest(got, valid) {
-        message.push_str(&format!(" — did you mean `{best}`?"));
-    }
-    message
-}
-
-/// The valid choice nearest to `got`, if any is near enough to be a typo.
-pub fn closest<'a>(got: &str, valid: &[&'a str]) -> Option<&'a str> {
-    valid
-        .iter()
-        .map(|v| (strsim::jaro_winkler(got, v), *v))
-        .filter(|(score, _)| *score > 0.8)
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, v)| v)
-}
+pub use accel_choices::closest;
 
 /// The validated configuration of a run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -288,11 +197,8 @@ impl PartialConfig {
     }
 }
 
-fn env_context(var: &str, e: Error) -> Error {
-    match e {
-        Error::Config(message) => Error::Config(format!("{var}: {message}")),
-        other => other,
-    }
+fn env_context(var: &str, e: UnknownChoice) -> Error {
+    Error::Config(format!("{var}: {e}"))
 }
 
 /// The config file named by `ACCEL_CONFIG_FILE`, if any.

@@ -50,15 +50,24 @@ pub enum Error {
     Training(String),
 
     // ---- processes -----------------------------------------------------------------
-    /// Finding the other processes failed (store unreachable, rank taken, timeout ...).
+    /// Finding the other processes failed (rank taken, timeout, bad message ...).
     #[error("rendezvous: {0}")]
     Rendezvous(String),
+
+    /// The connection to the rendezvous store (on rank 0) broke: rank 0 has probably exited.
+    #[error("rendezvous: lost the store at {addr} ({detail}); rank 0 may have exited")]
+    StoreLost {
+        /// The store's address.
+        addr: String,
+        /// What the connection said.
+        detail: String,
+    },
 
     /// A collective operation failed: timed out, mismatched between ranks, or a peer left.
     #[error("collective #{seq} {op} of {what} on rank {rank}: {message}")]
     Collective {
-        /// The operation, e.g. `all_reduce(sum)`.
-        op: String,
+        /// The operation.
+        op: crate::comm::Op,
         /// Its sequence number in this process group (the same on every rank).
         seq: u64,
         /// Shape and dtype of the data.
@@ -66,6 +75,19 @@ pub enum Error {
         /// This process's rank.
         rank: usize,
         /// What went wrong and, for timeouts, the ranks that did not arrive.
+        message: String,
+    },
+
+    /// An NCCL call failed.
+    #[error("NCCL {call} failed on rank {rank} with error {code}: {message}")]
+    Nccl {
+        /// The NCCL function, e.g. `ncclCommInitRank`.
+        call: String,
+        /// NCCL's result code.
+        code: i32,
+        /// This process's rank in the communicator.
+        rank: usize,
+        /// NCCL's text for the code, and `ncclGetLastError`'s where there is one.
         message: String,
     },
 
@@ -88,6 +110,12 @@ pub enum Error {
         /// The OS error.
         source: std::io::Error,
     },
+}
+
+impl From<accel_choices::UnknownChoice> for Error {
+    fn from(e: accel_choices::UnknownChoice) -> Self {
+        Error::Config(e.to_string())
+    }
 }
 
 /// So that `?` on accel calls works in functions returning tch's `Result`.

@@ -18,6 +18,7 @@ pub mod data;
 pub mod device;
 mod error;
 pub mod launch;
+pub mod mesh;
 pub mod optim;
 pub mod precision;
 pub mod shim;

@@ -118,9 +118,6 @@ fn read_weights(path: &Path) -> BTreeMap<String, Vec<f32>> {
 
 #[test]
 fn parity_example_matches_pytorch_and_accelerate() {
-    let torchrun = root().join(".venv/bin/torchrun");
-    assert!(torchrun.exists(), "{} is missing: run `cargo xtask setup`", torchrun.display());
-    let script = root().join("python/reference/parity_accelerate.py");
     let dir = scratch("accelerate");
     let (w, d) = make_weights_and_data(&dir, 0);
     let cases: &[(usize, &str, &str)] = &[
@@ -160,55 +157,91 @@ fn parity_example_matches_pytorch_and_accelerate() {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let tag = format!("{n}-{optimizer}-{accumulate}");
-        let (py_out, py_losses) =
-            (dir.join(format!("py-{tag}.safetensors")), dir.join(format!("py-{tag}.jsonl")));
-        let (rs_out, rs_losses) =
-            (dir.join(format!("rs-{tag}.safetensors")), dir.join(format!("rs-{tag}.jsonl")));
-        let port = accel_core::comm::free_port("127.0.0.1").unwrap();
-        let output = Command::new(&torchrun)
-            .args([format!("--nproc-per-node={n}"), format!("--master-port={port}")])
-            .arg(&script)
-            .args(&common)
-            .arg("--out")
-            .arg(&py_out)
-            .arg("--losses")
-            .arg(&py_losses)
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "Accelerate run {tag} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let mut program = vec![example("parity")];
-        program.extend(common);
-        program.extend([
-            "--out".into(),
-            rs_out.display().to_string(),
-            "--losses".into(),
-            rs_losses.display().to_string(),
-        ]);
-        launch(n, program);
+        compare_with_accelerate(&dir, &format!("{n}-{optimizer}-{accumulate}"), n, common);
+    }
+}
 
-        let (py, rs) = (read_losses(&py_losses), read_losses(&rs_losses));
-        assert_eq!(py.len(), rs.len(), "{tag}: number of batches on rank 0");
-        for (step, (a, b)) in py.iter().zip(&rs).enumerate() {
-            assert!(
-                (a - b).abs() <= 1e-5,
-                "{tag}: loss at step {step}: Accelerate {a} vs accel {b}"
-            );
-        }
-        let (pw, rw) = (read_weights(&py_out), read_weights(&rs_out));
-        assert_eq!(
-            pw.keys().collect::<Vec<_>>(),
-            rw.keys().collect::<Vec<_>>(),
-            "{tag}: weight names"
-        );
-        for (name, a) in &pw {
-            let diff = a.iter().zip(&rw[name]).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-            assert!(diff <= 1e-5, "{tag}: {name} differs from Accelerate's by {diff}");
-        }
+/// Runs `args` through PyTorch + Accelerate (torchrun) and through the `parity` example
+/// (accel launch) on `n` processes, and checks every logged loss and final weight (1e-5).
+fn compare_with_accelerate(dir: &Path, tag: &str, n: usize, common: Vec<String>) {
+    let torchrun = root().join(".venv/bin/torchrun");
+    assert!(torchrun.exists(), "{} is missing: run `cargo xtask setup`", torchrun.display());
+    let script = root().join("python/reference/parity_accelerate.py");
+    let (py_out, py_losses) =
+        (dir.join(format!("py-{tag}.safetensors")), dir.join(format!("py-{tag}.jsonl")));
+    let (rs_out, rs_losses) =
+        (dir.join(format!("rs-{tag}.safetensors")), dir.join(format!("rs-{tag}.jsonl")));
+    let port = accel_core::comm::free_port("127.0.0.1").unwrap();
+    let output = Command::new(&torchrun)
+        .args([format!("--nproc-per-node={n}"), format!("--master-port={port}")])
+        .arg(&script)
+        .args(&common)
+        .arg("--out")
+        .arg(&py_out)
+        .arg("--losses")
+        .arg(&py_losses)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "Accelerate run {tag} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut program = vec![example("parity")];
+    program.extend(common);
+    program.extend([
+        "--out".into(),
+        rs_out.display().to_string(),
+        "--losses".into(),
+        rs_losses.display().to_string(),
+    ]);
+    launch(n, program);
+
+    let (py, rs) = (read_losses(&py_losses), read_losses(&rs_losses));
+    assert_eq!(py.len(), rs.len(), "{tag}: number of batches on rank 0");
+    for (step, (a, b)) in py.iter().zip(&rs).enumerate() {
+        assert!((a - b).abs() <= 1e-5, "{tag}: loss at step {step}: Accelerate {a} vs accel {b}");
+    }
+    let (pw, rw) = (read_weights(&py_out), read_weights(&rs_out));
+    assert_eq!(pw.keys().collect::<Vec<_>>(), rw.keys().collect::<Vec<_>>(), "{tag}: weight names");
+    for (name, a) in &pw {
+        let diff = a.iter().zip(&rw[name]).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(diff <= 1e-5, "{tag}: {name} differs from Accelerate's by {diff}");
+    }
+}
+
+/// Local SGD, a strategy written outside accel-core (examples/local_sgd.rs) with the public
+/// API only, against Accelerate's own `LocalSGD` on the same weights and data, with
+/// accumulation and clipping.
+#[test]
+fn local_sgd_written_outside_accel_core_matches_accelerates() {
+    let dir = scratch("local-sgd");
+    let (w, d) = make_weights_and_data(&dir, 1);
+    for (n, accumulate, every) in [(2, "2", "3"), (3, "1", "2")] {
+        let common: Vec<String> = [
+            "--init",
+            w.to_str().unwrap(),
+            "--data",
+            d.to_str().unwrap(),
+            "--hidden",
+            "16,16",
+            "--lr",
+            "1e-2",
+            "--batch-size",
+            "4",
+            "--accumulate",
+            accumulate,
+            "--epochs",
+            "2",
+            "--clip-grad-norm",
+            "1.0",
+            "--local-sgd",
+            every,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        compare_with_accelerate(&dir, &format!("local-sgd-{n}-{accumulate}-{every}"), n, common);
     }
 }
 

@@ -6,6 +6,8 @@ logging, so the two can be compared number by number.
         --lr 1e-3 --weight-decay 0.01 --batch-size 8 --accumulate 2 --epochs 1 \
         --precision no --clip-grad-norm 1.0 --out final.safetensors --losses losses.jsonl
 
+`--local-sgd K` wraps the loop in Accelerate's LocalSGD (parameters averaged every K batches).
+
 It can also write a fresh W and D: `parity_accelerate.py make W D --n 45 --d 10 --hidden
 16,16 --classes 3 --seed 0`.
 """
@@ -68,18 +70,24 @@ def train(args):
     model, opt, dl = acc.prepare(model, opt, dl)
     log = open(args.losses, "w") if acc.is_main_process else None
     step = 0
-    for _ in range(args.epochs):
-        for x, y in dl:
-            with acc.accumulate(model):
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                if log:
-                    log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
-                acc.backward(loss)
-                if acc.sync_gradients and args.clip_grad_norm > 0:
-                    acc.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
-                opt.step()
-                opt.zero_grad()
-            step += 1
+    # Accelerate's by_feature/local_sgd.py: LocalSGD around the loop, step() once per batch.
+    from accelerate.local_sgd import LocalSGD
+
+    local_sgd = args.local_sgd or 1
+    with LocalSGD(acc, model, local_sgd_steps=local_sgd, enabled=args.local_sgd is not None) as sgd:
+        for _ in range(args.epochs):
+            for x, y in dl:
+                with acc.accumulate(model):
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                    if log:
+                        log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+                    acc.backward(loss)
+                    if acc.sync_gradients and args.clip_grad_norm > 0:
+                        acc.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+                    opt.step()
+                    opt.zero_grad()
+                    sgd.step()
+                step += 1
     if acc.is_main_process:
         state = acc.unwrap_model(model).state_dict()
         save_file({k: v.contiguous() for k, v in state.items()}, args.out)
@@ -101,6 +109,7 @@ p.add_argument("--strategy", default="ddp")
 p.add_argument("--precision", default="no")
 p.add_argument("--clip-grad-norm", type=float, default=0.0)
 p.add_argument("--split-batches", action="store_true")
+p.add_argument("--local-sgd", type=int, default=None)
 p.add_argument("--out")
 p.add_argument("--losses")
 p.add_argument("--n", type=int, default=45)

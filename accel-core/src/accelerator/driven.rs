@@ -193,12 +193,14 @@ impl<O: DriveOptimizer> Driven<'_, O> {
     }
 
     fn refuse_shards(&self) -> Result<()> {
-        if !self.accelerator.sharded_models().is_empty() {
+        let strategy = self.accelerator.strategy();
+        if !strategy.steps_whole_parameters() {
             return Err(Error::Unsupported(format!(
                 "{} is kept outside the #[accelerate] function (a field or an argument), so it \
-                 cannot be given this process's parameter shards (zero2/zero3/fsdp): build the \
-                 optimizer in the function, or use strategy ddp or zero1",
-                self.optimizer.name()
+                 cannot be given this process's parameter shards ({}): build the optimizer in \
+                 the function, or use strategy ddp or zero1",
+                self.optimizer.name(),
+                strategy.name()
             )));
         }
         Ok(())

@@ -15,29 +15,30 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use tch::{Device, Tensor};
 
-use crate::comm::{GroupOptions, ProcessGroup, ReduceOp};
+use crate::comm::{Communicator, GroupOptions, ProcessGroup, ReduceOp};
 use crate::config::{Config, PartialConfig, Precision, Strategy, config_file_from_env};
 use crate::data::{DataLoader, Dataset};
 use crate::device::ToDevice;
 use crate::error::{Error, Result};
+use crate::mesh::{DeviceMesh, ParallelDims};
 use crate::optim::{Optimizer, Param, named_params};
 use crate::precision::{self, GradScaler, ScalerConfig, ToFp32};
 use crate::shim::AutocastGuard;
-use crate::strategy::ddp::{Ddp, DdpOptions};
-use crate::strategy::fsdp::{ShardOptions, ShardedModel, Stage};
+use crate::strategy::ModelOptions;
+use crate::strategy::ddp::DdpOptions;
+use crate::strategy::fsdp::ShardOptions;
 use crate::topology::Topology;
 
 pub use attribute::{AdoptOptimizer, ExitGuard, IntoAccelOptimizer};
 pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader, Rounds};
 pub use driven::{DriveOptimizer, Driven};
 pub use optimizer::AcceleratedOptimizer;
-pub(crate) use optimizer::Slot;
 pub(crate) use state::GradientState;
 pub use state::StepCounters;
 
 /// Builds an [`Accelerator`]; every setting left out comes from the environment
 /// (`ACCEL_*`, set by `accel launch`), the config file, or the defaults.
-#[derive(Debug, Default, Clone)]
+#[derive(Default, Clone)]
 pub struct AcceleratorBuilder {
     explicit: PartialConfig,
     config_file: Option<PathBuf>,
@@ -46,9 +47,28 @@ pub struct AcceleratorBuilder {
     checkpoint_limit: Option<usize>,
     ddp: DdpOptions,
     sharding: ShardOptions,
+    custom: Option<Arc<dyn crate::strategy::Strategy>>,
+}
+
+impl std::fmt::Debug for AcceleratorBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AcceleratorBuilder")
+            .field("explicit", &self.explicit)
+            .field("config_file", &self.config_file)
+            .field("custom_strategy", &self.custom.as_ref().map(|s| s.name()))
+            .finish_non_exhaustive()
+    }
 }
 
 impl AcceleratorBuilder {
+    /// Distributes the work with `strategy` instead of a built-in one (Accelerate's custom
+    /// plugins): see [`crate::strategy::Strategy`]. The configured strategy name then only
+    /// shapes the mesh (all processes data-parallel).
+    pub fn custom_strategy(mut self, strategy: impl crate::strategy::Strategy) -> Self {
+        self.custom = Some(Arc::new(strategy));
+        self
+    }
+
     /// DDP settings (bucket size, unused parameters, gradient compression).
     pub fn ddp(mut self, options: DdpOptions) -> Self {
         self.ddp = options;
@@ -135,7 +155,7 @@ impl AcceleratorBuilder {
                 );
             }
         }
-        if self.sharding.offload && sharded_stage(config.strategy).is_none() {
+        if self.sharding.offload && !config.strategy.shards() {
             return Err(Error::Config(format!(
                 "offload needs a sharded strategy (zero2, zero3 or fsdp); the strategy is {}",
                 config.strategy
@@ -144,11 +164,17 @@ impl AcceleratorBuilder {
         let device = self.device.unwrap_or_else(|| default_device(&config, &process));
         let device = crate::cuda::check_device(device)?;
         precision::check_precision(config.precision, device)?;
-        let group = if process.world_size > 1 {
+        let dims = ParallelDims::for_run(&config, &process)?;
+        let mesh = if process.world_size > 1 {
             check_multi_process(&config, device)?;
-            Some(ProcessGroup::new(&process, GroupOptions::default())?)
+            let world = ProcessGroup::new(&process, GroupOptions::default())?;
+            DeviceMesh::new(dims, &world)?
         } else {
-            None
+            DeviceMesh::single()
+        };
+        let strategy = match self.custom {
+            Some(custom) => custom,
+            None => crate::strategy::builtin(config.strategy, &mesh, self.sharding.clone()),
         };
         if let Some(seed) = config.seed {
             tch::manual_seed(seed as i64);
@@ -165,12 +191,9 @@ impl AcceleratorBuilder {
                 registry: Mutex::new(Registry::default()),
                 checkpoint_dir: self.checkpoint_dir,
                 checkpoint_limit: self.checkpoint_limit,
-                group,
-                ddp_options: self.ddp,
-                ddp: Mutex::new(Vec::new()),
-                shard_options: self.sharding,
-                sharded: Mutex::new(Vec::new()),
-                shard_groups: Mutex::new(None),
+                mesh,
+                strategy,
+                model_options: ModelOptions::from(self.ddp),
                 driven_unscaled: Mutex::new(Default::default()),
             }),
         };
@@ -183,11 +206,12 @@ impl AcceleratorBuilder {
 }
 
 /// What this release can do with several processes: data parallelism and sharding on CPU.
-fn check_multi_process(_config: &Config, device: Device) -> Result<()> {
+fn check_multi_process(config: &Config, device: Device) -> Result<()> {
     if device != Device::Cpu {
         return Err(Error::Unsupported(format!(
-            "DDP on {device:?}: the NCCL backend exists (accel_core::comm::nccl) but DDP is wired to \
-             the cpu backend only so far; run with --cpu"
+            "{} on {device:?} with several processes: the strategies run over the cpu \
+             backend so far (the NCCL communicator is not wired in yet); run with --cpu",
+            config.strategy
         )));
     }
     Ok(())
@@ -226,24 +250,13 @@ pub(crate) struct Inner {
     pub(crate) registry: Mutex<Registry>,
     pub(crate) checkpoint_dir: Option<PathBuf>,
     pub(crate) checkpoint_limit: Option<usize>,
-    pub(crate) group: Option<ProcessGroup>,
-    ddp_options: DdpOptions,
-    ddp: Mutex<Vec<Ddp>>,
-    shard_options: ShardOptions,
-    sharded: Mutex<Vec<Arc<ShardedModel>>>,
-    /// The shard group and, under hybrid sharding, the replica group (made once).
-    shard_groups: Mutex<Option<(ProcessGroup, Option<ProcessGroup>)>>,
+    /// The run's parallel dimensions and their communicators (the world's group inside).
+    pub(crate) mesh: DeviceMesh,
+    /// What every hook of training defers to.
+    pub(crate) strategy: Arc<dyn crate::strategy::Strategy>,
+    model_options: ModelOptions,
     /// Driven optimizers (by their first parameter) whose gradients this step unscaled.
     driven_unscaled: Mutex<std::collections::HashSet<usize>>,
-}
-
-/// What a strategy shards besides optimizer state, if it is zero2/zero3/fsdp.
-fn sharded_stage(strategy: Strategy) -> Option<Stage> {
-    match strategy {
-        Strategy::Zero2 => Some(Stage::Gradients),
-        Strategy::Zero3 | Strategy::Fsdp | Strategy::HybridShard => Some(Stage::Parameters),
-        Strategy::Single | Strategy::Ddp | Strategy::Zero1 => None,
-    }
 }
 
 /// Distributed training for one process of a run; cheap to clone (a shared handle).
@@ -310,21 +323,39 @@ impl Accelerator {
 
     /// Waits until every process gets here (a barrier; immediate with one process).
     pub fn wait_for_everyone(&self) -> Result<()> {
-        match &self.inner.group {
+        match self.process_group() {
             Some(group) => group.barrier(),
             None => Ok(()),
         }
     }
 
-    /// The process group of the run (`None` with one process).
+    /// The process group of the whole run, for control traffic and collectives of one's
+    /// own (`None` with one process).
     pub fn process_group(&self) -> Option<&ProcessGroup> {
-        self.inner.group.as_ref()
+        self.inner.mesh.world()
+    }
+
+    /// The run's parallel dimensions and a communicator for each.
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.inner.mesh
+    }
+
+    /// The strategy every hook of training defers to.
+    pub fn strategy(&self) -> &dyn crate::strategy::Strategy {
+        self.inner.strategy.as_ref()
+    }
+
+    /// The end of training: the strategy's last word (LocalSGD averages the parameters once
+    /// more), then a barrier. An `#[accelerate]` function calls it when it succeeds.
+    pub fn end_training(&self) -> Result<()> {
+        self.inner.strategy.end_training(self)?;
+        self.wait_for_everyone()
     }
 
     /// Every process's `tensor` (same shape on all) concatenated along dim 0; a scalar
     /// becomes one element per process.
     pub fn gather(&self, tensor: &Tensor) -> Result<Tensor> {
-        match &self.inner.group {
+        match self.process_group() {
             Some(group) => group.all_gather(tensor),
             None => {
                 Ok(if tensor.dim() == 0 { tensor.f_reshape([1])? } else { tensor.shallow_clone() })
@@ -348,7 +379,7 @@ impl Accelerator {
     /// The reduction of `tensor` over processes (a new tensor).
     pub fn reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let out = tensor.f_detach_copy()?;
-        if let Some(group) = &self.inner.group {
+        if let Some(group) = self.process_group() {
             group.all_reduce(&out, op)?;
         }
         Ok(out)
@@ -357,7 +388,7 @@ impl Accelerator {
     /// Rank `from`'s `tensor` on every process (a new tensor).
     pub fn broadcast(&self, tensor: &Tensor, from: usize) -> Result<Tensor> {
         let out = tensor.f_detach_copy()?;
-        if let Some(group) = &self.inner.group {
+        if let Some(group) = self.process_group() {
             group.broadcast(&out, from)?;
         }
         Ok(out)
@@ -372,7 +403,7 @@ impl Accelerator {
         pad_value: f64,
         pad_first: bool,
     ) -> Result<Tensor> {
-        let Some(group) = &self.inner.group else { return Ok(tensor.shallow_clone()) };
+        let Some(group) = self.process_group() else { return Ok(tensor.shallow_clone()) };
         let size = tensor.size();
         let d = if dim < 0 { dim + size.len() as i64 } else { dim } as usize;
         let len = Tensor::from_slice(&[size[d]]);
@@ -415,16 +446,20 @@ impl Accelerator {
     }
 
     /// Places the model's variables on this process's device (in place: tensors keep their
-    /// identity, so the model's layers see the move) and registers them for checkpoints.
-    /// With several processes it also makes the model data-parallel: rank 0's values are
-    /// broadcast, and every sync step's gradients are averaged (see `strategy/ddp`).
+    /// identity, so the model's layers see the move), registers them for checkpoints, and
+    /// hands them to the strategy: with several processes DDP broadcasts rank 0's values and
+    /// averages every sync step's gradients (see `strategy/ddp`), ZeRO shards them.
     pub fn prepare_model(&self, vs: &tch::nn::VarStore) -> Result<()> {
-        self.prepare_model_with(vs, self.inner.ddp_options)
+        self.prepare_model_with(vs, self.inner.model_options)
     }
 
-    /// [`prepare_model`](Self::prepare_model) with this model's own DDP settings (bucket
+    /// [`prepare_model`](Self::prepare_model) with this model's own settings (DDP's bucket
     /// size, unused parameters, gradient compression).
-    pub fn prepare_model_with(&self, vs: &tch::nn::VarStore, ddp: DdpOptions) -> Result<()> {
+    pub fn prepare_model_with(
+        &self,
+        vs: &tch::nn::VarStore,
+        options: impl Into<ModelOptions>,
+    ) -> Result<()> {
         let params = crate::optim::sorted_variables(vs);
         if vs.device() != self.device() {
             tch::no_grad(|| -> Result<()> {
@@ -435,19 +470,7 @@ impl Accelerator {
                 Ok(())
             })?;
         }
-        match (&self.inner.group, sharded_stage(self.inner.config.strategy)) {
-            (Some(group), Some(stage)) => {
-                let options = self.inner.shard_options.clone();
-                let groups = self.shard_groups(group)?;
-                let model = ShardedModel::new(&params, group, groups, stage, options)?;
-                self.sharded_models().push(Arc::new(model));
-            }
-            (Some(group), None) => {
-                let ddp = Ddp::new(&params, group.clone(), self.inner.state.clone(), ddp)?;
-                self.inner.ddp.lock().unwrap_or_else(|e| e.into_inner()).push(ddp);
-            }
-            (None, _) => {}
-        }
+        self.inner.strategy.prepare_model(self, &params, &options.into())?;
         self.registry().models.push(params);
         Ok(())
     }
@@ -462,10 +485,7 @@ impl Accelerator {
         &self,
         optimizer: Box<dyn Optimizer>,
     ) -> AcceleratedOptimizer {
-        let zero1 =
-            self.inner.group.clone().filter(|_| self.inner.config.strategy == Strategy::Zero1);
-        let sharded = self.sharded_models().clone();
-        let prepared = AcceleratedOptimizer::new(optimizer, self, zero1, sharded);
+        let prepared = AcceleratedOptimizer::new(optimizer, self);
         self.registry().optimizers.push(prepared.clone());
         prepared
     }
@@ -511,7 +531,7 @@ impl Accelerator {
     /// Stops taking part in collectives at once: other ranks waiting for this one get an
     /// error instead of waiting for their timeout. Used when a run fails.
     pub fn abort(&self) {
-        if let Some(group) = &self.inner.group {
+        if let Some(group) = self.process_group() {
             group.abort();
         }
     }
@@ -618,62 +638,7 @@ impl Accelerator {
             None => loss,
         };
         loss.f_backward().map_err(|e| Error::Training(format!("backward failed: {e}")))?;
-        if self.inner.state.sync_gradients() {
-            for ddp in self.inner.ddp.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-                ddp.finish()?;
-            }
-        }
-        // Sharded gradients are reduce-scattered every micro-step (as DeepSpeed's ZeRO-2),
-        // so no rank ever holds a whole accumulated gradient.
-        for model in self.sharded_models().iter() {
-            model.finish()?;
-        }
-        Ok(())
-    }
-
-    /// Whom parameters are split across: everyone, or under hybrid sharding the processes
-    /// of this machine (with the same shard's holders on the other machines as replicas).
-    /// Every process makes the same subgroups in the same order.
-    fn shard_groups(
-        &self,
-        everyone: &ProcessGroup,
-    ) -> Result<(ProcessGroup, Option<ProcessGroup>)> {
-        let mut cached = self.inner.shard_groups.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(groups) = &*cached {
-            return Ok(groups.clone());
-        }
-        let groups = if self.inner.config.strategy == Strategy::HybridShard {
-            let (world, local) = (self.num_processes(), self.inner.process.local_world_size);
-            if local == 0 || world % local != 0 || local == world {
-                return Err(Error::Config(format!(
-                    "hybrid_shard needs several machines with the same number of processes each \
-                     (here {world} process(es), {local} on this machine); use zero3 on one machine"
-                )));
-            }
-            let (mut shard, mut replicas) = (None, None);
-            for machine in 0..world / local {
-                let ranks: Vec<usize> = (machine * local..(machine + 1) * local).collect();
-                shard = everyone.new_subgroup(&ranks)?.or(shard);
-            }
-            for local_rank in 0..local {
-                let ranks: Vec<usize> = (local_rank..world).step_by(local).collect();
-                replicas = everyone.new_subgroup(&ranks)?.or(replicas);
-            }
-            (shard.expect("a member of its machine's group"), replicas)
-        } else {
-            (everyone.clone(), None)
-        };
-        *cached = Some(groups.clone());
-        Ok(groups)
-    }
-
-    pub(crate) fn sharded_models(&self) -> MutexGuard<'_, Vec<Arc<ShardedModel>>> {
-        self.inner.sharded.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The sharded model holding unit `prefix`, and the unit's index in it.
-    pub(crate) fn sharded_unit(&self, prefix: &str) -> Option<(Arc<ShardedModel>, usize)> {
-        self.sharded_models().iter().find_map(|m| m.unit(prefix).map(|u| (m.clone(), u)))
+        self.inner.strategy.after_backward(self, self.inner.state.sync_gradients())
     }
 
     /// The model's variables by name, whole: under zero2/zero3 the sharded parameters are
@@ -681,26 +646,8 @@ impl Accelerator {
     /// Accelerate's `get_state_dict`); otherwise copies of the local values.
     pub fn full_state_dict(&self, vs: &tch::nn::VarStore) -> Result<Vec<(String, Tensor)>> {
         let params = crate::optim::sorted_variables(vs);
-        let ids: Vec<usize> =
-            params.iter().map(|p| crate::shim::tensor_id(&p.tensor)).collect::<Result<_>>()?;
-        let mut gathered = std::collections::BTreeMap::new();
-        let models = self.sharded_models().clone();
-        for model in &models {
-            if ids.iter().any(|id| model.master_of(*id).is_some()) {
-                gathered.extend(model.full_parameters()?);
-            }
-        }
-        params
-            .into_iter()
-            .zip(ids)
-            .map(|(p, id)| {
-                let value = match gathered.remove(&id) {
-                    Some(v) => v.f_to_kind(p.tensor.kind())?,
-                    None => p.tensor.f_detach_copy()?,
-                };
-                Ok((p.name, value))
-            })
-            .collect()
+        let values = self.inner.strategy.full_parameters(&params)?;
+        Ok(params.into_iter().map(|p| p.name).zip(values).collect())
     }
 
     /// Whether the current micro-step ends an accumulation window (optimizers step).

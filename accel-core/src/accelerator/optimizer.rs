@@ -9,26 +9,23 @@ use tch::Tensor;
 
 use super::state::GradientState;
 use super::{Accelerator, Inner};
-use crate::comm::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::optim::{
     LrScheduler, Optimizer, Schedule, clip_grad_norm, clip_grad_norm_sharded, clip_grad_value,
 };
 use crate::precision::GradScaler;
-use crate::strategy::fsdp::ShardedModel;
+use crate::strategy::{OptimizerPlan, Replicated};
 
 pub(crate) struct Slot {
     pub(crate) optimizer: Box<dyn Optimizer>,
+    /// What the strategy does at this optimizer's steps (`None` if preparing it failed).
+    pub(crate) plan: Option<Box<dyn OptimizerPlan>>,
     pub(crate) scheduler: Option<LrScheduler>,
     pub(crate) step_was_skipped: bool,
     /// Gradients already unscaled (and maybe clipped) in this step.
     unscaled: bool,
     /// A failure to set up, reported by the first step (`prepare_optimizer` cannot fail).
     deferred: Option<String>,
-    /// ZeRO stage 1's bookkeeping, when the optimizer state is sharded.
-    zero: Option<Zero1>,
-    /// Zero2/zero3: the models whose master shards this optimizer steps.
-    pub(crate) sharded: Option<ShardedSlot>,
     /// The model's parameters as the user sees them (before any sharding): what
     /// `trainable_variables` returns.
     trainable: Vec<Tensor>,
@@ -36,45 +33,11 @@ pub(crate) struct Slot {
     membership_checked: bool,
 }
 
-pub(crate) struct ShardedSlot {
-    /// The processes each parameter is split across.
-    pub(crate) group: ProcessGroup,
-    pub(crate) models: Vec<Arc<ShardedModel>>,
-    /// Elements of the whole parameter behind each master shard, by the optimizer's name
-    /// for it: what a checkpoint needs to put a shard back together.
-    pub(crate) numel: std::collections::BTreeMap<String, i64>,
-}
-
 impl Slot {
-    /// Whether the optimizer's state is split across processes (zero1, 2 or 3).
-    pub(crate) fn zero1(&self) -> bool {
-        self.zero.is_some()
+    /// The strategy's plan (a failed one was reported at the first step already).
+    pub(crate) fn plan(&self) -> &dyn OptimizerPlan {
+        self.plan.as_deref().unwrap_or(&Replicated)
     }
-}
-
-/// ZeRO stage 1 (as torch's `ZeroRedundancyOptimizer`): each process keeps the optimizer
-/// state of its share of the parameters only, steps them, and broadcasts them to the others.
-/// Gradients are averaged by DDP before, so every process sees the same ones.
-pub(crate) struct Zero1 {
-    group: ProcessGroup,
-    /// Every parameter, in the optimizer's order.
-    all: Vec<Tensor>,
-    /// The rank that owns (steps) each of them.
-    owner: Vec<usize>,
-}
-
-/// Shares parameters out so that every rank owns about as many elements: each in turn to
-/// the rank with the fewest so far (the same on every rank).
-fn partition(params: &[Tensor], world: usize) -> Vec<usize> {
-    let mut load = vec![0i64; world];
-    params
-        .iter()
-        .map(|p| {
-            let rank = (0..world).min_by_key(|&r| (load[r], r)).expect("world >= 1");
-            load[rank] += p.numel() as i64;
-            rank
-        })
-        .collect()
 }
 
 /// An optimizer whose `step`, `zero_grad` and learning-rate schedule follow the
@@ -104,59 +67,21 @@ impl std::fmt::Debug for AcceleratedOptimizer {
 }
 
 impl AcceleratedOptimizer {
-    pub(crate) fn new(
-        optimizer: Box<dyn Optimizer>,
-        accelerator: &Accelerator,
-        zero1: Option<ProcessGroup>,
-        sharded: Vec<Arc<ShardedModel>>,
-    ) -> Self {
+    pub(crate) fn new(mut optimizer: Box<dyn Optimizer>, accelerator: &Accelerator) -> Self {
         let inner = &accelerator.inner;
-        let mut optimizer = optimizer;
         let trainable = optimizer.params();
-        let mut deferred = None;
-        let zero = zero1.map(|group| {
-            let all = optimizer.params();
-            let owner = partition(&all, group.size());
-            let rank = group.rank();
-            if let Err(e) = optimizer.retain(&|i| owner[i] == rank) {
-                deferred = Some(e.to_string());
-            }
-            Zero1 { group, all, owner }
-        });
-        let sharded = match sharded.first() {
-            None => None,
-            Some(model) => {
-                let name = optimizer.name();
-                let numel = optimizer
-                    .param_names()
-                    .into_iter()
-                    .zip(optimizer.params())
-                    .map(|(n, p)| (n, p.numel() as i64))
-                    .collect();
-                let swapped = optimizer.replace_params(&|param| {
-                    let id = crate::shim::tensor_id(param)?;
-                    sharded.iter().find_map(|m| m.master_of(id)).ok_or_else(|| {
-                        crate::Error::Unsupported(format!(
-                            "{name} steps a tensor {:?} that is not a parameter of a prepared \
-                             model; under zero2/zero3 prepare the model before the optimizer",
-                            param.size()
-                        ))
-                    })
-                });
-                if let Err(e) = swapped {
-                    deferred = Some(e.to_string());
-                }
-                Some(ShardedSlot { group: model.group(), models: sharded.clone(), numel })
-            }
-        };
+        let (plan, deferred) =
+            match inner.strategy.prepare_optimizer(accelerator, optimizer.as_mut()) {
+                Ok(plan) => (Some(plan), None),
+                Err(e) => (None, Some(e.to_string())),
+            };
         let slot = Slot {
             optimizer,
+            plan,
             scheduler: None,
             step_was_skipped: false,
             unscaled: false,
             deferred,
-            zero,
-            sharded,
             trainable,
             membership_checked: false,
         };
@@ -179,18 +104,15 @@ impl AcceleratedOptimizer {
         })
     }
 
-    /// Every parameter the model trains (under zero1 also those another process steps).
-    fn all_params(&self, slot: &Slot) -> Vec<Tensor> {
-        match &slot.zero {
-            Some(z) => z.all.iter().map(Tensor::shallow_clone).collect(),
-            None => slot.optimizer.params(),
-        }
+    /// The tensors whose gradients the step reads (the strategy decides: under zero1 every
+    /// parameter, under zero2/zero3 this process's shards).
+    fn gradients(&self, slot: &Slot) -> Vec<Tensor> {
+        slot.plan().gradients(slot.optimizer.as_ref())
     }
 
-    /// Whether the optimizer state is sharded across processes (zero1, zero2, zero3).
+    /// Whether the gradients the step reads are split across processes (zero2, zero3).
     pub fn is_sharded(&self) -> bool {
-        let slot = self.lock();
-        slot.zero.is_some() || slot.sharded.is_some()
+        self.lock().plan().gradient_group().is_some()
     }
 
     fn lock(&self) -> MutexGuard<'_, Slot> {
@@ -295,7 +217,7 @@ impl AcceleratedOptimizer {
         }
         let mut slot = self.lock();
         self.unscale(&mut slot)?;
-        clip_grad_value(&self.all_params(&slot), max)
+        clip_grad_value(&self.gradients(&slot), max)
     }
 
     /// Whether the last sync step was skipped because of inf/NaN gradients (fp16).
@@ -317,44 +239,48 @@ impl AcceleratedOptimizer {
         }
         let mut slot = self.lock();
         self.unscale(&mut slot)?;
-        Self::clip(&slot, &self.all_params(&slot), max_norm)
+        Self::clip(&slot, &self.gradients(&slot), max_norm)
     }
 
     fn clip(slot: &Slot, params: &[Tensor], max_norm: f64) -> Result<f64> {
-        match &slot.sharded {
-            Some(s) => clip_grad_norm_sharded(params, max_norm, &s.group),
+        match slot.plan().gradient_group() {
+            Some(group) => clip_grad_norm_sharded(params, max_norm, group.as_ref()),
             None => clip_grad_norm(params, max_norm),
         }
     }
 
     fn unscale(&self, slot: &mut Slot) -> Result<()> {
         if let (Some(scaler), false) = (&self.scaler, slot.unscaled) {
-            scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(&self.all_params(slot))?;
+            scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(&self.gradients(slot))?;
         }
         slot.unscaled = true;
         Ok(())
     }
 
-    /// The optimizer step (on sync steps only).
+    /// The optimizer step (on sync steps only); the strategy hears of every call.
     pub fn step(&mut self) -> Result<()> {
+        let mut slot = self.lock();
         if !self.state.sync_gradients() {
+            let Slot { optimizer, plan, .. } = &mut *slot;
+            if let Some(plan) = plan {
+                plan.after_step(optimizer.as_mut(), false)?;
+            }
             return Ok(());
         }
-        let mut slot = self.lock();
         if let Some(why) = &slot.deferred {
             return Err(crate::Error::Unsupported(why.clone()));
         }
-        if !slot.membership_checked && self.num_processes > 1 && slot.sharded.is_none() {
+        if !slot.membership_checked && self.num_processes > 1 {
             self.check_membership(&slot)?;
             slot.membership_checked = true;
         }
         self.unscale(&mut slot)?;
-        let params = self.all_params(&slot);
+        let params = self.gradients(&slot);
         let skipped = match &self.scaler {
             Some(scaler) => {
                 let mut scaler = scaler.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(s) = &slot.sharded {
-                    scaler.share_found_inf(&params, &s.group)?;
+                if let Some(group) = slot.plan().gradient_group() {
+                    scaler.share_found_inf(&params, group.as_ref())?;
                 }
                 let overflow = scaler.found_inf(&params)?;
                 scaler.update()?;
@@ -367,20 +293,14 @@ impl AcceleratedOptimizer {
                 Self::clip(&slot, &params, max)?;
             }
             crate::optim::prepared_step(|| slot.optimizer.step())?;
-            if let Some(s) = &slot.sharded {
-                for model in &s.models {
-                    model.after_step()?;
-                }
+        }
+        {
+            let Slot { optimizer, plan, .. } = &mut *slot;
+            if let Some(plan) = plan {
+                plan.after_step(optimizer.as_mut(), !skipped)?;
             }
-            if let Some(zero) = &slot.zero {
-                // Each parameter from the process that stepped it.
-                tch::no_grad(|| -> Result<()> {
-                    for (param, &owner) in zero.all.iter().zip(&zero.owner) {
-                        zero.group.broadcast(param, owner)?;
-                    }
-                    Ok(())
-                })?;
-            }
+        }
+        if !skipped {
             let Slot { optimizer, scheduler, .. } = &mut *slot;
             if let Some(scheduler) = scheduler {
                 for _ in 0..self.num_processes {
@@ -404,7 +324,7 @@ impl AcceleratedOptimizer {
     /// averaged, and this step would train this process's replica alone.
     fn check_membership(&self, slot: &Slot) -> Result<()> {
         let accelerator = self.accelerator()?;
-        let strays = accelerator.unprepared(&self.all_params(slot))?;
+        let strays = accelerator.unprepared(&slot.trainable)?;
         if let Some(size) = strays.first() {
             return Err(Error::Training(format!(
                 "{} steps {} parameter(s) (the first of shape {size:?}) that belong to no model \
@@ -422,16 +342,17 @@ impl AcceleratedOptimizer {
         Ok(())
     }
 
-    /// Clears gradients, on sync steps only: sets them to none, or, with several processes
-    /// (DDP), zeroes them in place so that they stay views of the all-reduce buckets.
+    /// Clears gradients, on sync steps only: sets them to none, or, where the strategy
+    /// needs it (DDP), zeroes them in place so that they stay views of the all-reduce buckets.
     pub fn zero_grad(&mut self) -> Result<()> {
         if !self.state.sync_gradients() {
             return Ok(());
         }
+        let in_place = self.accelerator()?.inner.strategy.zero_grad_in_place();
         let mut slot = self.lock();
-        if self.num_processes > 1 {
+        if in_place {
             tch::no_grad(|| -> Result<()> {
-                for p in self.all_params(&slot) {
+                for p in self.gradients(&slot) {
                     let mut grad = p.grad();
                     if grad.defined() {
                         let _ = grad.f_zero_()?;
@@ -442,45 +363,5 @@ impl AcceleratedOptimizer {
         } else {
             slot.optimizer.zero_grad()
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use tch::{Device, Kind, Tensor};
-
-    use super::partition;
-    use crate::optim::{AdamConfig, AdamW, Optimizer, unnamed_params};
-
-    #[test]
-    fn zero1_shares_parameters_evenly_and_keeps_only_its_own_state() {
-        let sizes = [1000i64, 10, 600, 400, 10, 5];
-        let params: Vec<Tensor> = sizes
-            .iter()
-            .map(|&n| Tensor::ones([n], (Kind::Float, Device::Cpu)).set_requires_grad(true))
-            .collect();
-        let owner = partition(&params, 2);
-        // Each to the lighter rank: 1000 | 10 600 400 | then 10 and 5 back to rank 0.
-        assert_eq!(owner, [0, 1, 1, 1, 0, 0]);
-        let load =
-            |r| sizes.iter().zip(&owner).filter(|(_, o)| **o == r).map(|(n, _)| n).sum::<i64>();
-        assert_eq!((load(0), load(1)), (1015, 1010));
-
-        let mut opt = AdamW::new(unnamed_params(&params), AdamConfig::adamw()).unwrap();
-        opt.retain(&|i| owner[i] == 1).unwrap();
-        assert_eq!(opt.params().len(), 3);
-        for p in &params {
-            crate::shim::set_grad(p, Some(&p.ones_like())).unwrap();
-        }
-        opt.step().unwrap();
-        let state = opt.state().unwrap();
-        // Moments exist for the three owned tensors only (step, exp_avg, exp_avg_sq each).
-        assert_eq!(state.tensors.len(), 9);
-        assert!(!state.tensors.keys().any(|k| k.starts_with("param.0/")));
-        assert_eq!(
-            params[0].double_value(&[0]),
-            1.0,
-            "a parameter another rank owns is not stepped here"
-        );
     }
 }

@@ -154,13 +154,7 @@ impl NcclComm {
                 .map(|f| CStr::from_ptr(f(status)).to_string_lossy().into_owned())
                 .unwrap_or_default()
         };
-        Err(Error::Collective {
-            op: call.into(),
-            seq: 0,
-            what: "nccl".into(),
-            rank: 0,
-            message: format!("NCCL error {status}: {text}"),
-        })
+        Err(Error::Nccl { call: call.into(), code: status, rank: 0, message: text })
     }
 
     fn prepare(&self, t: &Tensor) -> Result<(*mut c_void, c_int)> {

@@ -336,8 +336,9 @@ impl StoreClient {
     }
 
     fn request(&mut self, body: &[u8], wait: Duration) -> Result<Vec<u8>> {
-        let lost = |e: std::io::Error, addr: &str| {
-            Error::Rendezvous(format!("lost the store at {addr} ({e}); rank 0 may have exited"))
+        let lost = |e: std::io::Error, addr: &str| Error::StoreLost {
+            addr: addr.to_owned(),
+            detail: e.to_string(),
         };
         self.stream
             .set_read_timeout(Some(wait + Duration::from_secs(10)))
@@ -345,7 +346,7 @@ impl StoreClient {
         write_message(&mut self.stream, body).map_err(|e| lost(e, &self.addr))?;
         let reply =
             read_message(&mut self.stream).map_err(|e| lost(e, &self.addr))?.ok_or_else(|| {
-                Error::Rendezvous(format!("the store at {} closed the connection", self.addr))
+                Error::StoreLost { addr: self.addr.clone(), detail: "connection closed".into() }
             })?;
         let mut f = Fields(&reply);
         match f.u8().map_err(Error::Rendezvous)? {

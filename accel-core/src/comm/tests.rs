@@ -6,6 +6,7 @@ use std::time::Duration;
 use tch::{Device, Kind, Tensor};
 
 use super::*;
+use crate::topology::Topology;
 
 fn topology(rank: usize, world: usize, port: u16) -> Topology {
     Topology {

@@ -265,7 +265,7 @@ pub fn clip_grad_value(params: &[Tensor], max: f64) -> Result<()> {
 pub fn clip_grad_norm_sharded(
     params: &[Tensor],
     max_norm: f64,
-    group: &crate::comm::ProcessGroup,
+    group: &dyn crate::comm::Communicator,
 ) -> Result<f64> {
     let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).filter(Tensor::defined).collect();
     let mut squares = Tensor::zeros([1], (tch::Kind::Double, tch::Device::Cpu));

@@ -104,7 +104,7 @@ impl GradScaler {
     pub fn share_found_inf(
         &mut self,
         params: &[Tensor],
-        group: &crate::comm::ProcessGroup,
+        group: &dyn crate::comm::Communicator,
     ) -> Result<()> {
         self.unscale(params)?;
         if let Some(found) = &self.found_inf {

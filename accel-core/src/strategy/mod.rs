@@ -1,5 +1,235 @@
-//! How gradients (and later parameters and optimizer state) are shared between processes.
-//! One folder per strategy, each with a README of how it works.
+//! How the work of training is shared between processes: the [`Strategy`] trait, which the
+//! accelerator calls at each point of training and branches on nothing else, and the
+//! built-in strategies — DDP ([`ddp`]), ZeRO-1 ([`zero1`]), ZeRO-2/3 and FSDP ([`fsdp`]).
+//! A strategy of one's own (Accelerate's custom plugins; `examples/by_feature/local_sgd.rs`)
+//! implements the same trait with the public API and is given to
+//! [`crate::AcceleratorBuilder::custom_strategy`].
+//!
+//! Checkpoints ask the strategy what each process holds of each tensor (a [`Placement`],
+//! what PyTorch's distributed checkpoint calls a chunk), never which strategy it is.
 
 pub mod ddp;
 pub mod fsdp;
+pub mod zero1;
+
+use std::sync::Arc;
+
+use tch::Tensor;
+
+use crate::Accelerator;
+use crate::comm::Communicator;
+use crate::config::Strategy as StrategyName;
+use crate::error::Result;
+use crate::mesh::{DeviceMesh, Dim};
+use crate::optim::{Optimizer, Param};
+
+/// What one process holds of a tensor of the model or of an optimizer's state, for
+/// checkpoints: how to save it, and how to cut a whole tensor back to it on load.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Placement {
+    /// The whole tensor, the same on every process: saved once, by the main process.
+    Replicated,
+    /// The whole tensor, held by this process alone (ZeRO-1's state of the parameters it
+    /// steps): saved by this process.
+    Owned,
+    /// Chunk `index` of `count` equal chunks of the flattened whole of `numel` elements,
+    /// zero-padded at the end (ZeRO-2/3's shards); saved by this process when `write`
+    /// (under hybrid sharding the other machines hold copies).
+    Chunk {
+        /// Which chunk.
+        index: usize,
+        /// How many chunks the whole is cut into.
+        count: usize,
+        /// Elements of the whole.
+        numel: i64,
+        /// Whether this process's copy is the one saved.
+        write: bool,
+    },
+}
+
+impl Placement {
+    /// Cuts `whole` to what this placement holds, shaped like `like` where whole.
+    pub fn cut(&self, whole: &Tensor, like: Option<&Tensor>) -> Result<Tensor> {
+        match self {
+            Placement::Chunk { index, count, .. } => {
+                crate::strategy::fsdp::chunk_of(whole, *index, *count)
+            }
+            Placement::Replicated | Placement::Owned => match like {
+                Some(t) if t.numel() == whole.numel() && t.size() != whole.size() => {
+                    Ok(whole.f_reshape(t.size().as_slice())?)
+                }
+                _ => Ok(whole.shallow_clone()),
+            },
+        }
+    }
+}
+
+/// Per-model settings of the built-in strategies (given to
+/// [`Accelerator::prepare_model_with`]); other strategies may ignore them.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[non_exhaustive]
+pub struct ModelOptions {
+    /// DDP's bucket size, unused-parameter handling and gradient compression.
+    pub ddp: ddp::DdpOptions,
+}
+
+impl From<ddp::DdpOptions> for ModelOptions {
+    fn from(ddp: ddp::DdpOptions) -> Self {
+        Self { ddp }
+    }
+}
+
+/// What a strategy does for each prepared optimizer. The accelerator's optimizer wrapper
+/// does accumulation, loss scaling and clipping, and asks this for everything else.
+pub trait OptimizerPlan: Send {
+    /// The tensors whose gradients this process's step reads: what fp16 unscaling,
+    /// overflow checks and clipping look at. The optimizer's parameters by default.
+    fn gradients(&self, optimizer: &dyn Optimizer) -> Vec<Tensor> {
+        optimizer.params()
+    }
+
+    /// The communicator across which [`gradients`](Self::gradients) are split (the global
+    /// norm and the overflow flag are reduced over it); `None` when every process holds
+    /// them all.
+    fn gradient_group(&self) -> Option<Arc<dyn Communicator>> {
+        None
+    }
+
+    /// After every `step()` call of the prepared optimizer: `stepped` is false on
+    /// accumulation steps and on skipped fp16 steps.
+    fn after_step(&mut self, optimizer: &mut dyn Optimizer, stepped: bool) -> Result<()> {
+        let _ = (optimizer, stepped);
+        Ok(())
+    }
+
+    /// What this process holds of optimizer state tensor `key` (`{param}/{slot}`), whose
+    /// value here is `tensor`.
+    fn state_placement(&self, key: &str, tensor: &Tensor) -> Placement {
+        let _ = (key, tensor);
+        Placement::Replicated
+    }
+
+    /// What this process holds of the state of the whole of parameter `param` (for
+    /// loading a state saved under another layout); `numel` is the whole's size.
+    fn state_placement_of(&self, param: &str, numel: i64) -> Placement {
+        let _ = (param, numel);
+        Placement::Replicated
+    }
+}
+
+/// The plan of an optimizer every process steps alike (single process, DDP).
+#[derive(Debug, Default)]
+pub struct Replicated;
+
+impl OptimizerPlan for Replicated {}
+
+/// The hooks of a distribution strategy. Every method is called on every process, at the
+/// same points, so a strategy may run collectives in any of them.
+pub trait Strategy: Send + Sync + 'static {
+    /// Its name, for messages.
+    fn name(&self) -> String;
+
+    /// Prepares a model: `params` are all its variables (sorted by name, on the process's
+    /// device). Broadcast them, hook their gradients, shard them.
+    fn prepare_model(
+        &self,
+        accelerator: &Accelerator,
+        params: &[Param],
+        options: &ModelOptions,
+    ) -> Result<()>;
+
+    /// Prepares an optimizer over prepared models, before its first step: keep a share of
+    /// its parameters, swap them for shards... Returns what to do at its steps.
+    fn prepare_optimizer(
+        &self,
+        accelerator: &Accelerator,
+        optimizer: &mut dyn Optimizer,
+    ) -> Result<Box<dyn OptimizerPlan>> {
+        let _ = (accelerator, optimizer);
+        Ok(Box::new(Replicated))
+    }
+
+    /// After every backward pass; `sync` when it ends an accumulation window (the step
+    /// that follows updates the parameters).
+    fn after_backward(&self, accelerator: &Accelerator, sync: bool) -> Result<()> {
+        let _ = (accelerator, sync);
+        Ok(())
+    }
+
+    /// Whether `zero_grad` must zero gradients in place instead of dropping them (DDP's
+    /// gradients are views of its buckets).
+    fn zero_grad_in_place(&self) -> bool {
+        false
+    }
+
+    /// Whether an optimizer the strategy did not prepare can step the model's parameters
+    /// as they are (whole, their gradients in `.grad`): false where the parameters or their
+    /// gradients live in shards.
+    fn steps_whole_parameters(&self) -> bool {
+        true
+    }
+
+    /// The end of training ([`Accelerator::end_training`], and the successful end of an
+    /// `#[accelerate]` function).
+    fn end_training(&self, accelerator: &Accelerator) -> Result<()> {
+        let _ = accelerator;
+        Ok(())
+    }
+
+    /// What this process holds of the model parameter `param`, and where: for checkpoints.
+    /// The parameter itself, replicated, by default.
+    fn parameter(&self, param: &Param) -> Result<(Tensor, Placement)> {
+        Ok((param.tensor.f_detach()?, Placement::Replicated))
+    }
+
+    /// Sets the model parameter `param` from its whole value (loading a checkpoint); the
+    /// strategy writes what this process holds of it.
+    fn load_parameter(&self, param: &Param, whole: &Tensor) -> Result<()> {
+        tch::no_grad(|| param.tensor.shallow_clone().f_copy_(whole))?;
+        Ok(())
+    }
+
+    /// After [`load_parameter`](Self::load_parameter) of every parameter.
+    fn after_load(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The whole values of `params` (a collective under sharding: every process calls it);
+    /// copies of the local values by default.
+    fn full_parameters(&self, params: &[Param]) -> Result<Vec<Tensor>> {
+        params.iter().map(|p| Ok(p.tensor.f_detach_copy()?)).collect()
+    }
+}
+
+/// One process: nothing to share.
+#[derive(Debug, Default)]
+pub struct Single;
+
+impl Strategy for Single {
+    fn name(&self) -> String {
+        "single".into()
+    }
+    fn prepare_model(&self, _: &Accelerator, _: &[Param], _: &ModelOptions) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The built-in strategy a configuration names, over `mesh`.
+pub(crate) fn builtin(
+    name: StrategyName,
+    mesh: &DeviceMesh,
+    sharding: fsdp::ShardOptions,
+) -> Arc<dyn Strategy> {
+    if mesh.dims().world() == 1 {
+        return Arc::new(Single);
+    }
+    let data = mesh.comm(Dim::Data);
+    match name {
+        StrategyName::Single | StrategyName::Ddp => Arc::new(ddp::DdpStrategy::new(data)),
+        StrategyName::Zero1 => Arc::new(zero1::Zero1::new(data)),
+        StrategyName::Zero2 => Arc::new(fsdp::Sharded::new(mesh, fsdp::Stage::Gradients, sharding)),
+        StrategyName::Zero3 | StrategyName::Fsdp | StrategyName::HybridShard => {
+            Arc::new(fsdp::Sharded::new(mesh, fsdp::Stage::Parameters, sharding))
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! Parsing the attribute's arguments (syntax only): `key = value, ...` into raw values that
 //! keep their spans. Validation of values and of combinations lives in `check.rs`.
 
+use accel_choices::{Precision, Sharding, Strategy};
 use proc_macro2::{Span, TokenStream};
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
@@ -32,9 +33,9 @@ pub(crate) struct Spanned<T> {
 /// The arguments as written; each `None` when left out.
 #[derive(Default)]
 pub(crate) struct RawArgs {
-    pub strategy: Option<Spanned<String>>,
-    pub sharding: Option<Spanned<String>>,
-    pub precision: Option<Spanned<String>>,
+    pub strategy: Option<Spanned<Strategy>>,
+    pub sharding: Option<Spanned<Sharding>>,
+    pub precision: Option<Spanned<Precision>>,
     pub accumulate: Option<Spanned<u64>>,
     pub clip_grad_norm: Option<Spanned<f64>>,
     pub seed: Option<Spanned<u64>>,
@@ -62,6 +63,24 @@ fn expect_str(expr: &Expr, key: &str, example: &str) -> syn::Result<Spanned<Stri
             format!("`{key}` takes a string, e.g. `{key} = {example}`"),
         )),
     }
+}
+
+/// A string naming one of `T`'s choices, typed here so that the attribute accepts exactly
+/// what the runtime runs (the lists live in accel-choices).
+fn expect_choice<T: std::str::FromStr<Err = accel_choices::UnknownChoice>>(
+    expr: &Expr,
+    key: &str,
+    example: &str,
+) -> syn::Result<Spanned<T>> {
+    let text = expect_str(expr, key, example)?;
+    text.value.parse::<T>().map(|value| Spanned { value, span: text.span }).map_err(|e| {
+        let list = e.valid.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ");
+        let hint = super::check::did_you_mean(&e.got, e.valid);
+        syn::Error::new(
+            text.span,
+            format!("unknown {} \"{}\"; the {} are {list}{hint}", e.what, e.got, e.plural),
+        )
+    })
 }
 
 fn expect_u64(expr: &Expr, key: &str, example: &str) -> syn::Result<Spanned<u64>> {
@@ -176,9 +195,9 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
         let v = &pair.value;
         let result: syn::Result<()> = (|| {
             match key.as_str() {
-                "strategy" => raw.strategy = Some(expect_str(v, &key, "\"ddp\"")?),
-                "sharding" => raw.sharding = Some(expect_str(v, &key, "\"full_shard\"")?),
-                "precision" => raw.precision = Some(expect_str(v, &key, "\"bf16\"")?),
+                "strategy" => raw.strategy = Some(expect_choice(v, &key, "\"ddp\"")?),
+                "sharding" => raw.sharding = Some(expect_choice(v, &key, "\"full_shard\"")?),
+                "precision" => raw.precision = Some(expect_choice(v, &key, "\"bf16\"")?),
                 "accumulate" => raw.accumulate = Some(expect_u64(v, &key, "4")?),
                 "clip_grad_norm" => raw.clip_grad_norm = Some(expect_f64(v, &key, "1.0")?),
                 "seed" => raw.seed = Some(expect_u64(v, &key, "42")?),

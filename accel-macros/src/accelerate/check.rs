@@ -4,40 +4,15 @@
 use proc_macro2::Span;
 use syn::spanned::Spanned as _;
 
-use super::attr::{RawArgs, Spanned};
+use accel_choices::{Precision, Strategy};
 
-pub(crate) const STRATEGIES: &[&str] = &["single", "ddp", "zero1", "zero2", "zero3", "fsdp"];
-pub(crate) const SHARDINGS: &[&str] = &["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"];
-pub(crate) const PRECISIONS: &[&str] = &["no", "fp16", "bf16", "fp8"];
+use super::attr::RawArgs;
 
 /// " — did you mean `x`?" when a valid choice is close to what was written.
 pub(crate) fn did_you_mean(got: &str, valid: &[&str]) -> String {
-    valid
-        .iter()
-        .map(|v| (strsim::jaro_winkler(got, v), *v))
-        .filter(|(score, _)| *score > 0.8)
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, v)| format!(" — did you mean \"{v}\"?"))
+    accel_choices::closest(got, valid)
+        .map(|v| format!(" — did you mean \"{v}\"?"))
         .unwrap_or_default()
-}
-
-fn choice(
-    value: &Option<Spanned<String>>,
-    what: &str,
-    plural: &str,
-    valid: &[&str],
-    errors: &mut Vec<syn::Error>,
-) {
-    if let Some(v) = value {
-        if !valid.contains(&v.value.as_str()) {
-            let list = valid.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ");
-            let hint = did_you_mean(&v.value, valid);
-            errors.push(syn::Error::new(
-                v.span,
-                format!("unknown {what} \"{}\"; the {plural} are {list}{hint}", v.value),
-            ));
-        }
-    }
 }
 
 /// Accumulating zero micro-batches per step would never step the optimizer.
@@ -63,7 +38,7 @@ fn clip_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 fn sharding_needs_fsdp(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     if let Some(s) = &raw.sharding {
         let strategy = raw.strategy.as_ref().map(|s| s.value.as_str());
-        if strategy != Some("fsdp") {
+        if strategy != Some(Strategy::Fsdp.as_str()) {
             errors.push(syn::Error::new(
                 s.span,
                 format!(
@@ -79,8 +54,7 @@ fn sharding_needs_fsdp(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 /// Offloading moves sharded state to CPU; without sharding there is nothing to offload.
 fn offload_needs_sharding(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     if let Some(o) = &raw.offload {
-        let strategy = raw.strategy.as_ref().map(|s| s.value.as_str());
-        if o.value && !matches!(strategy, Some("zero2" | "zero3" | "fsdp")) {
+        if o.value && !raw.strategy.as_ref().is_some_and(|s| s.value.shards()) {
             errors.push(syn::Error::new(
                 o.span,
                 "`offload = true` needs a strategy that shards parameters or gradients: \"zero2\", \"zero3\" or \"fsdp\"",
@@ -92,7 +66,7 @@ fn offload_needs_sharding(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 /// fp8 needs fp8 tensor cores; a CPU-only run cannot have them.
 fn fp8_not_on_cpu(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     if let (Some(p), Some(c)) = (&raw.precision, &raw.cpu) {
-        if p.value == "fp8" && c.value {
+        if p.value == Precision::Fp8 && c.value {
             errors.push(syn::Error::new(
                 p.span,
                 "`precision = \"fp8\"` needs an Ada or Hopper GPU, but `cpu = true`",
@@ -104,9 +78,6 @@ fn fp8_not_on_cpu(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 /// Checks values and combinations.
 pub(crate) fn args(raw: &RawArgs) -> Vec<syn::Error> {
     let mut errors = Vec::new();
-    choice(&raw.strategy, "strategy", "strategies", STRATEGIES, &mut errors);
-    choice(&raw.sharding, "sharding", "sharding strategies", SHARDINGS, &mut errors);
-    choice(&raw.precision, "precision", "precisions", PRECISIONS, &mut errors);
     accumulate_positive(raw, &mut errors);
     clip_positive(raw, &mut errors);
     sharding_needs_fsdp(raw, &mut errors);

@@ -10,6 +10,8 @@ use syn::visit::Visit;
 use syn::visit_mut::VisitMut;
 use syn::{Block, Expr, ExprMethodCall, ItemFn, Stmt, parse_quote};
 
+use accel_choices::Strategy;
+
 use super::attr::RawArgs;
 use super::body::{self, FALLIBLE, INFALLIBLE, Init, Optimizers, Source, span_of};
 use super::check::Returns;
@@ -27,24 +29,18 @@ pub(crate) struct Context {
 /// The builder chain the arguments ask for.
 pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path) -> TokenStream {
     let mut calls = TokenStream::new();
-    let variant = |s: &str| syn::Ident::new(&(s[..1].to_uppercase() + &s[1..]), Span::call_site());
-    let strategy = match (
-        raw.strategy.as_ref().map(|s| s.value.as_str()),
-        raw.sharding.as_ref().map(|s| s.value.as_str()),
-    ) {
-        (Some("fsdp"), Some("full_shard")) => Some("zero3"),
-        (Some("fsdp"), Some("shard_grad_op")) => Some("zero2"),
-        (Some("fsdp"), Some("no_shard")) => Some("ddp"),
-        (Some("fsdp"), Some("hybrid_shard")) => Some("hybridShard"),
-        (Some(s), _) => Some(s),
-        (None, _) => None,
+    let ident = |name: &str| syn::Ident::new(name, Span::call_site());
+    // FSDP with a sharding strategy is the strategy that sharding is.
+    let strategy = match (&raw.strategy, &raw.sharding) {
+        (Some(s), Some(sharding)) if s.value == Strategy::Fsdp => Some(sharding.value.strategy()),
+        (s, _) => s.as_ref().map(|s| s.value),
     };
     if let Some(s) = strategy {
-        let v = variant(s);
+        let v = ident(s.variant_name());
         calls.extend(quote!(.strategy(#krate::Strategy::#v)));
     }
     if let Some(p) = &raw.precision {
-        let v = variant(&p.value);
+        let v = ident(p.value.variant_name());
         calls.extend(quote!(.precision(#krate::Precision::#v)));
     }
     if let Some(a) = &raw.accumulate {

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::Instant;
 
-use accel_core::comm::{GroupOptions, ProcessGroup, ReduceOp};
+use accel_core::comm::{Communicator, GroupOptions, ProcessGroup, ReduceOp};
 use accel_core::topology::Topology;
 use tch::{Device, Kind, Tensor};
 

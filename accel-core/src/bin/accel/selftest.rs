@@ -1,7 +1,7 @@
 //! `accel test`: what each process runs. Every check is agreed across ranks (a rank that
 //! fails makes the check fail everywhere); rank 0 prints one line per check.
 
-use accel_core::comm::{GroupOptions, ProcessGroup, ReduceOp};
+use accel_core::comm::{Communicator, GroupOptions, ProcessGroup, ReduceOp};
 use accel_core::data::{Sampler, ShardOptions, shard_batches};
 use accel_core::split_between;
 use accel_core::topology::Topology;

@@ -1,11 +1,14 @@
-//! Data-parallel gradient averaging; see README.md beside this file.
+//! Data-parallel gradient averaging: the [`DdpStrategy`], over one [`Ddp`] per model; see
+//! README.md beside this file.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Kind, Tensor};
 
+use super::{ModelOptions, Strategy};
+use crate::Accelerator;
 use crate::accelerator::GradientState;
-use crate::comm::{ProcessGroup, ReduceOp, Work};
+use crate::comm::{Communicator, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::optim::Param;
 use crate::shim::{PostAccumulateGradHook, add_post_accumulate_grad_hook};
@@ -51,7 +54,7 @@ struct Pending {
 /// processes.
 pub(crate) struct Ddp {
     pending: Arc<Mutex<Pending>>,
-    group: ProcessGroup,
+    group: Arc<dyn Communicator>,
     options: DdpOptions,
     _hooks: Vec<PostAccumulateGradHook>,
 }
@@ -60,7 +63,7 @@ fn lock(p: &Mutex<Pending>) -> MutexGuard<'_, Pending> {
     p.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn launch(bucket: &mut Bucket, group: &ProcessGroup) -> Result<()> {
+fn launch(bucket: &mut Bucket, group: &dyn Communicator) -> Result<()> {
     bucket.work = Some(group.all_reduce_async(&bucket.flat, ReduceOp::Avg)?);
     Ok(())
 }
@@ -69,7 +72,7 @@ impl Ddp {
     /// Broadcasts rank 0's parameters and hooks every trainable one into a bucket.
     pub(crate) fn new(
         params: &[Param],
-        group: ProcessGroup,
+        group: Arc<dyn Communicator>,
         state: Arc<GradientState>,
         options: DdpOptions,
     ) -> Result<Self> {
@@ -145,7 +148,11 @@ impl Ddp {
                 let result = copied.and_then(|()| {
                     bucket.fired[i] = true;
                     bucket.ready += 1;
-                    if bucket.ready == bucket.slots.len() { launch(bucket, &group) } else { Ok(()) }
+                    if bucket.ready == bucket.slots.len() {
+                        launch(bucket, group.as_ref())
+                    } else {
+                        Ok(())
+                    }
                 });
                 if let Err(e) = result {
                     guard.error.get_or_insert(e.to_string());
@@ -209,7 +216,7 @@ impl Ddp {
                         let _ = bucket.flat.f_narrow(0, slot.offset, slot.numel)?.f_zero_()?;
                     }
                 }
-                launch(bucket, &self.group)?;
+                launch(bucket, self.group.as_ref())?;
             }
         }
         for bucket in &mut pending.buckets {
@@ -237,5 +244,56 @@ impl Ddp {
             bucket.fired.iter_mut().for_each(|f| *f = false);
         }
         Ok(())
+    }
+}
+
+/// DDP: every process holds the whole model; gradients are averaged over the mesh's data
+/// dimension on sync steps.
+pub struct DdpStrategy {
+    group: Arc<dyn Communicator>,
+    models: Mutex<Vec<Ddp>>,
+}
+
+impl std::fmt::Debug for DdpStrategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DdpStrategy").field("group", &self.group).finish_non_exhaustive()
+    }
+}
+
+impl DdpStrategy {
+    /// DDP over the processes of `group`.
+    pub(crate) fn new(group: Arc<dyn Communicator>) -> Self {
+        Self { group, models: Mutex::new(Vec::new()) }
+    }
+}
+
+impl Strategy for DdpStrategy {
+    fn name(&self) -> String {
+        "ddp".into()
+    }
+
+    fn prepare_model(
+        &self,
+        accelerator: &Accelerator,
+        params: &[Param],
+        options: &ModelOptions,
+    ) -> Result<()> {
+        let state = accelerator.inner.state.clone();
+        let ddp = Ddp::new(params, self.group.clone(), state, options.ddp)?;
+        self.models.lock().unwrap_or_else(|e| e.into_inner()).push(ddp);
+        Ok(())
+    }
+
+    fn after_backward(&self, _: &Accelerator, sync: bool) -> Result<()> {
+        if sync {
+            for ddp in self.models.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                ddp.finish()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn zero_grad_in_place(&self) -> bool {
+        true
     }
 }

@@ -5,9 +5,12 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind, Tensor, nn};
 
+use super::engine::ShardedModel;
+use super::layout::{size_based_units, unit_of};
 use super::*;
+use crate::shim;
 
 fn unit_of_(name: &str, explicit: Option<&[String]>, wrapped: &BTreeSet<String>) -> String {
     unit_of(name, explicit, wrapped, None)
@@ -84,24 +87,27 @@ fn loss(params: &[Param], x: &Tensor, y: &Tensor, around_block: impl Fn(&Tensor)
     (hidden.linear::<Tensor>(&params[2].tensor, None) - y).square().mean(Kind::Float)
 }
 
+/// A sharded model of `params` over `group` alone (ranks as threads).
+fn sharded(
+    params: &[Param],
+    group: &crate::comm::ProcessGroup,
+    options: ShardOptions,
+) -> Arc<ShardedModel> {
+    let group: Arc<dyn Communicator> = Arc::new(group.clone());
+    ShardedModel::new(params, group.as_ref(), group.clone(), None, Stage::Parameters, options)
+        .unwrap()
+}
+
 #[test]
 fn zero3_releases_a_unit_outside_its_forward_and_backward_and_gets_ddp_gradients() {
-    wrapped().insert("blocks.0".into());
     let results = on_ranks(2, Duration::from_secs(20), |group| {
         let rank = group.rank();
         let params = model(rank);
-        let sharded = Arc::new(
-            ShardedModel::new(
-                &params,
-                &group,
-                (group.clone(), None),
-                Stage::Parameters,
-                ShardOptions::default(),
-            )
-            .unwrap(),
-        );
+        // The unit's handle is bound to the model when it is prepared, on this thread only.
+        let vs = nn::VarStore::new(Device::Cpu);
+        let unit = Unit::new(&(vs.root() / "blocks" / 0), ());
+        let sharded = sharded(&params, &group, ShardOptions::default());
         let bytes = |p: &Param| shim::storage_nbytes(&p.tensor).unwrap();
-        let block = sharded.unit("blocks.0").unwrap();
         let (weight, bias, head) = (&params[1], &params[0], &params[2]);
         // At rest the block's memory is released; the root (head) stays whole.
         assert_eq!((bytes(weight), bytes(bias)), (0, 0));
@@ -111,12 +117,14 @@ fn zero3_releases_a_unit_outside_its_forward_and_backward_and_gets_ddp_gradients
         assert_eq!(master(bias).size(), [3]);
 
         let (x, y) = batch(rank);
-        sharded.before_forward(block).unwrap();
-        assert_eq!(bytes(weight), 60);
-        let loss = loss(&params, &x, &y, |hidden| {
-            sharded.after_forward(block, hidden).unwrap();
-        });
+        let hidden = unit
+            .try_run(|()| {
+                assert_eq!(bytes(weight), 60, "gathered for its forward");
+                x.linear(&weight.tensor, Some(&bias.tensor)).relu()
+            })
+            .unwrap();
         assert_eq!(bytes(weight), 0, "released after its forward");
+        let loss = (hidden.linear::<Tensor>(&head.tensor, None) - y).square().mean(Kind::Float);
         loss.backward();
         sharded.finish().unwrap();
         assert_eq!(bytes(weight), 0, "released again after its backward");
@@ -143,8 +151,6 @@ fn zero3_releases_a_unit_outside_its_forward_and_backward_and_gets_ddp_gradients
 
 #[test]
 fn zero3_prefetches_the_next_unit_in_forward_and_the_previous_in_backward() {
-    wrapped().insert("stack.0".into());
-    wrapped().insert("stack.1".into());
     let results = on_ranks(2, Duration::from_secs(20), |group| {
         let rank = group.rank();
         let params = vec![
@@ -157,16 +163,11 @@ fn zero3_prefetches_the_next_unit_in_forward_and_the_previous_in_backward() {
                 tensor: values(&[2, 4], 2.0).set_requires_grad(true),
             },
         ];
-        let options = ShardOptions {
-            units: Some(vec!["stack.0".into(), "stack.1".into()]),
-            ..Default::default()
-        };
-        let model = Arc::new(
-            ShardedModel::new(&params, &group, (group.clone(), None), Stage::Parameters, options)
-                .unwrap(),
-        );
+        let vs = nn::VarStore::new(Device::Cpu);
+        let _units = [0, 1].map(|i| Unit::new(&(vs.root() / "stack" / i), ()));
+        let model = sharded(&params, &group, ShardOptions::default());
         let (first, second) = (model.unit("stack.0").unwrap(), model.unit("stack.1").unwrap());
-        let pending = |u: usize| lock(&model.engine).units[u].prefetched.is_some();
+        let pending = |u: usize| model.prefetch_pending(u);
         let (x, y) = batch(rank);
         let mut grads = Vec::new();
         for iteration in 0..2 {

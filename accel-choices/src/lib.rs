@@ -1,0 +1,194 @@
+//! The named choices of accel's configuration: [`Strategy`], [`Precision`] and FSDP's
+//! [`Sharding`]. One definition serves the runtime (accel-core re-exports these enums) and
+//! the `#[accelerate]` attribute (accel-macros parses its arguments into them), so the
+//! attribute accepts exactly what the runtime runs.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// A name that is none of the valid choices, with the nearest one if it looks like a typo.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownChoice {
+    /// What was being chosen, e.g. `strategy`.
+    pub what: &'static str,
+    /// Its plural, e.g. `strategies`.
+    pub plural: &'static str,
+    /// What was written.
+    pub got: String,
+    /// Every valid name.
+    pub valid: &'static [&'static str],
+}
+
+impl fmt::Display for UnknownChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let list = self.valid.iter().map(|v| format!("`{v}`")).collect::<Vec<_>>().join(", ");
+        write!(f, "unknown {} `{}`; the {} are {list}", self.what, self.got, self.plural)?;
+        if let Some(best) = closest(&self.got, self.valid) {
+            write!(f, " — did you mean `{best}`?")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for UnknownChoice {}
+
+/// The valid choice nearest to `got`, if any is near enough to be a typo.
+pub fn closest<'a>(got: &str, valid: &[&'a str]) -> Option<&'a str> {
+    valid
+        .iter()
+        .map(|v| (strsim::jaro_winkler(got, v), *v))
+        .filter(|(score, _)| *score > 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, v)| v)
+}
+
+macro_rules! choices {
+    (
+        $(#[$doc:meta])* $ty:ident, $what:literal, $plural:literal,
+        $($(#[$vdoc:meta])* $name:literal => $variant:ident),+ $(,)?
+    ) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum $ty {
+            $($(#[$vdoc])* #[serde(rename = $name)] $variant),+
+        }
+
+        impl $ty {
+            /// Every valid spelling, for messages.
+            pub const NAMES: &'static [&'static str] = &[$($name),+];
+            /// Every choice, in the order of [`Self::NAMES`].
+            pub const ALL: &'static [$ty] = &[$($ty::$variant),+];
+
+            /// The canonical lowercase name.
+            pub fn as_str(self) -> &'static str {
+                match self { $($ty::$variant => $name),+ }
+            }
+
+            /// The Rust name of the variant (what generated code writes).
+            pub fn variant_name(self) -> &'static str {
+                match self { $($ty::$variant => stringify!($variant)),+ }
+            }
+        }
+
+        impl FromStr for $ty {
+            type Err = UnknownChoice;
+            fn from_str(s: &str) -> Result<Self, UnknownChoice> {
+                match s.to_ascii_lowercase().as_str() {
+                    $($name => Ok($ty::$variant),)+
+                    _ => Err(UnknownChoice {
+                        what: $what,
+                        plural: $plural,
+                        got: s.to_owned(),
+                        valid: Self::NAMES,
+                    }),
+                }
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+choices!(
+    /// How the work is split across processes.
+    Strategy, "strategy", "strategies",
+    /// One process, no distribution (Accelerate's `NO`).
+    "single" => Single,
+    /// Data parallel: replicated parameters, averaged gradients.
+    "ddp" => Ddp,
+    /// ZeRO stage 1: optimizer state sharded.
+    "zero1" => Zero1,
+    /// ZeRO stage 2: optimizer state and gradients sharded.
+    "zero2" => Zero2,
+    /// ZeRO stage 3: optimizer state, gradients and parameters sharded.
+    "zero3" => Zero3,
+    /// FSDP, with a sharding strategy (full_shard = zero3 by default).
+    "fsdp" => Fsdp,
+    /// FSDP's `HYBRID_SHARD`: zero3 among the processes of each machine, replicated across
+    /// machines (a replicate × shard mesh).
+    "hybrid_shard" => HybridShard,
+);
+
+choices!(
+    /// Arithmetic precision of the forward and backward passes (master weights stay fp32).
+    Precision, "precision", "precisions",
+    /// fp32 throughout.
+    "no" => No,
+    /// fp16 autocast with dynamic loss scaling.
+    "fp16" => Fp16,
+    /// bf16 autocast, no scaling.
+    "bf16" => Bf16,
+    /// fp8 matmuls (Ada/Hopper GPUs), the rest under bf16.
+    "fp8" => Fp8,
+);
+
+choices!(
+    /// FSDP's sharding strategies (`strategy = "fsdp", sharding = ..`).
+    Sharding, "sharding strategy", "sharding strategies",
+    /// Parameters, gradients and optimizer state sharded (ZeRO-3).
+    "full_shard" => FullShard,
+    /// Gradients and optimizer state sharded (ZeRO-2).
+    "shard_grad_op" => ShardGradOp,
+    /// Nothing sharded (DDP).
+    "no_shard" => NoShard,
+    /// Full sharding within each machine, replicas across machines.
+    "hybrid_shard" => HybridShard,
+);
+
+// Written out: the enums come from a macro shared with `Sharding`, which has no default.
+#[allow(clippy::derivable_impls)]
+impl Default for Strategy {
+    fn default() -> Self {
+        Strategy::Single
+    }
+}
+
+#[allow(clippy::derivable_impls)]
+impl Default for Precision {
+    fn default() -> Self {
+        Precision::No
+    }
+}
+
+impl Sharding {
+    /// The strategy FSDP with this sharding is.
+    pub fn strategy(self) -> Strategy {
+        match self {
+            Sharding::FullShard => Strategy::Zero3,
+            Sharding::ShardGradOp => Strategy::Zero2,
+            Sharding::NoShard => Strategy::Ddp,
+            Sharding::HybridShard => Strategy::HybridShard,
+        }
+    }
+}
+
+impl Strategy {
+    /// Whether parameters or gradients are sharded (what `offload` needs).
+    pub fn shards(self) -> bool {
+        matches!(self, Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp | Strategy::HybridShard)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back_and_typos_get_a_guess() {
+        for s in Strategy::ALL {
+            assert_eq!(s.as_str().parse::<Strategy>(), Ok(*s));
+        }
+        assert_eq!("DDP".parse::<Strategy>(), Ok(Strategy::Ddp));
+        let err = "fdsp".parse::<Strategy>().unwrap_err().to_string();
+        assert!(err.contains("did you mean `fsdp`"), "{err}");
+        let err = "bf61".parse::<Precision>().unwrap_err().to_string();
+        assert!(err.contains("`no`, `fp16`, `bf16`, `fp8`") && err.contains("`bf16`?"), "{err}");
+        assert_eq!(Sharding::ShardGradOp.strategy(), Strategy::Zero2);
+    }
+}

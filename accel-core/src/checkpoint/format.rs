@@ -1,0 +1,259 @@
+//! The on-disk format of a checkpoint folder: safetensors files and a JSON manifest that
+//! records each file's size and CRC32, and where each tensor split across processes lives.
+//! Writes go to a temporary folder renamed into place only when complete.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Tensor};
+
+use crate::accelerator::{DataPosition, StepCounters};
+use crate::error::{Error, Result};
+use crate::optim::SchedulerState;
+use crate::precision::ScalerState;
+
+pub(crate) const FORMAT: &str = "accel-checkpoint";
+pub(crate) const VERSION: u32 = 2;
+pub(crate) const MANIFEST: &str = "manifest.json";
+
+/// Size and checksum of one file of a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct FileRecord {
+    pub bytes: u64,
+    pub crc32: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct OptimizerRecord {
+    pub name: String,
+    pub groups: serde_json::Value,
+    pub scheduler: Option<SchedulerState>,
+    pub step_was_skipped: bool,
+}
+
+/// Where a tensor that is not in the model or optimizer files lives: in the shard file
+/// (`shard_{rank}.safetensors`) of the process that held it whole, or cut into chunks held
+/// by several processes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum SavedPiece {
+    /// Whole, in rank `rank`'s shard file.
+    Owned { rank: usize },
+    /// Chunk i of the flattened, zero-padded whole of `numel` elements is in rank
+    /// `ranks[i]`'s shard file.
+    Chunks { numel: i64, ranks: Vec<usize> },
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub accel: String,
+    pub world_size: usize,
+    pub files: BTreeMap<String, FileRecord>,
+    pub counters: StepCounters,
+    pub scaler: Option<ScalerState>,
+    pub models: usize,
+    pub optimizers: Vec<OptimizerRecord>,
+    pub loaders: Vec<DataPosition>,
+    pub rng_devices: Vec<String>,
+    /// The tensors of the shard files, by key (`model_{i}/{name}`, `optimizer_{j}/{key}`).
+    #[serde(default)]
+    pub pieces: BTreeMap<String, SavedPiece>,
+    /// The shapes of the model variables saved in pieces (what `merge_weights` restores).
+    #[serde(default)]
+    pub shapes: BTreeMap<String, Vec<i64>>,
+}
+
+pub(crate) fn model_file(i: usize) -> String {
+    if i == 0 { "model.safetensors".into() } else { format!("model_{i}.safetensors") }
+}
+pub(crate) fn optimizer_file(i: usize) -> String {
+    if i == 0 { "optimizer.safetensors".into() } else { format!("optimizer_{i}.safetensors") }
+}
+pub(crate) fn rng_file(rank: usize) -> String {
+    format!("rng_state_{rank}.safetensors")
+}
+pub(crate) fn shard_file(rank: usize) -> String {
+    format!("shard_{rank}.safetensors")
+}
+
+pub(crate) fn io_error(path: &Path, source: std::io::Error) -> Error {
+    Error::Io { path: path.to_path_buf(), source }
+}
+
+pub(crate) fn bad(path: &Path, message: impl Into<String>) -> Error {
+    Error::Checkpoint { path: Some(path.to_path_buf()), message: message.into() }
+}
+
+impl Manifest {
+    /// Reads and checks `dir`'s manifest.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join(MANIFEST);
+        let text = std::fs::read_to_string(&path).map_err(|e| io_error(&path, e))?;
+        let manifest: Manifest = serde_json::from_str(&text)
+            .map_err(|e| bad(&path, format!("unreadable manifest: {e}")))?;
+        if manifest.format != FORMAT || manifest.version != VERSION {
+            return Err(bad(
+                &path,
+                format!(
+                    "format {} v{} is not {FORMAT} v{VERSION}",
+                    manifest.format, manifest.version
+                ),
+            ));
+        }
+        Ok(manifest)
+    }
+
+    /// Writes the manifest into `dir`.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        let path = dir.join(MANIFEST);
+        let text = serde_json::to_string_pretty(self).expect("the manifest serialises");
+        std::fs::write(&path, text).map_err(|e| io_error(&path, e))
+    }
+
+    /// The tensors of file `name` of the checkpoint, checked against this manifest.
+    pub fn read_file(&self, dir: &Path, name: &str) -> Result<BTreeMap<String, Tensor>> {
+        let path = dir.join(name);
+        let record = self.files.get(name).ok_or_else(|| bad(&path, "missing from the manifest"))?;
+        read_tensors(&path, record)
+    }
+
+    /// The tensors saved in pieces whose key `keep` accepts, put back together whole
+    /// (chunks concatenated in order, flat, padding dropped).
+    pub fn whole_pieces(
+        &self,
+        dir: &Path,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<BTreeMap<String, Tensor>> {
+        let mut files: BTreeMap<usize, BTreeMap<String, Tensor>> = BTreeMap::new();
+        let mut whole = BTreeMap::new();
+        for (key, piece) in self.pieces.iter().filter(|(k, _)| keep(k)) {
+            let ranks = match piece {
+                SavedPiece::Owned { rank } => std::slice::from_ref(rank),
+                SavedPiece::Chunks { ranks, .. } => ranks.as_slice(),
+            };
+            let mut parts = Vec::new();
+            for &rank in ranks {
+                if let std::collections::btree_map::Entry::Vacant(entry) = files.entry(rank) {
+                    entry.insert(self.read_file(dir, &shard_file(rank))?);
+                }
+                let part = files[&rank].get(key).ok_or_else(|| {
+                    bad(&dir.join(shard_file(rank)), format!("has no tensor `{key}`"))
+                })?;
+                parts.push(part.shallow_clone());
+            }
+            let tensor = match piece {
+                SavedPiece::Owned { .. } => parts.remove(0),
+                SavedPiece::Chunks { numel, .. } => {
+                    let flat = Tensor::f_cat(&parts, 0)?;
+                    if (flat.numel() as i64) < *numel {
+                        return Err(bad(
+                            dir,
+                            format!("the chunks of `{key}` hold fewer than its {numel} elements"),
+                        ));
+                    }
+                    flat.f_narrow(0, 0, *numel)?
+                }
+            };
+            whole.insert(key.clone(), tensor);
+        }
+        Ok(whole)
+    }
+}
+
+/// Writes named tensors (moved to CPU, made contiguous) as safetensors; returns its record.
+pub(crate) fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<FileRecord> {
+    let cpu: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| Ok((n.clone(), t.f_to_device(Device::Cpu)?.f_contiguous()?)))
+        .collect::<Result<_>>()?;
+    Tensor::write_safetensors(&cpu, path).map_err(|e| bad(path, format!("cannot write: {e}")))?;
+    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
+    Ok(FileRecord { bytes: bytes.len() as u64, crc32: crc32fast::hash(&bytes) })
+}
+
+/// Checks a file against its manifest record, then reads its tensors.
+pub(crate) fn read_tensors(path: &Path, record: &FileRecord) -> Result<BTreeMap<String, Tensor>> {
+    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
+    if bytes.len() as u64 != record.bytes {
+        return Err(bad(
+            path,
+            format!(
+                "the file has {} bytes, the manifest says {}: it is truncated or was replaced",
+                bytes.len(),
+                record.bytes
+            ),
+        ));
+    }
+    if crc32fast::hash(&bytes) != record.crc32 {
+        return Err(bad(path, "the file's CRC32 does not match the manifest: it is corrupted"));
+    }
+    let tensors = Tensor::read_safetensors(path)
+        .map_err(|e| bad(path, format!("not a safetensors file: {e}")))?;
+    Ok(tensors.into_iter().collect())
+}
+
+/// Moves a finished temporary folder into place, keeping the old one until the new one is
+/// there.
+pub(crate) fn publish(tmp: &Path, dir: &Path) -> Result<()> {
+    let old = dir.with_extension(format!("old-{}", std::process::id()));
+    let replaced = dir.exists();
+    if replaced {
+        std::fs::rename(dir, &old).map_err(|e| io_error(dir, e))?;
+    }
+    std::fs::rename(tmp, dir).map_err(|e| io_error(dir, e))?;
+    if replaced {
+        std::fs::remove_dir_all(&old).map_err(|e| io_error(&old, e))?;
+    }
+    Ok(())
+}
+
+/// Where a checkpoint is written before it is published: per process (`.{name}.tmp-{pid}`),
+/// or shared by the processes of a run (`.{name}.tmp`).
+pub(crate) fn temporary_dir_path(dir: &Path, per_process: bool) -> Result<PathBuf> {
+    let name = dir.file_name().ok_or_else(|| bad(dir, "a checkpoint needs a folder name"))?;
+    let suffix = if per_process { format!("-{}", std::process::id()) } else { String::new() };
+    Ok(dir.with_file_name(format!(".{}.tmp{suffix}", name.to_string_lossy())))
+}
+
+/// Creates the temporary folder afresh.
+pub(crate) fn temporary_dir(dir: &Path, per_process: bool) -> Result<PathBuf> {
+    let tmp = temporary_dir_path(dir, per_process)?;
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(|e| io_error(&tmp, e))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(|e| io_error(&tmp, e))?;
+    Ok(tmp)
+}
+
+/// The devices whose random generators a checkpoint keeps.
+pub(crate) fn rng_devices() -> Vec<Device> {
+    let mut devices = vec![Device::Cpu];
+    if tch::Cuda::is_available() {
+        devices.extend((0..tch::Cuda::device_count() as usize).map(Device::Cuda));
+    }
+    devices
+}
+
+pub(crate) fn device_name(device: Device) -> String {
+    match device {
+        Device::Cuda(i) => format!("cuda:{i}"),
+        _ => "cpu".into(),
+    }
+}
+
+/// `checkpoint_{i}` folders of `root`, oldest first.
+pub(crate) fn numbered_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(|e| io_error(root, e))? {
+        let entry = entry.map_err(|e| io_error(root, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(i) = name.strip_prefix("checkpoint_").and_then(|i| i.parse().ok()) {
+            found.push((i, entry.path()));
+        }
+    }
+    found.sort();
+    Ok(found)
+}

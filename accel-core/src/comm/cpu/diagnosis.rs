@@ -1,0 +1,100 @@
+//! What went wrong in a collective, told as a user can act on it: the operation, its
+//! sequence number, the tensor, and for timeouts and lost peers the ranks that are behind
+//! (each rank posts its progress to the store, read back only when something fails).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::comm::Op;
+use crate::comm::store::StoreClient;
+use crate::error::Error;
+
+/// What the transport knows went wrong, before the group adds names and diagnoses.
+#[derive(Debug)]
+pub(crate) enum Fault {
+    /// A socket operation timed out waiting for `peer` (a group rank).
+    Timeout { peer: usize },
+    /// `peer` closed the connection or the connection broke.
+    Lost { peer: usize, detail: String },
+    /// `peer` is in another collective, or sent something malformed.
+    Mismatch { peer: usize, detail: String },
+    /// Anything else (a libtorch error while reducing, say).
+    Other(Error),
+}
+
+impl From<tch::TchError> for Fault {
+    fn from(e: tch::TchError) -> Self {
+        Fault::Other(e.into())
+    }
+}
+
+pub(crate) type FaultResult<T> = std::result::Result<T, Fault>;
+
+pub(crate) fn io_fault(peer: usize, e: std::io::Error) -> Fault {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => Fault::Timeout { peer },
+        _ => Fault::Lost { peer, detail: e.to_string() },
+    }
+}
+
+/// The group a fault happened in, for naming ranks and reading their progress.
+pub(crate) struct Scene<'a> {
+    pub group: u64,
+    pub rank: usize,
+    /// Global ranks of the members, by group rank.
+    pub members: &'a [usize],
+    pub store: &'a Mutex<StoreClient>,
+    pub timeout: Duration,
+}
+
+/// The store key where group rank `rank` of group `group` posts the last collective it
+/// entered.
+pub(crate) fn progress_key(group: u64, rank: usize) -> String {
+    format!("group{group}/progress/{rank}")
+}
+
+impl Scene<'_> {
+    /// "; not arrived: rank 2 (last at #14)", read from the store.
+    fn behind(&self, seq: u64) -> String {
+        let Ok(mut store) = self.store.lock() else { return String::new() };
+        let mut late = Vec::new();
+        for (r, member) in self.members.iter().enumerate() {
+            match store.get(&progress_key(self.group, r), Duration::ZERO) {
+                Ok(bytes) => {
+                    let theirs = bytes.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0);
+                    if theirs < seq {
+                        late.push(format!("rank {member} (last at #{theirs})"));
+                    }
+                }
+                Err(Error::StoreLost { .. }) => {
+                    return "; the store of rank 0 is unreachable: rank 0 has probably exited"
+                        .into();
+                }
+                Err(_) => late.push(format!("rank {member} (never reached a collective)")),
+            }
+        }
+        if late.is_empty() { String::new() } else { format!("; not arrived: {}", late.join(", ")) }
+    }
+
+    /// Turns a fault of collective `seq` (`op` on `what`) into the user's error.
+    pub fn diagnose(&self, fault: Fault, seq: u64, op: Op, what: &str) -> Error {
+        let message = match fault {
+            Fault::Timeout { peer } => format!(
+                "timed out after {:.0} s waiting for rank {}{}",
+                self.timeout.as_secs_f64(),
+                self.members[peer],
+                self.behind(seq)
+            ),
+            Fault::Lost { peer, detail } => format!(
+                "lost the connection to rank {} ({detail}); it has probably exited{}",
+                self.members[peer],
+                self.behind(seq)
+            ),
+            Fault::Mismatch { peer, detail } => {
+                format!("mismatch with rank {}: {detail}", self.members[peer])
+            }
+            Fault::Other(e) => e.to_string(),
+        };
+        Error::Collective { op, seq, what: what.to_owned(), rank: self.members[self.rank], message }
+    }
+}

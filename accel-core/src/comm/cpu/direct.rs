@@ -1,0 +1,144 @@
+//! The single-copy path between processes of one machine: each rank reads its peers'
+//! buffers straight from their memory (`process_vm_readv`), with a TCP message or two per
+//! collective to exchange addresses and keep anyone from overwriting a chunk still being
+//! read. Used when every member is on this machine and the kernel lets them read each other.
+
+use std::ops::Range;
+
+use super::buffer::{Buffer, reduce_into};
+use super::diagnosis::{Fault, FaultResult};
+use super::tcp::Links;
+use super::wire::{Tag, WireKind};
+use crate::comm::{Op, ReduceOp};
+use crate::error::{Error, Result};
+
+/// Something to read from a peer: the probe for `process_vm_readv`.
+static PROBE: [u8; 8] = *b"accelCMA";
+
+/// Address of this process's probe bytes.
+pub(crate) fn probe_address() -> u64 {
+    PROBE.as_ptr() as u64
+}
+
+/// Copies `local.len()` bytes at `remote` in process `pid` into `local`.
+fn read_peer(pid: i32, remote: u64, local: &mut [u8]) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < local.len() {
+        let local_iov = libc::iovec {
+            iov_base: local[done..].as_mut_ptr().cast(),
+            iov_len: local.len() - done,
+        };
+        let remote_iov = libc::iovec {
+            iov_base: (remote + done as u64) as *mut libc::c_void,
+            iov_len: local.len() - done,
+        };
+        // SAFETY: the local iovec covers our own writable slice; the kernel checks the
+        // remote range against the peer's address space and fails with EFAULT if invalid.
+        let n = unsafe { libc::process_vm_readv(pid, &local_iov, 1, &remote_iov, 1, 0) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "process_vm_readv read nothing",
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+/// Bytes in an address or a vote.
+const SMALL: u64 = 64;
+
+impl Links {
+    /// Turns on the single-copy path if every member is on this machine (`pids`) and this
+    /// process can read every peer's probe (`probes`); all ranks agree on the outcome.
+    pub fn enable_direct(&mut self, pids: Option<Vec<i32>>, probes: &[u64]) -> Result<bool> {
+        let mut ok = pids.is_some();
+        if let Some(pids) = &pids {
+            for (peer, (&pid, &address)) in pids.iter().zip(probes).enumerate() {
+                if peer == self.rank || !ok {
+                    continue;
+                }
+                let mut bytes = [0u8; 8];
+                ok = read_peer(pid, address, &mut bytes).is_ok() && bytes == PROBE;
+            }
+        }
+        let tag = Tag { seq: 0, op: Op::Objects, kind: WireKind::Bytes, numel: 0 };
+        let votes = self.all_to_all(tag, &[u8::from(ok)], SMALL).map_err(|_| {
+            Error::Rendezvous("the members could not agree on the shared-memory path".into())
+        })?;
+        let all = ok && votes.iter().all(|v| v.first() == Some(&1));
+        self.pids = if all { pids } else { None };
+        Ok(all)
+    }
+
+    /// Addresses of every member's buffer (for reading it), exchanged over TCP.
+    pub fn addresses(&self, buf: &Buffer, tag: Tag) -> FaultResult<Vec<u64>> {
+        let mine = buf.address().to_le_bytes();
+        Ok(self
+            .all_to_all(tag, &mine, SMALL)?
+            .iter()
+            .map(|b| b.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0))
+            .collect())
+    }
+
+    /// Every member reaches this point (phase `phase` of a collective) before anyone goes on.
+    pub fn barrier(&self, tag: Tag, phase: u8) -> FaultResult<()> {
+        self.all_to_all(tag, &[phase], SMALL).map(|_| ())
+    }
+
+    fn read(&self, peer: usize, remote: u64, local: &mut [u8]) -> FaultResult<()> {
+        let pid = self.pids.as_ref().expect("the direct path is on")[peer];
+        read_peer(pid, remote, local)
+            .map_err(|e| Fault::Lost { peer, detail: format!("reading its memory: {e}") })
+    }
+
+    /// Reduce-scatter by reading each peer's chunk `rank` straight from its memory.
+    pub fn direct_reduce_scatter(
+        &self,
+        buf: &mut Buffer,
+        chunks: &[Range<usize>],
+        addrs: &[u64],
+        op: ReduceOp,
+    ) -> FaultResult<()> {
+        let mine = chunks[self.rank].clone();
+        let kind = buf.kind();
+        let mut scratch = vec![0u64; (256 << 10) / 8];
+        // SAFETY: a u64 buffer viewed as bytes (for alignment).
+        let scratch = unsafe {
+            std::slice::from_raw_parts_mut(scratch.as_mut_ptr().cast::<u8>(), scratch.len() * 8)
+        };
+        for step in 1..self.world {
+            let peer = (self.rank + step) % self.world;
+            let mut offset = mine.start;
+            while offset < mine.end {
+                let n = scratch.len().min(mine.end - offset);
+                self.read(peer, addrs[peer] + offset as u64, &mut scratch[..n])?;
+                reduce_into(buf.bytes_mut(offset..offset + n), &scratch[..n], kind, op)?;
+                offset += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// All-gather by reading each peer's chunk `peer` straight into ours.
+    pub fn direct_all_gather(
+        &self,
+        buf: &mut Buffer,
+        chunks: &[Range<usize>],
+        addrs: &[u64],
+    ) -> FaultResult<()> {
+        for step in 1..self.world {
+            let peer = (self.rank + step) % self.world;
+            let range = chunks[peer].clone();
+            if !range.is_empty() {
+                let start = range.start as u64;
+                self.read(peer, addrs[peer] + start, buf.bytes_mut(range))?;
+            }
+        }
+        Ok(())
+    }
+}

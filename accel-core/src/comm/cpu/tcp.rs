@@ -1,0 +1,269 @@
+//! TCP connections between every pair of ranks of a group: the handshake that names the
+//! group and the dialling rank, and framed transfers (header, then payload) over them.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use super::diagnosis::{Fault, FaultResult, io_fault};
+use super::wire::{HEADER, Tag, decode, encode};
+use crate::error::{Error, Result};
+
+/// Bytes handed to the consumer at a time while the rest of a transfer is in flight.
+pub(crate) const SEGMENT: usize = 1 << 20;
+const SOCKET_BUFFER: i32 = 4 << 20;
+
+/// One rank's connections to every other rank of its group.
+pub(crate) struct Links {
+    pub rank: usize,
+    pub world: usize,
+    readers: Vec<Option<TcpStream>>,
+    writers: Vec<Option<TcpStream>>,
+    /// Process ids of the members when all share this machine and may read each other's
+    /// memory (`process_vm_readv`): the single-copy path of direct.rs.
+    pub pids: Option<Vec<i32>>,
+}
+
+fn tune(stream: &TcpStream, timeout: Duration) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    for option in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: a valid socket fd and a pointer to an i32 that outlives the call.
+        unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                option,
+                (&SOCKET_BUFFER as *const i32).cast(),
+                std::mem::size_of::<i32>() as libc::socklen_t,
+            );
+        }
+    }
+    Ok(())
+}
+
+impl Links {
+    /// Connects to every member: lower ranks are dialled (their addresses in `addrs`),
+    /// higher ranks are accepted on `listener`. Each connection starts with a handshake
+    /// naming the group and the dialling rank.
+    pub fn connect(
+        rank: usize,
+        world: usize,
+        group: u64,
+        listener: &TcpListener,
+        addrs: &[String],
+        timeout: Duration,
+    ) -> Result<Self> {
+        let mut readers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        let deadline = Instant::now() + timeout;
+        let fail = |what: String| Error::Rendezvous(what);
+        for (peer, addr) in addrs.iter().enumerate().take(rank) {
+            let stream = loop {
+                match TcpStream::connect(addr) {
+                    Ok(s) => break s,
+                    Err(e) if Instant::now() >= deadline => {
+                        return Err(fail(format!(
+                            "rank {rank} cannot reach rank {peer} at {addr}: {e}"
+                        )));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            };
+            tune(&stream, timeout).map_err(|e| fail(e.to_string()))?;
+            let mut hello = [0u8; 16];
+            hello[0..8].copy_from_slice(&group.to_le_bytes());
+            hello[8..16].copy_from_slice(&(rank as u64).to_le_bytes());
+            (&stream)
+                .write_all(&hello)
+                .map_err(|e| fail(format!("handshake with rank {peer}: {e}")))?;
+            readers[peer] = Some(stream);
+        }
+        listener.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
+        let mut waiting = world - rank - 1;
+        while waiting > 0 {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    stream.set_nonblocking(false).map_err(|e| fail(e.to_string()))?;
+                    tune(&stream, timeout).map_err(|e| fail(e.to_string()))?;
+                    let mut hello = [0u8; 16];
+                    if (&stream).read_exact(&mut hello).is_err() {
+                        continue;
+                    }
+                    let their_group = u64::from_le_bytes(hello[0..8].try_into().expect("8"));
+                    let peer = u64::from_le_bytes(hello[8..16].try_into().expect("8")) as usize;
+                    if their_group != group
+                        || peer <= rank
+                        || peer >= world
+                        || readers[peer].is_some()
+                    {
+                        eprintln!("accel: rank {rank} ignored a stray connection from {from}");
+                        continue;
+                    }
+                    readers[peer] = Some(stream);
+                    waiting -= 1;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        let missing: Vec<usize> =
+                            (rank + 1..world).filter(|p| readers[*p].is_none()).collect();
+                        return Err(fail(format!(
+                            "rank {rank}: rank(s) {missing:?} never connected within {:.0} s",
+                            timeout.as_secs_f64()
+                        )));
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(fail(e.to_string())),
+            }
+        }
+        let writers = readers
+            .iter()
+            .map(|r| r.as_ref().map(TcpStream::try_clone).transpose())
+            .collect::<std::io::Result<Vec<_>>>()
+            .map_err(|e| fail(e.to_string()))?;
+        Ok(Self { rank, world, readers, writers, pids: None })
+    }
+
+    /// Clones of the sockets, so that another thread can shut them down (abort).
+    pub fn shutdown_handles(&self) -> Vec<TcpStream> {
+        self.readers.iter().flatten().filter_map(|s| s.try_clone().ok()).collect()
+    }
+
+    fn writer(&self, peer: usize) -> &TcpStream {
+        self.writers[peer].as_ref().expect("a connection to every other rank")
+    }
+
+    fn reader(&self, peer: usize) -> &TcpStream {
+        self.readers[peer].as_ref().expect("a connection to every other rank")
+    }
+
+    /// Sends a header and `data` to `peer`.
+    pub fn send(&self, peer: usize, tag: Tag, data: &[u8]) -> FaultResult<()> {
+        let mut w = self.writer(peer);
+        w.write_all(&encode(tag, data.len() as u64)).map_err(|e| io_fault(peer, e))?;
+        w.write_all(data).map_err(|e| io_fault(peer, e))
+    }
+
+    /// Reads a header from `peer` and checks it against `tag`; returns the payload length.
+    fn expect(&self, peer: usize, tag: Tag) -> FaultResult<u64> {
+        let mut h = [0u8; HEADER];
+        self.reader(peer).read_exact(&mut h).map_err(|e| io_fault(peer, e))?;
+        let (theirs, payload) = decode(&h).map_err(|detail| Fault::Mismatch {
+            peer,
+            detail: format!("rank {peer} sent {detail}"),
+        })?;
+        if theirs != tag {
+            return Err(Fault::Mismatch {
+                peer,
+                detail: format!(
+                    "rank {peer} is in collective #{} {} of {} × {}, this rank in #{} {} of {} × {}; \
+                     every rank must call the same collectives in the same order with the same \
+                     shapes",
+                    theirs.seq,
+                    theirs.op,
+                    theirs.numel,
+                    theirs.kind.name(),
+                    tag.seq,
+                    tag.op,
+                    tag.numel,
+                    tag.kind.name()
+                ),
+            });
+        }
+        Ok(payload)
+    }
+
+    /// Receives exactly `out.len()` payload bytes of `tag` from `peer`.
+    pub fn recv_into(&self, peer: usize, tag: Tag, out: &mut [u8]) -> FaultResult<()> {
+        let len = self.expect(peer, tag)?;
+        if len != out.len() as u64 {
+            return Err(Fault::Mismatch {
+                peer,
+                detail: format!("rank {peer} sent {len} bytes, {} expected", out.len()),
+            });
+        }
+        self.reader(peer).read_exact(out).map_err(|e| io_fault(peer, e))
+    }
+
+    /// Sends `send` to `to` while receiving `recv_len` bytes from `from`, handing received
+    /// segments to `sink(offset, bytes)` as they arrive.
+    pub fn exchange(
+        &self,
+        to: usize,
+        send: &[u8],
+        from: usize,
+        recv_len: usize,
+        tag: Tag,
+        mut sink: impl FnMut(usize, &[u8]) -> FaultResult<()>,
+    ) -> FaultResult<()> {
+        std::thread::scope(|scope| {
+            let sender = scope.spawn(|| self.send(to, tag, send));
+            let received = (|| {
+                let len = self.expect(from, tag)?;
+                if len != recv_len as u64 {
+                    return Err(Fault::Mismatch {
+                        peer: from,
+                        detail: format!("rank {from} sent {len} bytes, {recv_len} expected"),
+                    });
+                }
+                let mut segment = vec![0u64; SEGMENT.min(recv_len).div_ceil(8)];
+                let mut offset = 0;
+                while offset < recv_len {
+                    let n = SEGMENT.min(recv_len - offset);
+                    // SAFETY: a u64 buffer viewed as bytes (for alignment); n <= its length.
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts_mut(segment.as_mut_ptr().cast::<u8>(), n)
+                    };
+                    self.reader(from).read_exact(bytes).map_err(|e| io_fault(from, e))?;
+                    sink(offset, bytes)?;
+                    offset += n;
+                }
+                Ok(())
+            })();
+            let sent = sender.join().unwrap_or_else(|_| {
+                Err(Fault::Other(Error::Training("sender thread panicked".into())))
+            });
+            received.and(sent)
+        })
+    }
+
+    /// A byte string of any length from `from`.
+    pub fn recv_bytes(&self, from: usize, tag: Tag, limit: u64) -> FaultResult<Vec<u8>> {
+        let len = self.expect(from, tag)?;
+        if len > limit {
+            return Err(Fault::Mismatch {
+                peer: from,
+                detail: format!("rank {from} announced {len} bytes, more than the {limit} allowed"),
+            });
+        }
+        let mut out = vec![0; len as usize];
+        self.reader(from).read_exact(&mut out).map_err(|e| io_fault(from, e))?;
+        Ok(out)
+    }
+
+    /// Sends `data` to every peer and returns what each sent (own entry: `data`).
+    pub fn all_to_all(&self, tag: Tag, data: &[u8], limit: u64) -> FaultResult<Vec<Vec<u8>>> {
+        for peer in (0..self.world).filter(|&p| p != self.rank) {
+            self.send(peer, tag, data)?;
+        }
+        (0..self.world)
+            .map(|peer| {
+                if peer == self.rank {
+                    Ok(data.to_vec())
+                } else {
+                    self.recv_bytes(peer, tag, limit)
+                }
+            })
+            .collect()
+    }
+
+    pub fn next(&self) -> usize {
+        (self.rank + 1) % self.world
+    }
+
+    pub fn prev(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+}

@@ -1,0 +1,330 @@
+//! The run's parallel dimensions, validated once ([`ParallelDims`], as torchtitan's), and
+//! a communicator per dimension ([`DeviceMesh`]).
+//!
+//! Ranks are laid out `[pipeline, data-replicate, data-shard, tensor]`, the tensor dimension
+//! varying fastest (its ranks are neighbours, on one machine when they fit), then the
+//! data-parallel ones. Data parallelism is `replicate × shard`: DDP and ZeRO-1 replicate
+//! over all of it; ZeRO-2/3 shard over all of it; hybrid sharding shards within a machine
+//! and replicates across machines — a shape of the mesh, not a strategy of its own.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use crate::comm::{Communicator, LocalComm, ProcessGroup};
+use crate::config::{Config, Strategy};
+use crate::error::{Error, Result};
+use crate::topology::Topology;
+
+/// One dimension of the mesh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Dim {
+    /// Pipeline stages.
+    Pipeline,
+    /// Data-parallel replicas (DDP; hybrid sharding's machines).
+    DataReplicate,
+    /// Data-parallel shards (ZeRO-2/3; hybrid sharding's processes of one machine).
+    DataShard,
+    /// All data parallelism: `DataReplicate × DataShard`.
+    Data,
+    /// Tensor (and sequence) parallelism.
+    Tensor,
+}
+
+impl fmt::Display for Dim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Dim::Pipeline => "pipeline",
+            Dim::DataReplicate => "data-replicate",
+            Dim::DataShard => "data-shard",
+            Dim::Data => "data",
+            Dim::Tensor => "tensor",
+        })
+    }
+}
+
+/// The sizes of the parallel dimensions; their product is the number of processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParallelDims {
+    /// Pipeline stages.
+    pub pipeline: usize,
+    /// Data-parallel replicas.
+    pub data_replicate: usize,
+    /// Data-parallel shards.
+    pub data_shard: usize,
+    /// Tensor-parallel ranks.
+    pub tensor: usize,
+}
+
+impl fmt::Display for ParallelDims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "pipeline {} × data-replicate {} × data-shard {} × tensor {}",
+            self.pipeline, self.data_replicate, self.data_shard, self.tensor
+        )
+    }
+}
+
+impl ParallelDims {
+    /// Checks that the sizes multiply to `world` and none is 0; the error shows the
+    /// arithmetic.
+    pub fn new(
+        world: usize,
+        pipeline: usize,
+        data_replicate: usize,
+        data_shard: usize,
+        tensor: usize,
+    ) -> Result<Self> {
+        let dims = Self { pipeline, data_replicate, data_shard, tensor };
+        if [pipeline, data_replicate, data_shard, tensor].contains(&0) {
+            return Err(Error::Config(format!("every parallel degree must be at least 1: {dims}")));
+        }
+        let product = pipeline
+            .checked_mul(data_replicate)
+            .and_then(|p| p.checked_mul(data_shard))
+            .and_then(|p| p.checked_mul(tensor));
+        if product != Some(world) {
+            return Err(Error::Config(format!(
+                "the parallel degrees do not fit the {world} process(es): {dims} = {} ≠ {world}",
+                product.map_or("overflow".into(), |p| p.to_string())
+            )));
+        }
+        Ok(dims)
+    }
+
+    /// The dimensions a run's configuration asks for: all processes data-parallel,
+    /// replicated (single, ddp, zero1) or sharded (zero2, zero3, fsdp); hybrid sharding shards
+    /// over each machine's processes and replicates across machines.
+    pub fn for_run(config: &Config, topology: &Topology) -> Result<Self> {
+        let world = topology.world_size;
+        match config.strategy {
+            Strategy::Single | Strategy::Ddp | Strategy::Zero1 => Self::new(world, 1, world, 1, 1),
+            Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp => Self::new(world, 1, 1, world, 1),
+            Strategy::HybridShard => {
+                let local = topology.local_world_size;
+                if local == 0 || world % local != 0 || local == world {
+                    return Err(Error::Config(format!(
+                        "hybrid_shard needs several machines with the same number of processes \
+                         each (here {world} process(es), {local} on this machine); use zero3 on \
+                         one machine"
+                    )));
+                }
+                Self::new(world, 1, world / local, local, 1)
+            }
+        }
+    }
+
+    /// Number of processes.
+    pub fn world(&self) -> usize {
+        self.pipeline * self.data_replicate * self.data_shard * self.tensor
+    }
+
+    /// Size of `dim`.
+    pub fn size(&self, dim: Dim) -> usize {
+        match dim {
+            Dim::Pipeline => self.pipeline,
+            Dim::DataReplicate => self.data_replicate,
+            Dim::DataShard => self.data_shard,
+            Dim::Data => self.data_replicate * self.data_shard,
+            Dim::Tensor => self.tensor,
+        }
+    }
+
+    /// `rank`'s coordinates: (pipeline, data-replicate, data-shard, tensor).
+    pub fn coords(&self, rank: usize) -> [usize; 4] {
+        let tensor = rank % self.tensor;
+        let rest = rank / self.tensor;
+        let shard = rest % self.data_shard;
+        let rest = rest / self.data_shard;
+        [rest / self.data_replicate, rest % self.data_replicate, shard, tensor]
+    }
+
+    fn rank_of(&self, [p, r, s, t]: [usize; 4]) -> usize {
+        ((p * self.data_replicate + r) * self.data_shard + s) * self.tensor + t
+    }
+
+    /// Every group along `dim`: the lists of ranks that differ only in that dimension (both
+    /// data dimensions for [`Dim::Data`]), each in rank order, the lists ordered by their
+    /// first rank.
+    pub fn groups(&self, dim: Dim) -> Vec<Vec<usize>> {
+        let mut groups: BTreeMap<[usize; 4], Vec<usize>> = BTreeMap::new();
+        for rank in 0..self.world() {
+            let mut key = self.coords(rank);
+            match dim {
+                Dim::Pipeline => key[0] = 0,
+                Dim::DataReplicate => key[1] = 0,
+                Dim::DataShard => key[2] = 0,
+                Dim::Data => (key[1], key[2]) = (0, 0),
+                Dim::Tensor => key[3] = 0,
+            }
+            groups.entry(key).or_default().push(rank);
+        }
+        let mut out: Vec<Vec<usize>> = groups.into_values().collect();
+        out.sort();
+        out
+    }
+
+    /// `rank`'s position within its group along `dim`.
+    pub fn index(&self, dim: Dim, rank: usize) -> usize {
+        let [p, r, s, t] = self.coords(rank);
+        match dim {
+            Dim::Pipeline => p,
+            Dim::DataReplicate => r,
+            Dim::DataShard => s,
+            Dim::Data => r * self.data_shard + s,
+            Dim::Tensor => t,
+        }
+    }
+
+    /// The rank at `coords` (for tests and layouts).
+    pub fn rank(&self, coords: [usize; 4]) -> usize {
+        self.rank_of(coords)
+    }
+}
+
+/// A communicator for each dimension of the run, and the world's group for control traffic.
+#[derive(Clone)]
+pub struct DeviceMesh {
+    dims: ParallelDims,
+    rank: usize,
+    world: Option<ProcessGroup>,
+    comms: BTreeMap<Dim, Arc<dyn Communicator>>,
+}
+
+impl fmt::Debug for DeviceMesh {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceMesh").field("dims", &self.dims).field("rank", &self.rank).finish()
+    }
+}
+
+const DIMS: [Dim; 5] = [Dim::Data, Dim::DataReplicate, Dim::DataShard, Dim::Tensor, Dim::Pipeline];
+
+impl DeviceMesh {
+    /// One process: every dimension of size 1.
+    pub fn single() -> Self {
+        let dims = ParallelDims::new(1, 1, 1, 1, 1).expect("1 = 1");
+        let comms = DIMS.iter().map(|&d| (d, Arc::new(LocalComm) as Arc<dyn Communicator>));
+        Self { dims, rank: 0, world: None, comms: comms.collect() }
+    }
+
+    /// Makes the communicator of every dimension from the world's group (a collective:
+    /// every process makes every group, in the same order, and keeps its own). A dimension
+    /// of size 1 needs no traffic; one spanning the world is the world's group.
+    pub fn new(dims: ParallelDims, world: &ProcessGroup) -> Result<Self> {
+        if dims.world() != world.size() {
+            return Err(Error::Config(format!(
+                "the mesh {dims} has {} ranks, the run {}",
+                dims.world(),
+                world.size()
+            )));
+        }
+        let rank = world.rank();
+        let mut comms: BTreeMap<Dim, Arc<dyn Communicator>> = BTreeMap::new();
+        let mut made: BTreeMap<Vec<Vec<usize>>, Arc<dyn Communicator>> = BTreeMap::new();
+        for dim in DIMS {
+            let groups = dims.groups(dim);
+            let comm: Arc<dyn Communicator> = if dims.size(dim) == 1 {
+                Arc::new(LocalComm)
+            } else if dims.size(dim) == dims.world() {
+                Arc::new(world.clone())
+            } else if let Some(same) = made.get(&groups) {
+                same.clone()
+            } else {
+                let mut mine = None;
+                for ranks in &groups {
+                    mine = world.new_subgroup(ranks)?.or(mine);
+                }
+                let group = mine.expect("every rank is in one group of each dimension");
+                let group: Arc<dyn Communicator> = Arc::new(group);
+                made.insert(groups, group.clone());
+                group
+            };
+            comms.insert(dim, comm);
+        }
+        Ok(Self { dims, rank, world: Some(world.clone()), comms })
+    }
+
+    /// A mesh over communicators made elsewhere (tests driving ranks as threads).
+    pub fn from_parts(
+        dims: ParallelDims,
+        rank: usize,
+        world: Option<ProcessGroup>,
+        comms: impl IntoIterator<Item = (Dim, Arc<dyn Communicator>)>,
+    ) -> Self {
+        let mut all: BTreeMap<Dim, Arc<dyn Communicator>> = comms.into_iter().collect();
+        for dim in DIMS {
+            all.entry(dim).or_insert_with(|| Arc::new(LocalComm));
+        }
+        Self { dims, rank, world, comms: all }
+    }
+
+    /// The sizes of the dimensions.
+    pub fn dims(&self) -> ParallelDims {
+        self.dims
+    }
+
+    /// This process's global rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The communicator of `dim` (a group of one where the dimension has size 1).
+    pub fn comm(&self, dim: Dim) -> Arc<dyn Communicator> {
+        self.comms[&dim].clone()
+    }
+
+    /// The world's group, for control traffic (`None` with one process).
+    pub fn world(&self) -> Option<&ProcessGroup> {
+        self.world.as_ref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn degrees_that_do_not_multiply_to_the_world_show_the_arithmetic() {
+        let err = ParallelDims::new(8, 2, 1, 2, 3).unwrap_err().to_string();
+        assert!(
+            err.contains("pipeline 2 × data-replicate 1 × data-shard 2 × tensor 3 = 12 ≠ 8"),
+            "{err}"
+        );
+        assert!(ParallelDims::new(4, 1, 0, 4, 1).unwrap_err().to_string().contains("at least 1"));
+    }
+
+    #[test]
+    fn tensor_ranks_are_neighbours_and_groups_partition_the_world() {
+        let dims = ParallelDims::new(8, 2, 1, 2, 2).unwrap();
+        assert_eq!(dims.groups(Dim::Tensor), vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
+        assert_eq!(dims.groups(Dim::Data), vec![vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]);
+        assert_eq!(
+            dims.groups(Dim::Pipeline),
+            vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
+        );
+        for dim in [Dim::Tensor, Dim::Data, Dim::Pipeline, Dim::DataShard] {
+            let mut all: Vec<usize> = dims.groups(dim).concat();
+            all.sort();
+            assert_eq!(all, (0..8).collect::<Vec<_>>(), "{dim}");
+        }
+        for rank in 0..8 {
+            assert_eq!(dims.rank(dims.coords(rank)), rank);
+        }
+        assert_eq!(dims.index(Dim::Data, 6), 1);
+    }
+
+    #[test]
+    fn hybrid_sharding_is_machines_times_their_processes() {
+        let topology = Topology { world_size: 4, local_world_size: 2, ..Topology::single() };
+        let config = Config { strategy: Strategy::HybridShard, ..Config::default() };
+        let dims = ParallelDims::for_run(&config, &topology).unwrap();
+        assert_eq!((dims.data_replicate, dims.data_shard), (2, 2));
+        // Shards within a machine (ranks 0, 1 and 2, 3), replicas across machines.
+        assert_eq!(dims.groups(Dim::DataShard), vec![vec![0, 1], vec![2, 3]]);
+        assert_eq!(dims.groups(Dim::DataReplicate), vec![vec![0, 2], vec![1, 3]]);
+        let one_machine = Topology { world_size: 4, local_world_size: 4, ..Topology::single() };
+        let err = ParallelDims::for_run(&config, &one_machine).unwrap_err().to_string();
+        assert!(err.contains("use zero3 on one machine"), "{err}");
+    }
+}

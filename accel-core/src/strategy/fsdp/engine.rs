@@ -1,0 +1,588 @@
+//! The sharding engine of one model: master shards, units, the reduce-scatter of gradients
+//! and the all-gather of parameters, with zero3's release and prefetch. See README.md.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tch::{Device, Kind, Tensor};
+
+use super::layout::{
+    chunk_of, columns, copy_from_columns, copy_into_columns, size_based_units, unit_of,
+};
+use super::unit::take_pending;
+use super::{ShardOptions, Stage};
+use crate::comm::{Communicator, ReduceOp, Work};
+use crate::error::{Error, Result};
+use crate::optim::Param;
+use crate::shim::{self, PostAccumulateGradHook, add_grad_hook, add_post_accumulate_grad_hook};
+
+/// One trainable parameter and this rank's share of it.
+struct Shard {
+    name: String,
+    /// The model's full parameter (freed between uses under zero3).
+    param: Tensor,
+    id: usize,
+    /// This rank's `chunk` elements of the flattened, zero-padded parameter, in fp32: what
+    /// the optimizer steps.
+    master: Tensor,
+    numel: i64,
+    chunk: i64,
+}
+
+struct UnitState {
+    prefix: String,
+    /// Indexes into `shards`.
+    members: Vec<usize>,
+    /// Where each member's chunk starts in a rank's segment of the flat buffers.
+    offsets: Vec<i64>,
+    /// Elements per rank in the flat buffers.
+    segment: i64,
+    /// Parameters released outside forward and backward (zero3, wrapped in a [`Unit`]).
+    managed: bool,
+    gathered: bool,
+    fired: Vec<bool>,
+    ready: usize,
+    reducing: Option<(Work, Tensor)>,
+    /// Reduced in the current backward pass.
+    reduced: bool,
+    /// An all-gather launched ahead of this unit's use (prefetch).
+    prefetched: Option<(Work, Tensor)>,
+}
+
+struct Engine {
+    /// The processes a parameter is split across (all, or one machine's under hybrid).
+    group: Arc<dyn Communicator>,
+    /// Hybrid sharding: the processes holding the same shard on other machines.
+    replicas: Option<Arc<dyn Communicator>>,
+    options: ShardOptions,
+    shards: Vec<Shard>,
+    units: Vec<UnitState>,
+    error: Option<String>,
+    /// Units whose reduce-scatter is in flight, oldest first.
+    in_flight: std::collections::VecDeque<usize>,
+    /// Zero3 units in the order of the first forward pass, once complete: what to
+    /// prefetch next (the following unit in forward, the preceding one in backward).
+    order: Vec<usize>,
+    order_known: bool,
+}
+
+/// Reduce-scatters in flight at once: enough to overlap communication with the backward
+/// pass, few enough that their flat buffers (one unit's gradients each) stay a small part
+/// of memory.
+const MAX_IN_FLIGHT: usize = 2;
+
+/// A model whose gradients (zero2) or gradients and parameters (zero3) are sharded.
+pub(crate) struct ShardedModel {
+    engine: Arc<Mutex<Engine>>,
+    _hooks: Mutex<Vec<PostAccumulateGradHook>>,
+}
+
+impl std::fmt::Debug for ShardedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedModel").finish_non_exhaustive()
+    }
+}
+
+fn lock(engine: &Mutex<Engine>) -> MutexGuard<'_, Engine> {
+    engine.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl ShardedModel {
+    /// Broadcasts rank 0's values, keeps this rank's share of every trainable parameter as
+    /// a master shard, releases the full parameters of zero3 units and hooks the rest.
+    ///
+    /// `data` spans every data-parallel process (rank 0's values are broadcast over it);
+    /// parameters are split across `group`, and under hybrid sharding `replicas` holds the
+    /// same shards on the other machines. This thread's pending [`super::Unit`]s under the
+    /// model's names are bound to it.
+    pub(crate) fn new(
+        params: &[Param],
+        data: &dyn Communicator,
+        group: Arc<dyn Communicator>,
+        replicas: Option<Arc<dyn Communicator>>,
+        stage: Stage,
+        options: ShardOptions,
+    ) -> Result<Arc<Self>> {
+        tch::no_grad(|| -> Result<()> {
+            for p in params {
+                data.broadcast(&p.tensor, 0)?;
+            }
+            Ok(())
+        })?;
+        let (world, rank) = (group.size() as i64, group.rank() as i64);
+        let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
+        let handles =
+            take_pending(|prefix| names.iter().any(|n| n.starts_with(&format!("{prefix}."))))?;
+        let wrapped: BTreeSet<String> = handles.iter().map(|h| h.prefix.clone()).collect();
+        let sized = options.min_unit_params.map(|min| {
+            let trainable: Vec<(&str, i64)> = params
+                .iter()
+                .filter(|p| p.tensor.requires_grad())
+                .map(|p| (p.name.as_str(), p.tensor.numel() as i64))
+                .collect();
+            size_based_units(&trainable, min)
+        });
+        let mut shards = Vec::new();
+        let mut units: Vec<UnitState> = Vec::new();
+        for p in params.iter().filter(|p| p.tensor.requires_grad()) {
+            let numel = p.tensor.numel() as i64;
+            let chunk = (numel + world - 1) / world;
+            // Zero2 in fp32 keeps whole parameters anyway: a share that needs no padding can
+            // be a view of its own parameter instead of a copy (ZeRO-2's 4Ψ + 12Ψ/N, not 16Ψ/N).
+            let in_place = stage == Stage::Gradients
+                && !options.offload
+                && p.tensor.kind() == Kind::Float
+                && p.tensor.is_contiguous()
+                && (rank + 1) * chunk <= numel;
+            let master = tch::no_grad(|| -> Result<Tensor> {
+                let flat = p.tensor.f_detach()?.f_reshape([-1])?;
+                if in_place {
+                    return Ok(flat.f_narrow(0, chunk * rank, chunk)?);
+                }
+                let device = if options.offload { Device::Cpu } else { p.tensor.device() };
+                Ok(chunk_of(&flat, rank as usize, world as usize)?
+                    .f_to_kind(Kind::Float)?
+                    .f_to_device(device)?
+                    .f_detach_copy()?)
+            })?
+            .set_requires_grad(true);
+            let prefix = unit_of(&p.name, options.units.as_deref(), &wrapped, sized.as_deref());
+            let u = match units.iter().position(|u| u.prefix == prefix) {
+                Some(u) => u,
+                None => {
+                    let managed = stage == Stage::Parameters && wrapped.contains(&prefix);
+                    units.push(UnitState {
+                        prefix,
+                        members: Vec::new(),
+                        offsets: Vec::new(),
+                        segment: 0,
+                        managed,
+                        gathered: true,
+                        fired: Vec::new(),
+                        ready: 0,
+                        reducing: None,
+                        reduced: false,
+                        prefetched: None,
+                    });
+                    units.len() - 1
+                }
+            };
+            let unit = &mut units[u];
+            unit.members.push(shards.len());
+            unit.offsets.push(unit.segment);
+            unit.segment += chunk;
+            unit.fired.push(false);
+            shards.push(Shard {
+                name: p.name.clone(),
+                param: p.tensor.shallow_clone(),
+                id: shim::tensor_id(&p.tensor)?,
+                master,
+                numel,
+                chunk,
+            });
+        }
+        let mut engine = Engine {
+            group,
+            replicas,
+            options,
+            shards,
+            units,
+            error: None,
+            in_flight: Default::default(),
+            order: Vec::new(),
+            order_known: false,
+        };
+        for u in 0..engine.units.len() {
+            if engine.units[u].managed {
+                engine.release(u)?;
+            }
+        }
+        let engine = Arc::new(Mutex::new(engine));
+        let mut hooks = Vec::new();
+        let layout: Vec<(usize, usize, Tensor)> = {
+            let engine = lock(&engine);
+            let shards = &engine.shards;
+            engine
+                .units
+                .iter()
+                .enumerate()
+                .flat_map(|(u, unit)| {
+                    unit.members
+                        .iter()
+                        .enumerate()
+                        .map(move |(i, &s)| (u, i, shards[s].param.shallow_clone()))
+                })
+                .collect()
+        };
+        for (u, i, param) in layout {
+            let engine = engine.clone();
+            let hook = move |_: &Tensor| {
+                let mut guard = lock(&engine);
+                let unit = &mut guard.units[u];
+                if !unit.fired[i] {
+                    unit.fired[i] = true;
+                    unit.ready += 1;
+                }
+                if unit.ready == unit.members.len() {
+                    if let Err(e) = guard.reduce(u) {
+                        guard.error.get_or_insert(e.to_string());
+                    }
+                }
+            };
+            hooks.push(add_post_accumulate_grad_hook(&param, hook)?);
+        }
+        let model = Arc::new(Self { engine, _hooks: Mutex::new(hooks) });
+        for handle in &handles {
+            if let Some(unit) = model.unit(&handle.prefix) {
+                handle.bind(&model, unit);
+            }
+        }
+        Ok(model)
+    }
+
+    /// The master shard the optimizer steps in place of the parameter `id`
+    /// ([`shim::tensor_id`]), if it is one of this model's.
+    pub(crate) fn master_of(&self, id: usize) -> Option<Tensor> {
+        lock(&self.engine).shards.iter().find(|s| s.id == id).map(|s| s.master.shallow_clone())
+    }
+
+    /// The unit with variable-name prefix `prefix`, if it is one of this model's.
+    pub(crate) fn unit(&self, prefix: &str) -> Option<usize> {
+        lock(&self.engine).units.iter().position(|u| u.prefix == prefix)
+    }
+
+    /// Whether unit `unit`'s all-gather was launched ahead of its use (tests).
+    #[cfg(test)]
+    pub(crate) fn prefetch_pending(&self, unit: usize) -> bool {
+        lock(&self.engine).units[unit].prefetched.is_some()
+    }
+
+    /// The processes each parameter is split across.
+    pub(crate) fn group(&self) -> Arc<dyn Communicator> {
+        lock(&self.engine).group.clone()
+    }
+
+    /// Whether this process's shards are the ones a checkpoint keeps (under hybrid
+    /// sharding, those of the first machine; the other machines hold copies).
+    pub(crate) fn writes_shards(&self) -> bool {
+        lock(&self.engine).replicas.as_ref().is_none_or(|r| r.rank() == 0)
+    }
+
+    /// Gathers a unit for its forward, and starts gathering the one that follows it.
+    pub(crate) fn before_forward(&self, unit: usize) -> Result<()> {
+        let mut engine = lock(&self.engine);
+        if !engine.order_known {
+            if engine.order.contains(&unit) {
+                engine.order_known = true;
+            } else {
+                engine.order.push(unit);
+            }
+        }
+        if !engine.units[unit].gathered {
+            engine.gather(unit)?;
+        }
+        if engine.order_known {
+            let next = engine.order.iter().skip_while(|&&u| u != unit).nth(1).copied();
+            if let Some(next) = next {
+                engine.prefetch(next)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Gathers a unit for its backward, and starts gathering the one whose backward comes
+    /// next (the unit before it in the forward pass).
+    fn before_backward(&self, unit: usize) -> Result<()> {
+        let mut engine = lock(&self.engine);
+        if !engine.units[unit].gathered {
+            engine.gather(unit)?;
+        }
+        let previous = engine.order.iter().take_while(|&&u| u != unit).last().copied();
+        if let Some(previous) = previous {
+            engine.prefetch(previous)?;
+        }
+        Ok(())
+    }
+
+    /// Releases a zero3 unit's parameters after its forward and arranges for them to be
+    /// gathered again when the gradient of its output arrives (just before its backward).
+    pub(crate) fn after_forward(self: &Arc<Self>, unit: usize, output: &Tensor) -> Result<()> {
+        let mut engine = lock(&self.engine);
+        if !engine.units[unit].managed {
+            return Ok(());
+        }
+        engine.release(unit)?;
+        drop(engine);
+        if output.requires_grad() {
+            let model = self.clone();
+            let prefix = lock(&self.engine).units[unit].prefix.clone();
+            add_grad_hook(output, move |_| {
+                if let Err(e) = model.before_backward(unit) {
+                    panic!("zero3: gathering unit `{prefix}` for its backward failed: {e}");
+                }
+                None
+            })?;
+        }
+        Ok(())
+    }
+
+    /// After each backward: launches the reductions no hook launched (units some of whose
+    /// parameters got no gradient), waits for all, and adds this rank's averaged share into
+    /// the master shards' gradients.
+    pub(crate) fn finish(&self) -> Result<()> {
+        let mut guard = lock(&self.engine);
+        let engine = &mut *guard;
+        if let Some(e) = engine.error.take() {
+            return Err(Error::Training(format!("sharded gradient hook failed: {e}")));
+        }
+        if engine.units.iter().all(|u| u.ready == 0 && !u.reduced) {
+            return Ok(());
+        }
+        let unused: Vec<String> = engine
+            .units
+            .iter()
+            .filter(|u| !u.reduced)
+            .flat_map(|u| u.members.iter().zip(&u.fired).filter(|(_, f)| !**f))
+            .map(|(&s, _)| engine.shards[s].name.clone())
+            .collect();
+        if !unused.is_empty() && !engine.options.allow_unused {
+            for u in &mut engine.units {
+                u.ready = 0;
+                u.reduced = false;
+                u.fired.iter_mut().for_each(|f| *f = false);
+            }
+            return Err(Error::Training(format!(
+                "sharded model: parameter(s) {unused:?} received no gradient in this step on rank \
+                 {}; every rank must produce a gradient for every parameter (or set \
+                 ShardOptions::allow_unused)",
+                engine.group.rank()
+            )));
+        }
+        for u in 0..engine.units.len() {
+            if !engine.units[u].reduced {
+                engine.reduce(u)?;
+            }
+        }
+        while let Some(u) = engine.in_flight.pop_front() {
+            engine.complete(u)?;
+        }
+        for unit in &mut engine.units {
+            unit.reduced = false;
+        }
+        Ok(())
+    }
+
+    /// After the optimizer stepped the master shards: gathers the parameters that stay
+    /// whole (zero2; zero3's root) from them. Zero3 units are gathered at their next use.
+    pub(crate) fn after_step(&self) -> Result<()> {
+        let mut engine = lock(&self.engine);
+        for u in 0..engine.units.len() {
+            // A gather launched before the step holds the old values.
+            if let Some((work, _)) = engine.units[u].prefetched.take() {
+                work.wait()?;
+            }
+            if !engine.units[u].managed {
+                engine.gather(u)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The full value of every sharded parameter by [`shim::tensor_id`], gathered from the
+    /// master shards (a collective: every rank must call it).
+    pub(crate) fn full_parameters(&self) -> Result<Vec<(usize, Tensor)>> {
+        let mut engine = lock(&self.engine);
+        let mut out = Vec::new();
+        for u in 0..engine.units.len() {
+            let full = engine.gathered(u)?;
+            for (s, full) in engine.units[u].members.iter().zip(full) {
+                out.push((engine.shards[*s].id, full));
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Engine {
+    /// Flattens the unit's gradients rank-major (every rank's chunks of every member
+    /// side by side), drops the full gradients and launches the reduce-scatter.
+    fn reduce(&mut self, u: usize) -> Result<()> {
+        let world = self.group.size() as i64;
+        let unit = &mut self.units[u];
+        let kind = match (self.options.reduce_dtype, unit.members.first()) {
+            (Some(kind), _) => kind,
+            (None, Some(&s)) => self.shards[s].param.kind(),
+            (None, None) => Kind::Float,
+        };
+        // Zeros: padding, and parameters that got no gradient, contribute nothing.
+        let buffer = Tensor::f_zeros([world * unit.segment], (kind, Device::Cpu))?;
+        tch::no_grad(|| -> Result<()> {
+            for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+                let shard = &self.shards[s];
+                let grad = shard.param.grad();
+                if grad.defined() {
+                    let columns = columns(&buffer, world, unit.segment, offset, shard.chunk)?;
+                    copy_into_columns(&columns, &grad.f_reshape([-1])?, shard.numel, shard.chunk)?;
+                }
+                shim::set_grad(&shard.param, None)?;
+            }
+            Ok(())
+        })?;
+        unit.fired.iter_mut().for_each(|f| *f = false);
+        unit.ready = 0;
+        let work = self.group.reduce_scatter_in_place_async(&buffer, ReduceOp::Sum)?;
+        self.units[u].reducing = Some((work, buffer));
+        self.units[u].reduced = true;
+        self.in_flight.push_back(u);
+        if self.units[u].managed {
+            self.release(u)?;
+        }
+        while self.in_flight.len() > MAX_IN_FLIGHT {
+            let oldest = self.in_flight.pop_front().expect("non-empty");
+            self.complete(oldest)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for unit `u`'s reduce-scatter and adds this rank's averaged share into the
+    /// master shards' gradients (the buffer is then dropped).
+    fn complete(&mut self, u: usize) -> Result<()> {
+        let unit = &mut self.units[u];
+        let Some((work, buffer)) = unit.reducing.take() else { return Ok(()) };
+        work.wait()?;
+        let rank = self.group.rank() as i64;
+        let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
+        let mut world = self.group.size() as i64;
+        if let Some(replicas) = &self.replicas {
+            // Every machine reduced its own processes' gradients; sum the machines'.
+            replicas.all_reduce(&mine, ReduceOp::Sum)?;
+            world *= replicas.size() as i64;
+        }
+        tch::no_grad(|| -> Result<()> {
+            for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+                let shard = &self.shards[s];
+                let part = mine
+                    .f_narrow(0, offset, shard.chunk)?
+                    .f_to_kind(Kind::Float)?
+                    .f_to_device(shard.master.device())?
+                    .f_div_scalar(world as f64)?;
+                let mut grad = shard.master.grad();
+                if grad.defined() {
+                    let _ = grad.f_add_(&part)?;
+                } else {
+                    shim::set_grad(&shard.master, Some(&part))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// The unit's flat buffer holding this rank's master shards in its segment.
+    fn own_shards_buffer(&self, u: usize) -> Result<Tensor> {
+        let unit = &self.units[u];
+        let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
+        let buffer = Tensor::f_empty([world * unit.segment], (Kind::Float, Device::Cpu))?;
+        let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
+        for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+            let shard = &self.shards[s];
+            mine.f_narrow(0, offset, shard.chunk)?.f_copy_(&shard.master.f_detach()?)?;
+        }
+        Ok(buffer)
+    }
+
+    /// The unit's flat buffer with every rank's master shards, all-gathered (or the
+    /// prefetched one).
+    fn all_gathered(&mut self, u: usize) -> Result<Tensor> {
+        if let Some((work, buffer)) = self.units[u].prefetched.take() {
+            work.wait()?;
+            return Ok(buffer);
+        }
+        let buffer = self.own_shards_buffer(u)?;
+        self.group.all_gather_in_place_async(&buffer)?.wait()?;
+        Ok(buffer)
+    }
+
+    /// The unit's full parameters as new tensors.
+    fn gathered(&mut self, u: usize) -> Result<Vec<Tensor>> {
+        let buffer = self.all_gathered(u)?;
+        let unit = &self.units[u];
+        let world = self.group.size() as i64;
+        unit.members
+            .iter()
+            .zip(&unit.offsets)
+            .map(|(&s, &offset)| {
+                let shard = &self.shards[s];
+                let whole = Tensor::f_empty([shard.numel], (Kind::Float, Device::Cpu))?;
+                let columns = columns(&buffer, world, unit.segment, offset, shard.chunk)?;
+                copy_from_columns(&columns, &whole, shard.numel, shard.chunk)?;
+                Ok(whole.f_view(shard.param.size().as_slice())?)
+            })
+            .collect()
+    }
+
+    /// Writes the gathered values into the unit's parameters (allocating them first if
+    /// they were released).
+    fn gather(&mut self, u: usize) -> Result<()> {
+        let buffer = self.all_gathered(u)?;
+        let unit = &self.units[u];
+        let world = self.group.size() as i64;
+        tch::no_grad(|| -> Result<()> {
+            for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+                let shard = &self.shards[s];
+                let param = &shard.param;
+                if !unit.gathered {
+                    let bytes = param.numel() * param.kind().elt_size_in_bytes();
+                    shim::allocate_storage(param, bytes as u64)?;
+                }
+                // Through `.data`: autograd saved these parameters in the forward, and a
+                // write that bumped their version would make backward refuse them.
+                let target = param.f_data()?.f_view([-1])?;
+                let columns = columns(&buffer, world, unit.segment, offset, shard.chunk)?;
+                copy_from_columns(&columns, &target, shard.numel, shard.chunk)?;
+            }
+            Ok(())
+        })?;
+        self.units[u].gathered = true;
+        Ok(())
+    }
+
+    /// Launches the all-gather of a released zero3 unit without waiting; `gather` uses it.
+    fn prefetch(&mut self, u: usize) -> Result<()> {
+        let unit = &self.units[u];
+        if !unit.managed || unit.gathered || unit.prefetched.is_some() {
+            return Ok(());
+        }
+        let buffer = self.own_shards_buffer(u)?;
+        let work = self.group.all_gather_in_place_async(&buffer)?;
+        self.units[u].prefetched = Some((work, buffer));
+        Ok(())
+    }
+
+    /// Releases the memory of a zero3 unit's full parameters.
+    fn release(&mut self, u: usize) -> Result<()> {
+        if let Some((work, _)) = self.units[u].prefetched.take() {
+            // Gathered ahead but not used: finish the collective (every rank launched it).
+            work.wait()?;
+        }
+        let unit = &mut self.units[u];
+        if !unit.gathered {
+            return Ok(());
+        }
+        for &s in &unit.members {
+            let param = &self.shards[s].param;
+            let whole = param.numel() * param.kind().elt_size_in_bytes();
+            if !param.is_contiguous() || shim::storage_nbytes(param)? != whole as u64 {
+                return Err(Error::Unsupported(format!(
+                    "zero3: parameter {} shares its storage with other tensors, so its memory \
+                     cannot be released on its own; give it a storage of its own",
+                    self.shards[s].name
+                )));
+            }
+            // SAFETY: the unit is marked released; nothing reads it until `gather`
+            // allocates it again (a [`Unit`] does before its forward and its backward).
+            unsafe { shim::free_storage(param)? };
+        }
+        unit.gathered = false;
+        Ok(())
+    }
+}

@@ -1,0 +1,127 @@
+//! [`Unit`]: a module whose parameters zero3 gathers just before its use and releases right
+//! after. Each unit owns a handle that the sharded model binds when it is prepared; the
+//! unit reaches its model through that handle, never through process-wide state.
+//!
+//! Until then the handle waits in a list of this thread's pending units (models are built
+//! and prepared on one thread); preparing a model takes the pending units whose prefixes are
+//! its modules. Threads do not see each other's pending units, so ranks run as threads in
+//! tests stay apart.
+
+use std::cell::RefCell;
+use std::sync::{Arc, OnceLock, Weak};
+
+use tch::Tensor;
+use tch::nn::Module;
+
+use super::engine::ShardedModel;
+use crate::error::{Error, Result};
+
+/// A unit's link to the sharded model that holds its parameters, set when the model is
+/// prepared.
+#[derive(Debug)]
+pub(crate) struct UnitHandle {
+    pub prefix: String,
+    binding: OnceLock<(Weak<ShardedModel>, usize)>,
+}
+
+impl UnitHandle {
+    /// Ties the unit to unit number `unit` of `model`.
+    pub fn bind(&self, model: &Arc<ShardedModel>, unit: usize) {
+        let _ = self.binding.set((Arc::downgrade(model), unit));
+    }
+
+    fn model(&self) -> Option<(Arc<ShardedModel>, usize)> {
+        let (model, unit) = self.binding.get()?;
+        Some((model.upgrade()?, *unit))
+    }
+}
+
+thread_local! {
+    static PENDING: RefCell<Vec<Weak<UnitHandle>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// This thread's units not yet bound to a model, whose prefix `matches`: taken out of the
+/// pending list. Two pending units with one prefix cannot be told apart: an error.
+pub(crate) fn take_pending(matches: impl Fn(&str) -> bool) -> Result<Vec<Arc<UnitHandle>>> {
+    PENDING.with(|pending| {
+        let mut pending = pending.borrow_mut();
+        pending.retain(|h| h.strong_count() > 0);
+        let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *pending)
+            .into_iter()
+            .partition(|h| h.upgrade().is_some_and(|h| matches(&h.prefix)));
+        *pending = rest;
+        let mine: Vec<Arc<UnitHandle>> = mine.iter().filter_map(Weak::upgrade).collect();
+        for (i, a) in mine.iter().enumerate() {
+            if let Some(b) = mine[..i].iter().find(|b| b.prefix == a.prefix) {
+                return Err(Error::Config(format!(
+                    "two units named `{}` wait to be prepared ({:p} and {:p}), and accel cannot \
+                     tell which model each belongs to: prepare each model before building the \
+                     next, or give their VarStore paths different names",
+                    a.prefix,
+                    Arc::as_ptr(a),
+                    Arc::as_ptr(b)
+                )));
+            }
+        }
+        Ok(mine)
+    })
+}
+
+/// Marks `inner`, the module built under `path`, as a unit of a sharded model. Under
+/// zero3 its parameters live as shards and are gathered just before its forward and freed
+/// after it, gathered again just before its backward and freed after it. Under every
+/// other strategy it is `inner` unchanged.
+///
+/// Every use of the unit's parameters must go through [`Unit::forward`] or
+/// [`Unit::run`]: outside them, under zero3, their memory is released.
+#[derive(Debug)]
+pub struct Unit<M> {
+    handle: Arc<UnitHandle>,
+    inner: M,
+}
+
+impl<M> Unit<M> {
+    /// Wraps `inner`, whose variables live under `path`; the model is prepared after this.
+    pub fn new(path: &tch::nn::Path, inner: M) -> Self {
+        let prefix = path.components().collect::<Vec<_>>().join(".");
+        let handle = Arc::new(UnitHandle { prefix, binding: OnceLock::new() });
+        PENDING.with(|pending| pending.borrow_mut().push(Arc::downgrade(&handle)));
+        Self { handle, inner }
+    }
+
+    /// The wrapped module.
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+
+    /// The variable-name prefix of the unit.
+    pub fn prefix(&self) -> &str {
+        &self.handle.prefix
+    }
+
+    /// Runs `forward` on the wrapped module with its parameters gathered; an error if
+    /// gathering or releasing them fails (a peer died or timed out).
+    pub fn try_run(&self, forward: impl FnOnce(&M) -> Tensor) -> Result<Tensor> {
+        let Some((model, unit)) = self.handle.model() else { return Ok(forward(&self.inner)) };
+        model.before_forward(unit)?;
+        let out = forward(&self.inner);
+        model.after_forward(unit, &out)?;
+        Ok(out)
+    }
+
+    /// [`try_run`](Self::try_run) for `Module::forward`, which cannot return an error.
+    ///
+    /// # Panics
+    /// If gathering fails (a peer died or timed out), with the collective's message.
+    pub fn run(&self, forward: impl FnOnce(&M) -> Tensor) -> Tensor {
+        self.try_run(forward).unwrap_or_else(|e| {
+            panic!("zero3: the parameters of unit `{}`: {e}", self.handle.prefix)
+        })
+    }
+}
+
+impl<M: Module> Module for Unit<M> {
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        self.run(|m| m.forward(xs))
+    }
+}
