@@ -10,11 +10,11 @@
 
 use std::sync::{Arc, Mutex};
 
+use accel_core::Result;
 use accel_core::comm::{Communicator, ReduceOp};
 use accel_core::mesh::Dim;
 use accel_core::optim::{Optimizer, Param};
-use accel_core::strategy::{ModelOptions, OptimizerPlan, Strategy};
-use accel_core::{Accelerator, Result};
+use accel_core::strategy::{Context, ModelOptions, OptimizerPlan, Strategy};
 use tch::Tensor;
 
 /// What the strategy and the plans of its optimizers share.
@@ -67,8 +67,8 @@ impl Strategy for LocalSgd {
         format!("local_sgd(every {} batches)", self.every)
     }
 
-    fn prepare_model(&self, acc: &Accelerator, params: &[Param], _: &ModelOptions) -> Result<()> {
-        let comm = acc.mesh().comm(Dim::Data);
+    fn prepare_model(&self, cx: &Context<'_>, params: &[Param], _: &ModelOptions) -> Result<()> {
+        let comm = cx.mesh().comm(Dim::Data);
         // Every replica starts from rank 0's values, as a DDP wrapper's would.
         tch::no_grad(|| -> Result<()> {
             for p in params {
@@ -86,13 +86,13 @@ impl Strategy for LocalSgd {
 
     fn prepare_optimizer(
         &self,
-        _: &Accelerator,
+        _: &Context<'_>,
         _: &mut dyn Optimizer,
     ) -> Result<Box<dyn OptimizerPlan>> {
         Ok(Box::new(self.clone()))
     }
 
-    fn end_training(&self, _: &Accelerator) -> Result<()> {
+    fn end_training(&self, _: &Context<'_>) -> Result<()> {
         self.shared().average()
     }
 }

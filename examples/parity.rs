@@ -83,6 +83,9 @@ struct Args {
     /// accel-core).
     #[arg(long, value_name = "K")]
     local_sgd: Option<u64>,
+    /// Also write the model with `save_model` into this folder (every process takes part).
+    #[arg(long)]
+    save_model: Option<PathBuf>,
     #[arg(long)]
     out: PathBuf,
     /// Loss log (rank 0).
@@ -219,6 +222,9 @@ fn main() -> Result<()> {
     let named = acc.full_state_dict(&vs)?;
     if acc.is_main_process() {
         Tensor::write_safetensors(&named, &args.out)?;
+    }
+    if let Some(dir) = &args.save_model {
+        acc.save_model(&vs, dir, u64::MAX)?;
     }
     acc.wait_for_everyone()?;
     Ok(())

@@ -67,7 +67,7 @@ pub enum Error {
     #[error("collective #{seq} {op} of {what} on rank {rank}: {message}")]
     Collective {
         /// The operation.
-        op: crate::comm::Op,
+        op: crate::collective::Op,
         /// Its sequence number in this process group (the same on every rank).
         seq: u64,
         /// Shape and dtype of the data.

@@ -10,7 +10,9 @@
 extern crate self as accel_core;
 
 mod accelerator;
+mod accumulation;
 mod checkpoint;
+pub mod collective;
 pub mod comm;
 pub mod config;
 pub mod cuda;

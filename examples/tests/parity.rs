@@ -253,7 +253,13 @@ fn every_zero_stage_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
         let mut runs = Vec::new();
         for strategy in STAGES {
             let tag = format!("{strategy}-{n}");
-            let weights = run_parity(&dir, n, strategy, &tag, &[]);
+            let saved = dir.join(format!("{tag}-model"));
+            let weights =
+                run_parity(&dir, n, strategy, &tag, &["--save-model", saved.to_str().unwrap()]);
+            // save_model writes the whole weights, whatever holds them (under zero3 no
+            // process does: they are gathered first).
+            let written = read_weights(&saved.join("model.safetensors"));
+            assert_eq!(max_diff(&weights, &written), 0.0, "{tag}: save_model wrote other weights");
             runs.push((read_losses(&dir.join(format!("{tag}.jsonl"))), weights));
         }
         let (ddp_losses, ddp_weights) = &runs[0];

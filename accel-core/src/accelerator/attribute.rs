@@ -139,6 +139,18 @@ impl AdoptOptimizer for AcceleratedOptimizer {
     }
 }
 
+impl crate::optim::Preparer for Accelerator {
+    type Prepared = AcceleratedOptimizer;
+    fn prepare_boxed(
+        &self,
+        vs: &VarStore,
+        optimizer: Box<dyn Optimizer>,
+    ) -> Result<AcceleratedOptimizer> {
+        self.prepare_model_once(vs)?;
+        Ok(self.prepare_boxed_optimizer(optimizer))
+    }
+}
+
 impl Accelerator {
     /// Prepares the model in `vs` (once) and builds the accelerator's optimizer from a tch
     /// optimizer configuration: what `config.build(vs, lr)` becomes under `#[accelerate]`

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 use tch::Device;
 
-use super::state::GradientState;
+use crate::accumulation::GradientState;
 use crate::data::{Batches, DataLoader, Dataset};
 use crate::device::ToDevice;
 use crate::error::Result;

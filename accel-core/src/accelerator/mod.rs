@@ -4,10 +4,11 @@
 //! training state.
 
 mod attribute;
+mod builder;
+mod collectives;
 mod data;
 mod driven;
 mod optimizer;
-mod state;
 
 use std::fmt::Display;
 use std::path::{Path, PathBuf};
@@ -15,215 +16,26 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use tch::{Device, Tensor};
 
-use crate::comm::{Communicator, GroupOptions, ProcessGroup, ReduceOp};
-use crate::config::{Config, PartialConfig, Precision, Strategy, config_file_from_env};
+use crate::comm::{Communicator, ProcessGroup};
+use crate::config::Config;
 use crate::data::{DataLoader, Dataset};
 use crate::device::ToDevice;
 use crate::error::{Error, Result};
-use crate::mesh::{DeviceMesh, ParallelDims};
+use crate::mesh::DeviceMesh;
 use crate::optim::{Optimizer, Param, named_params};
-use crate::precision::{self, GradScaler, ScalerConfig, ToFp32};
+use crate::precision::{self, GradScaler, ToFp32};
 use crate::shim::AutocastGuard;
 use crate::strategy::ModelOptions;
-use crate::strategy::ddp::DdpOptions;
-use crate::strategy::fsdp::ShardOptions;
 use crate::topology::Topology;
 
+pub(crate) use crate::accumulation::GradientState;
+pub use crate::accumulation::StepCounters;
 pub use attribute::{AdoptOptimizer, ExitGuard, IntoAccelOptimizer};
+pub use builder::AcceleratorBuilder;
+pub use collectives::split_between;
 pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader, Rounds};
 pub use driven::{DriveOptimizer, Driven};
 pub use optimizer::AcceleratedOptimizer;
-pub(crate) use state::GradientState;
-pub use state::StepCounters;
-
-/// Builds an [`Accelerator`]; every setting left out comes from the environment
-/// (`ACCEL_*`, set by `accel launch`), the config file, or the defaults.
-#[derive(Default, Clone)]
-pub struct AcceleratorBuilder {
-    explicit: PartialConfig,
-    config_file: Option<PathBuf>,
-    device: Option<Device>,
-    checkpoint_dir: Option<PathBuf>,
-    checkpoint_limit: Option<usize>,
-    ddp: DdpOptions,
-    sharding: ShardOptions,
-    custom: Option<Arc<dyn crate::strategy::Strategy>>,
-}
-
-impl std::fmt::Debug for AcceleratorBuilder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AcceleratorBuilder")
-            .field("explicit", &self.explicit)
-            .field("config_file", &self.config_file)
-            .field("custom_strategy", &self.custom.as_ref().map(|s| s.name()))
-            .finish_non_exhaustive()
-    }
-}
-
-impl AcceleratorBuilder {
-    /// Distributes the work with `strategy` instead of a built-in one (Accelerate's custom
-    /// plugins): see [`crate::strategy::Strategy`]. The configured strategy name then only
-    /// shapes the mesh (all processes data-parallel).
-    pub fn custom_strategy(mut self, strategy: impl crate::strategy::Strategy) -> Self {
-        self.custom = Some(Arc::new(strategy));
-        self
-    }
-
-    /// DDP settings (bucket size, unused parameters, gradient compression).
-    pub fn ddp(mut self, options: DdpOptions) -> Self {
-        self.ddp = options;
-        self
-    }
-    /// Distribution strategy.
-    pub fn strategy(mut self, strategy: Strategy) -> Self {
-        self.explicit.strategy = Some(strategy);
-        self
-    }
-    /// Mixed precision.
-    pub fn precision(mut self, precision: Precision) -> Self {
-        self.explicit.precision = Some(precision);
-        self
-    }
-    /// Micro-batches per optimizer step.
-    pub fn accumulate(mut self, steps: u32) -> Self {
-        self.explicit.accumulate = Some(steps);
-        self
-    }
-    /// Clip the global gradient norm before every optimizer step.
-    pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
-        self.explicit.clip_grad_norm = Some(max_norm);
-        self
-    }
-    /// Seed torch's generators (and the shuffling of loaders that use the run's seed).
-    pub fn seed(mut self, seed: u64) -> Self {
-        self.explicit.seed = Some(seed);
-        self
-    }
-    /// Stay on CPU even where a GPU is available.
-    pub fn cpu(mut self, cpu: bool) -> Self {
-        self.explicit.cpu = Some(cpu);
-        self
-    }
-    /// Keep the fp32 master shards and the optimizer state in CPU memory (zero2, zero3,
-    /// fsdp; `build` refuses it with another strategy).
-    pub fn offload(mut self, offload: bool) -> Self {
-        self.sharding.offload = offload;
-        self
-    }
-
-    /// How zero2/zero3/fsdp cut the model into units, where shards live, the reduction
-    /// dtype (see [`ShardOptions`]).
-    pub fn sharding(mut self, options: ShardOptions) -> Self {
-        self.sharding = options;
-        self
-    }
-    /// Read settings from this YAML file (else from `ACCEL_CONFIG_FILE`, if set).
-    pub fn config_file(mut self, path: impl Into<PathBuf>) -> Self {
-        self.config_file = Some(path.into());
-        self
-    }
-    /// Use this device instead of the one the topology implies.
-    pub fn device(mut self, device: Device) -> Self {
-        self.device = Some(device);
-        self
-    }
-    /// Where [`Accelerator::save_checkpoint`] writes `checkpoint_{i}` folders, keeping at
-    /// most `limit` of them (oldest removed first).
-    pub fn checkpoints(mut self, dir: impl Into<PathBuf>, limit: Option<usize>) -> Self {
-        self.checkpoint_dir = Some(dir.into());
-        self.checkpoint_limit = limit;
-        self
-    }
-
-    /// Resolves the configuration and the device and makes the accelerator (also reachable
-    /// afterwards through [`crate::current`]).
-    pub fn build(self) -> Result<Accelerator> {
-        let process = Topology::from_env()?;
-        let file = match self.config_file.clone().or_else(config_file_from_env) {
-            Some(path) => PartialConfig::from_file(&path)?,
-            None => PartialConfig::default(),
-        };
-        let env = PartialConfig::from_env()?;
-        let outside = file.overlay(&env);
-        let conflicts = self.explicit.conflicts(&outside);
-        let config = outside.overlay(&self.explicit).build()?;
-        if process.rank == 0 {
-            for (key, ours, theirs) in conflicts {
-                eprintln!(
-                    "accel: {key} = {ours} set in code overrides {key} = {theirs} from the \
-                     environment/config file"
-                );
-            }
-        }
-        if self.sharding.offload && !config.strategy.shards() {
-            return Err(Error::Config(format!(
-                "offload needs a sharded strategy (zero2, zero3 or fsdp); the strategy is {}",
-                config.strategy
-            )));
-        }
-        let device = self.device.unwrap_or_else(|| default_device(&config, &process));
-        let device = crate::cuda::check_device(device)?;
-        precision::check_precision(config.precision, device)?;
-        let dims = ParallelDims::for_run(&config, &process)?;
-        let mesh = if process.world_size > 1 {
-            check_multi_process(&config, device)?;
-            let world = ProcessGroup::new(&process, GroupOptions::default())?;
-            DeviceMesh::new(dims, &world)?
-        } else {
-            DeviceMesh::single()
-        };
-        let strategy = match self.custom {
-            Some(custom) => custom,
-            None => crate::strategy::builtin(config.strategy, &mesh, self.sharding.clone()),
-        };
-        if let Some(seed) = config.seed {
-            tch::manual_seed(seed as i64);
-        }
-        let scaler = (config.precision == Precision::Fp16)
-            .then(|| Arc::new(Mutex::new(GradScaler::new(ScalerConfig::default(), device))));
-        let accelerator = Accelerator {
-            inner: Arc::new(Inner {
-                state: Arc::new(state::GradientState::new(config.accumulate)),
-                config,
-                process,
-                device,
-                scaler,
-                registry: Mutex::new(Registry::default()),
-                checkpoint_dir: self.checkpoint_dir,
-                checkpoint_limit: self.checkpoint_limit,
-                mesh,
-                strategy,
-                model_options: ModelOptions::from(self.ddp),
-                driven_unscaled: Mutex::new(Default::default()),
-            }),
-        };
-        let _ = CURRENT.set(Mutex::new(None));
-        if let Some(current) = CURRENT.get() {
-            *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(accelerator.clone());
-        }
-        Ok(accelerator)
-    }
-}
-
-/// What this release can do with several processes: data parallelism and sharding on CPU.
-fn check_multi_process(config: &Config, device: Device) -> Result<()> {
-    if device != Device::Cpu {
-        return Err(Error::Unsupported(format!(
-            "{} on {device:?} with several processes: the strategies run over the cpu \
-             backend so far (the NCCL communicator is not wired in yet); run with --cpu",
-            config.strategy
-        )));
-    }
-    Ok(())
-}
-
-fn default_device(config: &Config, process: &Topology) -> Device {
-    if config.cpu {
-        return Device::Cpu;
-    }
-    crate::cuda::load_libtorch_cuda();
-    if tch::Cuda::is_available() { Device::Cuda(process.local_rank) } else { Device::Cpu }
-}
 
 static CURRENT: OnceLock<Mutex<Option<Accelerator>>> = OnceLock::new();
 
@@ -245,7 +57,7 @@ pub(crate) struct Inner {
     pub(crate) config: Config,
     pub(crate) process: Topology,
     pub(crate) device: Device,
-    pub(crate) state: Arc<state::GradientState>,
+    pub(crate) state: Arc<GradientState>,
     pub(crate) scaler: Option<Arc<Mutex<GradScaler>>>,
     pub(crate) registry: Mutex<Registry>,
     pub(crate) checkpoint_dir: Option<PathBuf>,
@@ -345,98 +157,20 @@ impl Accelerator {
         self.inner.strategy.as_ref()
     }
 
+    /// What the strategy's hooks see of the run.
+    pub(crate) fn strategy_context(&self) -> crate::strategy::Context<'_> {
+        crate::strategy::Context {
+            mesh: &self.inner.mesh,
+            state: &self.inner.state,
+            device: self.inner.device,
+        }
+    }
+
     /// The end of training: the strategy's last word (LocalSGD averages the parameters once
     /// more), then a barrier. An `#[accelerate]` function calls it when it succeeds.
     pub fn end_training(&self) -> Result<()> {
-        self.inner.strategy.end_training(self)?;
+        self.inner.strategy.end_training(&self.strategy_context())?;
         self.wait_for_everyone()
-    }
-
-    /// Every process's `tensor` (same shape on all) concatenated along dim 0; a scalar
-    /// becomes one element per process.
-    pub fn gather(&self, tensor: &Tensor) -> Result<Tensor> {
-        match self.process_group() {
-            Some(group) => group.all_gather(tensor),
-            None => {
-                Ok(if tensor.dim() == 0 { tensor.f_reshape([1])? } else { tensor.shallow_clone() })
-            }
-        }
-    }
-
-    /// [`gather`](Self::gather), minus the samples that padded the last round of a
-    /// prepared loader (Accelerate's `gather_for_metrics`): over an epoch, exactly the
-    /// data set's samples come back.
-    pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor> {
-        let gathered = self.gather(tensor)?;
-        if self.inner.state.end_of_dataloader() {
-            if let Some(remainder) = self.inner.state.remainder() {
-                return Ok(gathered.f_narrow(0, 0, (remainder as i64).min(gathered.size()[0]))?);
-            }
-        }
-        Ok(gathered)
-    }
-
-    /// The reduction of `tensor` over processes (a new tensor).
-    pub fn reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let out = tensor.f_detach_copy()?;
-        if let Some(group) = self.process_group() {
-            group.all_reduce(&out, op)?;
-        }
-        Ok(out)
-    }
-
-    /// Rank `from`'s `tensor` on every process (a new tensor).
-    pub fn broadcast(&self, tensor: &Tensor, from: usize) -> Result<Tensor> {
-        let out = tensor.f_detach_copy()?;
-        if let Some(group) = self.process_group() {
-            group.broadcast(&out, from)?;
-        }
-        Ok(out)
-    }
-
-    /// Pads `tensor` along `dim` to the largest size any process has, with `pad_value`, at
-    /// the end (or the start with `pad_first`), so that it can be gathered.
-    pub fn pad_across_processes(
-        &self,
-        tensor: &Tensor,
-        dim: i64,
-        pad_value: f64,
-        pad_first: bool,
-    ) -> Result<Tensor> {
-        let Some(group) = self.process_group() else { return Ok(tensor.shallow_clone()) };
-        let size = tensor.size();
-        let d = if dim < 0 { dim + size.len() as i64 } else { dim } as usize;
-        let len = Tensor::from_slice(&[size[d]]);
-        group.all_reduce(&len, ReduceOp::Max)?;
-        let max = len.int64_value(&[0]);
-        if max == size[d] {
-            return Ok(tensor.shallow_clone());
-        }
-        let mut padded_shape = size.clone();
-        padded_shape[d] = max;
-        let out = Tensor::f_full(&padded_shape, pad_value, (tensor.kind(), tensor.device()))?;
-        let start = if pad_first { max - size[d] } else { 0 };
-        out.f_narrow(d as i64, start, size[d])?.f_copy_(tensor)?;
-        Ok(out)
-    }
-
-    /// Runs `f` on the main process first, then on the others (e.g. a download or a cache
-    /// that one process should make).
-    pub fn main_process_first<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
-        if !self.is_main_process() {
-            self.wait_for_everyone()?;
-        }
-        let out = f();
-        if self.is_main_process() {
-            self.wait_for_everyone()?;
-        }
-        Ok(out)
-    }
-
-    /// This process's contiguous share of `items` (the first `len % N` processes get one
-    /// more); with `pad`, shares are padded with the last item to equal length.
-    pub fn split_between_processes<T: Clone>(&self, items: &[T], pad: bool) -> Vec<T> {
-        split_between(items, self.process_index(), self.num_processes(), pad)
     }
 
     /// Seeds torch's generators; `device_specific` adds the rank so processes differ.
@@ -470,7 +204,7 @@ impl Accelerator {
                 Ok(())
             })?;
         }
-        self.inner.strategy.prepare_model(self, &params, &options.into())?;
+        self.inner.strategy.prepare_model(&self.strategy_context(), &params, &options.into())?;
         self.registry().models.push(params);
         Ok(())
     }
@@ -638,7 +372,8 @@ impl Accelerator {
             None => loss,
         };
         loss.f_backward().map_err(|e| Error::Training(format!("backward failed: {e}")))?;
-        self.inner.strategy.after_backward(self, self.inner.state.sync_gradients())
+        let sync = self.inner.state.sync_gradients();
+        self.inner.strategy.after_backward(&self.strategy_context(), sync)
     }
 
     /// The model's variables by name, whole: under zero2/zero3 the sharded parameters are
@@ -673,34 +408,5 @@ impl Accelerator {
     /// The folder for automatically named checkpoints, if configured.
     pub fn checkpoint_dir(&self) -> Option<&Path> {
         self.inner.checkpoint_dir.as_deref()
-    }
-}
-
-/// Accelerate's `split_between_processes` arithmetic.
-pub fn split_between<T: Clone>(items: &[T], rank: usize, world: usize, pad: bool) -> Vec<T> {
-    let (base, extra) = (items.len() / world, items.len() % world);
-    let start = rank * base + rank.min(extra);
-    let len = base + usize::from(rank < extra);
-    let mut share = items[start..start + len].to_vec();
-    if pad && extra > 0 && share.len() < base + 1 {
-        if let Some(last) = items.last() {
-            share.push(last.clone());
-        }
-    }
-    share
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn split_between_processes_gives_the_first_ranks_one_more() {
-        let items: Vec<u32> = (0..7).collect();
-        assert_eq!(split_between(&items, 0, 3, false), [0, 1, 2]);
-        assert_eq!(split_between(&items, 1, 3, false), [3, 4]);
-        assert_eq!(split_between(&items, 2, 3, false), [5, 6]);
-        assert_eq!(split_between(&items, 2, 3, true), [5, 6, 6]);
-        assert_eq!(split_between(&items, 0, 1, false), items);
     }
 }

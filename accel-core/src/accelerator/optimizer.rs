@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tch::Tensor;
 
-use super::state::GradientState;
 use super::{Accelerator, Inner};
+use crate::accumulation::GradientState;
 use crate::error::{Error, Result};
 use crate::optim::{
     LrScheduler, Optimizer, Schedule, clip_grad_norm, clip_grad_norm_sharded, clip_grad_value,
@@ -70,11 +70,13 @@ impl AcceleratedOptimizer {
     pub(crate) fn new(mut optimizer: Box<dyn Optimizer>, accelerator: &Accelerator) -> Self {
         let inner = &accelerator.inner;
         let trainable = optimizer.params();
-        let (plan, deferred) =
-            match inner.strategy.prepare_optimizer(accelerator, optimizer.as_mut()) {
-                Ok(plan) => (Some(plan), None),
-                Err(e) => (None, Some(e.to_string())),
-            };
+        let (plan, deferred) = match inner
+            .strategy
+            .prepare_optimizer(&accelerator.strategy_context(), optimizer.as_mut())
+        {
+            Ok(plan) => (Some(plan), None),
+            Err(e) => (None, Some(e.to_string())),
+        };
         let slot = Slot {
             optimizer,
             plan,

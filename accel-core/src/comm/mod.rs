@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use tch::Tensor;
 
+pub use crate::collective::{Op, ReduceOp};
 use crate::error::{Error, Result};
 pub use group::ProcessGroup;
 
@@ -50,63 +51,6 @@ impl Default for GroupOptions {
             .filter(|s| s.is_finite() && *s > 0.0)
             .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
         Self { timeout, direct_copy: std::env::var_os("ACCEL_DISABLE_CMA").is_none() }
-    }
-}
-
-/// The reductions of all-reduce and reduce-scatter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
-    /// Sum.
-    Sum,
-    /// Mean over ranks (floating-point tensors only).
-    Avg,
-    /// Element-wise minimum.
-    Min,
-    /// Element-wise maximum.
-    Max,
-}
-
-impl fmt::Display for ReduceOp {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Avg => "avg",
-            ReduceOp::Min => "min",
-            ReduceOp::Max => "max",
-        })
-    }
-}
-
-/// A collective operation, as errors and the wire name it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Op {
-    /// All-reduce with a reduction.
-    AllReduce(ReduceOp),
-    /// Broadcast from one rank.
-    Broadcast,
-    /// All-gather.
-    AllGather,
-    /// Reduce-scatter with a reduction.
-    ReduceScatter(ReduceOp),
-    /// Point-to-point send and receive.
-    SendRecv,
-    /// An exchange of serialised objects (control traffic).
-    Objects,
-    /// A barrier.
-    Barrier,
-}
-
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Op::AllReduce(r) => write!(f, "all_reduce({r})"),
-            Op::Broadcast => f.write_str("broadcast"),
-            Op::AllGather => f.write_str("all_gather"),
-            Op::ReduceScatter(r) => write!(f, "reduce_scatter({r})"),
-            Op::SendRecv => f.write_str("send/recv"),
-            Op::Objects => f.write_str("object exchange"),
-            Op::Barrier => f.write_str("barrier"),
-        }
     }
 }
 

@@ -6,6 +6,9 @@
 //! followed by that many bytes; a request starts with an op byte, strings and byte strings
 //! are `u32` length + bytes. A malformed or oversized message gets an error reply and its
 //! connection is closed; the server keeps serving everyone else.
+//!
+//! (About 500 lines: the wire format, the server and the client stay in one file so that
+//! both ends of the protocol are read together.)
 
 use std::collections::HashMap;
 use std::io::{Read, Write};

@@ -124,18 +124,14 @@ pub trait Optimizer: Send {
             self.name()
         )))
     }
-    /// This optimizer prepared by `accelerator` over the model in `vs` (which is prepared
-    /// first, once): [`crate::Accelerator::prepare_optimizer_for`] as a method, which is what
-    /// `#[accelerate]` makes of `AdamW::new(..)`.
-    fn into_prepared(
-        self,
-        accelerator: &crate::Accelerator,
-        vs: &tch::nn::VarStore,
-    ) -> Result<crate::AcceleratedOptimizer>
+    /// This optimizer prepared by `preparer` (the accelerator) over the model in `vs`,
+    /// which is prepared first, once: what `#[accelerate]` makes of `AdamW::new(..)` (a
+    /// method, so that the user's import of this trait stays in use).
+    fn into_prepared<P: Preparer>(self, preparer: &P, vs: &tch::nn::VarStore) -> Result<P::Prepared>
     where
         Self: Sized + 'static,
     {
-        accelerator.prepare_optimizer_for(vs, self)
+        preparer.prepare_boxed(vs, Box::new(self))
     }
     /// Puts `replace(p)` in place of every parameter `p` (before the first step): how
     /// zero2/zero3 make the optimizer step each process's parameter shards.
@@ -148,8 +144,29 @@ pub trait Optimizer: Send {
     }
 }
 
+/// What prepares optimizers for a model: the accelerator.
+pub trait Preparer {
+    /// The prepared optimizer.
+    type Prepared;
+    /// Prepares the model in `vs` (once) and `optimizer` over it.
+    fn prepare_boxed(
+        &self,
+        vs: &tch::nn::VarStore,
+        optimizer: Box<dyn Optimizer>,
+    ) -> Result<Self::Prepared>;
+}
+
+/// The rank and size of the multi-process run an accelerator of this process belongs to
+/// (0, 0 until one is built): what the safety net below needs to know.
+static RUN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Records that this process is rank `rank` of `world` (called when an accelerator is built).
+pub(crate) fn note_run(rank: usize, world: usize) {
+    RUN.store(((rank as u64) << 32) | world as u64, std::sync::atomic::Ordering::SeqCst);
+}
+
 thread_local! {
-    /// Set while an [`crate::AcceleratedOptimizer`] steps its optimizer on this thread.
+    /// Set while a prepared optimizer steps its optimizer on this thread.
     static PREPARED_STEP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
@@ -169,14 +186,15 @@ pub(crate) fn guard_unprepared_step(name: &str) -> Result<()> {
     if PREPARED_STEP.with(std::cell::Cell::get) {
         return Ok(());
     }
-    match crate::current() {
-        Some(acc) if acc.num_processes() > 1 => Err(Error::Training(format!(
+    let run = RUN.load(std::sync::atomic::Ordering::SeqCst);
+    let (rank, world) = (run >> 32, run & 0xffff_ffff);
+    match world {
+        world if world > 1 => Err(Error::Training(format!(
             "{name}.step() was called directly on rank {} of {}: this optimizer was not prepared \
              by the accelerator, so its step would ignore accumulation and loss scaling, and \
              under zero1/zero2/zero3 the shards. Wrap it with \
              `accelerator.prepare_optimizer(optimizer)` (after `prepare_model`) and step that",
-            acc.process_index(),
-            acc.num_processes()
+            rank, world
         ))),
         _ => Ok(()),
     }

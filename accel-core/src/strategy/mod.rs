@@ -14,9 +14,9 @@ pub mod zero1;
 
 use std::sync::Arc;
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 
-use crate::Accelerator;
+use crate::accumulation::GradientState;
 use crate::comm::Communicator;
 use crate::config::Strategy as StrategyName;
 use crate::error::Result;
@@ -64,8 +64,32 @@ impl Placement {
     }
 }
 
+/// What a strategy's hooks may use of the run (the accelerator hands it to each call).
+pub struct Context<'a> {
+    pub(crate) mesh: &'a DeviceMesh,
+    pub(crate) state: &'a Arc<GradientState>,
+    pub(crate) device: Device,
+}
+
+impl Context<'_> {
+    /// The run's parallel dimensions and a communicator for each.
+    pub fn mesh(&self) -> &DeviceMesh {
+        self.mesh
+    }
+
+    /// This process's device.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Whether the current micro-step ends an accumulation window.
+    pub fn sync_gradients(&self) -> bool {
+        self.state.sync_gradients()
+    }
+}
+
 /// Per-model settings of the built-in strategies (given to
-/// [`Accelerator::prepare_model_with`]); other strategies may ignore them.
+/// `Accelerator::prepare_model_with`); other strategies may ignore them.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 #[non_exhaustive]
 pub struct ModelOptions {
@@ -133,7 +157,7 @@ pub trait Strategy: Send + Sync + 'static {
     /// device). Broadcast them, hook their gradients, shard them.
     fn prepare_model(
         &self,
-        accelerator: &Accelerator,
+        cx: &Context<'_>,
         params: &[Param],
         options: &ModelOptions,
     ) -> Result<()>;
@@ -142,17 +166,17 @@ pub trait Strategy: Send + Sync + 'static {
     /// its parameters, swap them for shards... Returns what to do at its steps.
     fn prepare_optimizer(
         &self,
-        accelerator: &Accelerator,
+        cx: &Context<'_>,
         optimizer: &mut dyn Optimizer,
     ) -> Result<Box<dyn OptimizerPlan>> {
-        let _ = (accelerator, optimizer);
+        let _ = (cx, optimizer);
         Ok(Box::new(Replicated))
     }
 
     /// After every backward pass; `sync` when it ends an accumulation window (the step
     /// that follows updates the parameters).
-    fn after_backward(&self, accelerator: &Accelerator, sync: bool) -> Result<()> {
-        let _ = (accelerator, sync);
+    fn after_backward(&self, cx: &Context<'_>, sync: bool) -> Result<()> {
+        let _ = (cx, sync);
         Ok(())
     }
 
@@ -169,10 +193,10 @@ pub trait Strategy: Send + Sync + 'static {
         true
     }
 
-    /// The end of training ([`Accelerator::end_training`], and the successful end of an
+    /// The end of training (`Accelerator::end_training`, and the successful end of an
     /// `#[accelerate]` function).
-    fn end_training(&self, accelerator: &Accelerator) -> Result<()> {
-        let _ = accelerator;
+    fn end_training(&self, cx: &Context<'_>) -> Result<()> {
+        let _ = cx;
         Ok(())
     }
 
@@ -209,7 +233,7 @@ impl Strategy for Single {
     fn name(&self) -> String {
         "single".into()
     }
-    fn prepare_model(&self, _: &Accelerator, _: &[Param], _: &ModelOptions) -> Result<()> {
+    fn prepare_model(&self, _: &Context<'_>, _: &[Param], _: &ModelOptions) -> Result<()> {
         Ok(())
     }
 }

@@ -7,8 +7,7 @@ use std::sync::Arc;
 use tch::Tensor;
 
 use super::ddp::DdpStrategy;
-use super::{ModelOptions, OptimizerPlan, Placement, Strategy};
-use crate::Accelerator;
+use super::{Context, ModelOptions, OptimizerPlan, Placement, Strategy};
 use crate::comm::Communicator;
 use crate::error::Result;
 use crate::optim::{Optimizer, Param};
@@ -45,13 +44,13 @@ impl Strategy for Zero1 {
         "zero1".into()
     }
 
-    fn prepare_model(&self, acc: &Accelerator, params: &[Param], o: &ModelOptions) -> Result<()> {
-        self.ddp.prepare_model(acc, params, o)
+    fn prepare_model(&self, cx: &Context<'_>, params: &[Param], o: &ModelOptions) -> Result<()> {
+        self.ddp.prepare_model(cx, params, o)
     }
 
     fn prepare_optimizer(
         &self,
-        _: &Accelerator,
+        _: &Context<'_>,
         optimizer: &mut dyn Optimizer,
     ) -> Result<Box<dyn OptimizerPlan>> {
         let all = optimizer.params();
@@ -61,8 +60,8 @@ impl Strategy for Zero1 {
         Ok(Box::new(Zero1Plan { group: self.group.clone(), all, owner }))
     }
 
-    fn after_backward(&self, acc: &Accelerator, sync: bool) -> Result<()> {
-        self.ddp.after_backward(acc, sync)
+    fn after_backward(&self, cx: &Context<'_>, sync: bool) -> Result<()> {
+        self.ddp.after_backward(cx, sync)
     }
 
     fn zero_grad_in_place(&self) -> bool {

@@ -10,6 +10,7 @@ mod body;
 mod check;
 mod expand;
 mod lint;
+mod loops;
 
 use proc_macro2::TokenStream;
 use quote::{ToTokens, quote};

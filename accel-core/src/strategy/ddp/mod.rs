@@ -5,9 +5,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Kind, Tensor};
 
-use super::{ModelOptions, Strategy};
-use crate::Accelerator;
-use crate::accelerator::GradientState;
+use super::{Context, ModelOptions, Strategy};
+use crate::accumulation::GradientState;
 use crate::comm::{Communicator, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::optim::Param;
@@ -274,17 +273,17 @@ impl Strategy for DdpStrategy {
 
     fn prepare_model(
         &self,
-        accelerator: &Accelerator,
+        cx: &Context<'_>,
         params: &[Param],
         options: &ModelOptions,
     ) -> Result<()> {
-        let state = accelerator.inner.state.clone();
+        let state = cx.state.clone();
         let ddp = Ddp::new(params, self.group.clone(), state, options.ddp)?;
         self.models.lock().unwrap_or_else(|e| e.into_inner()).push(ddp);
         Ok(())
     }
 
-    fn after_backward(&self, _: &Accelerator, sync: bool) -> Result<()> {
+    fn after_backward(&self, _: &Context<'_>, sync: bool) -> Result<()> {
         if sync {
             for ddp in self.models.lock().unwrap_or_else(|e| e.into_inner()).iter() {
                 ddp.finish()?;

@@ -3,6 +3,7 @@
 //! the layout of shards (layout.rs) and [`Unit`] (unit.rs). See README.md beside this file.
 
 mod engine;
+mod flat;
 mod layout;
 mod unit;
 
@@ -11,8 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Kind, Tensor};
 
-use super::{ModelOptions, OptimizerPlan, Placement, Strategy};
-use crate::Accelerator;
+use super::{Context, ModelOptions, OptimizerPlan, Placement, Strategy};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, Dim};
@@ -109,7 +109,7 @@ impl Strategy for Sharded {
         }
     }
 
-    fn prepare_model(&self, _: &Accelerator, params: &[Param], _: &ModelOptions) -> Result<()> {
+    fn prepare_model(&self, _: &Context<'_>, params: &[Param], _: &ModelOptions) -> Result<()> {
         let model = ShardedModel::new(
             params,
             self.data.as_ref(),
@@ -124,7 +124,7 @@ impl Strategy for Sharded {
 
     fn prepare_optimizer(
         &self,
-        _: &Accelerator,
+        _: &Context<'_>,
         optimizer: &mut dyn Optimizer,
     ) -> Result<Box<dyn OptimizerPlan>> {
         let models = self.models().clone();
@@ -152,7 +152,7 @@ impl Strategy for Sharded {
         false
     }
 
-    fn after_backward(&self, _: &Accelerator, _sync: bool) -> Result<()> {
+    fn after_backward(&self, _: &Context<'_>, _sync: bool) -> Result<()> {
         // Reduce-scattered every micro-step (as DeepSpeed's ZeRO-2), so that no rank ever
         // holds a whole accumulated gradient.
         for model in self.models().iter() {

@@ -1,0 +1,208 @@
+//! [`AcceleratorBuilder`]: the configuration resolved from the builder, the environment and
+//! the config file; the device; the mesh and its communicators; the strategy.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use tch::Device;
+
+use super::{Accelerator, CURRENT, GradientState, Inner, Registry};
+use crate::comm::{GroupOptions, ProcessGroup};
+use crate::config::{Config, PartialConfig, Precision, Strategy, config_file_from_env};
+use crate::error::{Error, Result};
+use crate::mesh::{DeviceMesh, ParallelDims};
+use crate::precision::{self, GradScaler, ScalerConfig};
+use crate::strategy::ModelOptions;
+use crate::strategy::ddp::DdpOptions;
+use crate::strategy::fsdp::ShardOptions;
+use crate::topology::Topology;
+
+/// Builds an [`Accelerator`]; every setting left out comes from the environment
+/// (`ACCEL_*`, set by `accel launch`), the config file, or the defaults.
+#[derive(Default, Clone)]
+pub struct AcceleratorBuilder {
+    explicit: PartialConfig,
+    config_file: Option<PathBuf>,
+    device: Option<Device>,
+    checkpoint_dir: Option<PathBuf>,
+    checkpoint_limit: Option<usize>,
+    ddp: DdpOptions,
+    sharding: ShardOptions,
+    custom: Option<Arc<dyn crate::strategy::Strategy>>,
+}
+
+impl std::fmt::Debug for AcceleratorBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AcceleratorBuilder")
+            .field("explicit", &self.explicit)
+            .field("config_file", &self.config_file)
+            .field("custom_strategy", &self.custom.as_ref().map(|s| s.name()))
+            .finish_non_exhaustive()
+    }
+}
+
+impl AcceleratorBuilder {
+    /// Distributes the work with `strategy` instead of a built-in one (Accelerate's custom
+    /// plugins): see [`crate::strategy::Strategy`]. The configured strategy name then only
+    /// shapes the mesh (all processes data-parallel).
+    pub fn custom_strategy(mut self, strategy: impl crate::strategy::Strategy) -> Self {
+        self.custom = Some(Arc::new(strategy));
+        self
+    }
+
+    /// DDP settings (bucket size, unused parameters, gradient compression).
+    pub fn ddp(mut self, options: DdpOptions) -> Self {
+        self.ddp = options;
+        self
+    }
+    /// Distribution strategy.
+    pub fn strategy(mut self, strategy: Strategy) -> Self {
+        self.explicit.strategy = Some(strategy);
+        self
+    }
+    /// Mixed precision.
+    pub fn precision(mut self, precision: Precision) -> Self {
+        self.explicit.precision = Some(precision);
+        self
+    }
+    /// Micro-batches per optimizer step.
+    pub fn accumulate(mut self, steps: u32) -> Self {
+        self.explicit.accumulate = Some(steps);
+        self
+    }
+    /// Clip the global gradient norm before every optimizer step.
+    pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
+        self.explicit.clip_grad_norm = Some(max_norm);
+        self
+    }
+    /// Seed torch's generators (and the shuffling of loaders that use the run's seed).
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.explicit.seed = Some(seed);
+        self
+    }
+    /// Stay on CPU even where a GPU is available.
+    pub fn cpu(mut self, cpu: bool) -> Self {
+        self.explicit.cpu = Some(cpu);
+        self
+    }
+    /// Keep the fp32 master shards and the optimizer state in CPU memory (zero2, zero3,
+    /// fsdp; `build` refuses it with another strategy).
+    pub fn offload(mut self, offload: bool) -> Self {
+        self.sharding.offload = offload;
+        self
+    }
+
+    /// How zero2/zero3/fsdp cut the model into units, where shards live, the reduction
+    /// dtype (see [`ShardOptions`]).
+    pub fn sharding(mut self, options: ShardOptions) -> Self {
+        self.sharding = options;
+        self
+    }
+    /// Read settings from this YAML file (else from `ACCEL_CONFIG_FILE`, if set).
+    pub fn config_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.config_file = Some(path.into());
+        self
+    }
+    /// Use this device instead of the one the topology implies.
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = Some(device);
+        self
+    }
+    /// Where [`Accelerator::save_checkpoint`] writes `checkpoint_{i}` folders, keeping at
+    /// most `limit` of them (oldest removed first).
+    pub fn checkpoints(mut self, dir: impl Into<PathBuf>, limit: Option<usize>) -> Self {
+        self.checkpoint_dir = Some(dir.into());
+        self.checkpoint_limit = limit;
+        self
+    }
+
+    /// Resolves the configuration and the device and makes the accelerator (also reachable
+    /// afterwards through [`crate::current`]).
+    pub fn build(self) -> Result<Accelerator> {
+        let process = Topology::from_env()?;
+        let file = match self.config_file.clone().or_else(config_file_from_env) {
+            Some(path) => PartialConfig::from_file(&path)?,
+            None => PartialConfig::default(),
+        };
+        let env = PartialConfig::from_env()?;
+        let outside = file.overlay(&env);
+        let conflicts = self.explicit.conflicts(&outside);
+        let config = outside.overlay(&self.explicit).build()?;
+        if process.rank == 0 {
+            for (key, ours, theirs) in conflicts {
+                eprintln!(
+                    "accel: {key} = {ours} set in code overrides {key} = {theirs} from the \
+                     environment/config file"
+                );
+            }
+        }
+        if self.sharding.offload && !config.strategy.shards() {
+            return Err(Error::Config(format!(
+                "offload needs a sharded strategy (zero2, zero3 or fsdp); the strategy is {}",
+                config.strategy
+            )));
+        }
+        let device = self.device.unwrap_or_else(|| default_device(&config, &process));
+        let device = crate::cuda::check_device(device)?;
+        precision::check_precision(config.precision, device)?;
+        let dims = ParallelDims::for_run(&config, &process)?;
+        let mesh = if process.world_size > 1 {
+            check_multi_process(&config, device)?;
+            let world = ProcessGroup::new(&process, GroupOptions::default())?;
+            DeviceMesh::new(dims, &world)?
+        } else {
+            DeviceMesh::single()
+        };
+        let strategy = match self.custom {
+            Some(custom) => custom,
+            None => crate::strategy::builtin(config.strategy, &mesh, self.sharding.clone()),
+        };
+        if let Some(seed) = config.seed {
+            tch::manual_seed(seed as i64);
+        }
+        let scaler = (config.precision == Precision::Fp16)
+            .then(|| Arc::new(Mutex::new(GradScaler::new(ScalerConfig::default(), device))));
+        let accelerator = Accelerator {
+            inner: Arc::new(Inner {
+                state: Arc::new(GradientState::new(config.accumulate)),
+                config,
+                process,
+                device,
+                scaler,
+                registry: Mutex::new(Registry::default()),
+                checkpoint_dir: self.checkpoint_dir,
+                checkpoint_limit: self.checkpoint_limit,
+                mesh,
+                strategy,
+                model_options: ModelOptions::from(self.ddp),
+                driven_unscaled: Mutex::new(Default::default()),
+            }),
+        };
+        crate::optim::note_run(accelerator.process_index(), accelerator.num_processes());
+        let _ = CURRENT.set(Mutex::new(None));
+        if let Some(current) = CURRENT.get() {
+            *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(accelerator.clone());
+        }
+        Ok(accelerator)
+    }
+}
+
+/// What this release can do with several processes: data parallelism and sharding on CPU.
+fn check_multi_process(config: &Config, device: Device) -> Result<()> {
+    if device != Device::Cpu {
+        return Err(Error::Unsupported(format!(
+            "{} on {device:?} with several processes: the strategies run over the cpu \
+             backend so far (the NCCL communicator is not wired in yet); run with --cpu",
+            config.strategy
+        )));
+    }
+    Ok(())
+}
+
+fn default_device(config: &Config, process: &Topology) -> Device {
+    if config.cpu {
+        return Device::Cpu;
+    }
+    crate::cuda::load_libtorch_cuda();
+    if tch::Cuda::is_available() { Device::Cuda(process.local_rank) } else { Device::Cpu }
+}

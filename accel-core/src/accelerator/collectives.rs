@@ -1,0 +1,127 @@
+//! Collectives a training script calls by hand, as Accelerate's: `gather`,
+//! `gather_for_metrics`, `reduce`, `broadcast`, `pad_across_processes`,
+//! `main_process_first`, `split_between_processes`.
+
+use tch::Tensor;
+
+use super::Accelerator;
+use crate::comm::{Communicator, ReduceOp};
+use crate::error::Result;
+
+impl Accelerator {
+    /// Every process's `tensor` (same shape on all) concatenated along dim 0; a scalar
+    /// becomes one element per process.
+    pub fn gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        match self.process_group() {
+            Some(group) => group.all_gather(tensor),
+            None => {
+                Ok(if tensor.dim() == 0 { tensor.f_reshape([1])? } else { tensor.shallow_clone() })
+            }
+        }
+    }
+
+    /// [`gather`](Self::gather), minus the samples that padded the last round of a
+    /// prepared loader (Accelerate's `gather_for_metrics`): over an epoch, exactly the
+    /// data set's samples come back.
+    pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor> {
+        let gathered = self.gather(tensor)?;
+        if self.inner.state.end_of_dataloader() {
+            if let Some(remainder) = self.inner.state.remainder() {
+                return Ok(gathered.f_narrow(0, 0, (remainder as i64).min(gathered.size()[0]))?);
+            }
+        }
+        Ok(gathered)
+    }
+
+    /// The reduction of `tensor` over processes (a new tensor).
+    pub fn reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let out = tensor.f_detach_copy()?;
+        if let Some(group) = self.process_group() {
+            group.all_reduce(&out, op)?;
+        }
+        Ok(out)
+    }
+
+    /// Rank `from`'s `tensor` on every process (a new tensor).
+    pub fn broadcast(&self, tensor: &Tensor, from: usize) -> Result<Tensor> {
+        let out = tensor.f_detach_copy()?;
+        if let Some(group) = self.process_group() {
+            group.broadcast(&out, from)?;
+        }
+        Ok(out)
+    }
+
+    /// Pads `tensor` along `dim` to the largest size any process has, with `pad_value`, at
+    /// the end (or the start with `pad_first`), so that it can be gathered.
+    pub fn pad_across_processes(
+        &self,
+        tensor: &Tensor,
+        dim: i64,
+        pad_value: f64,
+        pad_first: bool,
+    ) -> Result<Tensor> {
+        let Some(group) = self.process_group() else { return Ok(tensor.shallow_clone()) };
+        let size = tensor.size();
+        let d = if dim < 0 { dim + size.len() as i64 } else { dim } as usize;
+        let len = Tensor::from_slice(&[size[d]]);
+        group.all_reduce(&len, ReduceOp::Max)?;
+        let max = len.int64_value(&[0]);
+        if max == size[d] {
+            return Ok(tensor.shallow_clone());
+        }
+        let mut padded_shape = size.clone();
+        padded_shape[d] = max;
+        let out = Tensor::f_full(&padded_shape, pad_value, (tensor.kind(), tensor.device()))?;
+        let start = if pad_first { max - size[d] } else { 0 };
+        out.f_narrow(d as i64, start, size[d])?.f_copy_(tensor)?;
+        Ok(out)
+    }
+
+    /// Runs `f` on the main process first, then on the others (e.g. a download or a cache
+    /// that one process should make).
+    pub fn main_process_first<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        if !self.is_main_process() {
+            self.wait_for_everyone()?;
+        }
+        let out = f();
+        if self.is_main_process() {
+            self.wait_for_everyone()?;
+        }
+        Ok(out)
+    }
+
+    /// This process's contiguous share of `items` (the first `len % N` processes get one
+    /// more); with `pad`, shares are padded with the last item to equal length.
+    pub fn split_between_processes<T: Clone>(&self, items: &[T], pad: bool) -> Vec<T> {
+        split_between(items, self.process_index(), self.num_processes(), pad)
+    }
+}
+
+/// Accelerate's `split_between_processes` arithmetic.
+pub fn split_between<T: Clone>(items: &[T], rank: usize, world: usize, pad: bool) -> Vec<T> {
+    let (base, extra) = (items.len() / world, items.len() % world);
+    let start = rank * base + rank.min(extra);
+    let len = base + usize::from(rank < extra);
+    let mut share = items[start..start + len].to_vec();
+    if pad && extra > 0 && share.len() < base + 1 {
+        if let Some(last) = items.last() {
+            share.push(last.clone());
+        }
+    }
+    share
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_between_processes_gives_the_first_ranks_one_more() {
+        let items: Vec<u32> = (0..7).collect();
+        assert_eq!(split_between(&items, 0, 3, false), [0, 1, 2]);
+        assert_eq!(split_between(&items, 1, 3, false), [3, 4]);
+        assert_eq!(split_between(&items, 2, 3, false), [5, 6]);
+        assert_eq!(split_between(&items, 2, 3, true), [5, 6, 6]);
+        assert_eq!(split_between(&items, 0, 1, false), items);
+    }
+}

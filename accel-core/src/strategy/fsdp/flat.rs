@@ -1,0 +1,252 @@
+//! One sharded model's state and its flat-buffer collectives: every rank's chunks of a
+//! unit's members laid out rank-major in one buffer, reduce-scattered for gradients and
+//! all-gathered for parameters; zero3's release of a unit's memory and its prefetch.
+
+use std::sync::Arc;
+
+use tch::{Device, Kind, Tensor};
+
+use super::ShardOptions;
+use super::layout::{columns, copy_from_columns, copy_into_columns};
+use crate::comm::{Communicator, ReduceOp, Work};
+use crate::error::{Error, Result};
+use crate::shim;
+
+/// One trainable parameter and this rank's share of it.
+pub(super) struct Shard {
+    pub(super) name: String,
+    /// The model's full parameter (freed between uses under zero3).
+    pub(super) param: Tensor,
+    pub(super) id: usize,
+    /// This rank's `chunk` elements of the flattened, zero-padded parameter, in fp32: what
+    /// the optimizer steps.
+    pub(super) master: Tensor,
+    pub(super) numel: i64,
+    pub(super) chunk: i64,
+}
+
+pub(super) struct UnitState {
+    pub(super) prefix: String,
+    /// Indexes into `shards`.
+    pub(super) members: Vec<usize>,
+    /// Where each member's chunk starts in a rank's segment of the flat buffers.
+    pub(super) offsets: Vec<i64>,
+    /// Elements per rank in the flat buffers.
+    pub(super) segment: i64,
+    /// Parameters released outside forward and backward (zero3, wrapped in a [`Unit`]).
+    pub(super) managed: bool,
+    pub(super) gathered: bool,
+    pub(super) fired: Vec<bool>,
+    pub(super) ready: usize,
+    pub(super) reducing: Option<(Work, Tensor)>,
+    /// Reduced in the current backward pass.
+    pub(super) reduced: bool,
+    /// An all-gather launched ahead of this unit's use (prefetch).
+    pub(super) prefetched: Option<(Work, Tensor)>,
+}
+
+pub(super) struct Engine {
+    /// The processes a parameter is split across (all, or one machine's under hybrid).
+    pub(super) group: Arc<dyn Communicator>,
+    /// Hybrid sharding: the processes holding the same shard on other machines.
+    pub(super) replicas: Option<Arc<dyn Communicator>>,
+    pub(super) options: ShardOptions,
+    pub(super) shards: Vec<Shard>,
+    pub(super) units: Vec<UnitState>,
+    pub(super) error: Option<String>,
+    /// Units whose reduce-scatter is in flight, oldest first.
+    pub(super) in_flight: std::collections::VecDeque<usize>,
+    /// Zero3 units in the order of the first forward pass, once complete: what to
+    /// prefetch next (the following unit in forward, the preceding one in backward).
+    pub(super) order: Vec<usize>,
+    pub(super) order_known: bool,
+}
+
+/// Reduce-scatters in flight at once: enough to overlap communication with the backward
+/// pass, few enough that their flat buffers (one unit's gradients each) stay a small part
+/// of memory.
+const MAX_IN_FLIGHT: usize = 2;
+
+impl Engine {
+    /// Flattens the unit's gradients rank-major (every rank's chunks of every member
+    /// side by side), drops the full gradients and launches the reduce-scatter.
+    pub(super) fn reduce(&mut self, u: usize) -> Result<()> {
+        let world = self.group.size() as i64;
+        let unit = &mut self.units[u];
+        let kind = match (self.options.reduce_dtype, unit.members.first()) {
+            (Some(kind), _) => kind,
+            (None, Some(&s)) => self.shards[s].param.kind(),
+            (None, None) => Kind::Float,
+        };
+        // Zeros: padding, and parameters that got no gradient, contribute nothing.
+        let buffer = Tensor::f_zeros([world * unit.segment], (kind, Device::Cpu))?;
+        tch::no_grad(|| -> Result<()> {
+            for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+                let shard = &self.shards[s];
+                let grad = shard.param.grad();
+                if grad.defined() {
+                    let columns = columns(&buffer, world, unit.segment, offset, shard.chunk)?;
+                    copy_into_columns(&columns, &grad.f_reshape([-1])?, shard.numel, shard.chunk)?;
+                }
+                shim::set_grad(&shard.param, None)?;
+            }
+            Ok(())
+        })?;
+        unit.fired.iter_mut().for_each(|f| *f = false);
+        unit.ready = 0;
+        let work = self.group.reduce_scatter_in_place_async(&buffer, ReduceOp::Sum)?;
+        self.units[u].reducing = Some((work, buffer));
+        self.units[u].reduced = true;
+        self.in_flight.push_back(u);
+        if self.units[u].managed {
+            self.release(u)?;
+        }
+        while self.in_flight.len() > MAX_IN_FLIGHT {
+            let oldest = self.in_flight.pop_front().expect("non-empty");
+            self.complete(oldest)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for unit `u`'s reduce-scatter and adds this rank's averaged share into the
+    /// master shards' gradients (the buffer is then dropped).
+    pub(super) fn complete(&mut self, u: usize) -> Result<()> {
+        let unit = &mut self.units[u];
+        let Some((work, buffer)) = unit.reducing.take() else { return Ok(()) };
+        work.wait()?;
+        let rank = self.group.rank() as i64;
+        let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
+        let mut world = self.group.size() as i64;
+        if let Some(replicas) = &self.replicas {
+            // Every machine reduced its own processes' gradients; sum the machines'.
+            replicas.all_reduce(&mine, ReduceOp::Sum)?;
+            world *= replicas.size() as i64;
+        }
+        tch::no_grad(|| -> Result<()> {
+            for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+                let shard = &self.shards[s];
+                let part = mine
+                    .f_narrow(0, offset, shard.chunk)?
+                    .f_to_kind(Kind::Float)?
+                    .f_to_device(shard.master.device())?
+                    .f_div_scalar(world as f64)?;
+                let mut grad = shard.master.grad();
+                if grad.defined() {
+                    let _ = grad.f_add_(&part)?;
+                } else {
+                    shim::set_grad(&shard.master, Some(&part))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// The unit's flat buffer holding this rank's master shards in its segment.
+    fn own_shards_buffer(&self, u: usize) -> Result<Tensor> {
+        let unit = &self.units[u];
+        let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
+        let buffer = Tensor::f_empty([world * unit.segment], (Kind::Float, Device::Cpu))?;
+        let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
+        for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+            let shard = &self.shards[s];
+            mine.f_narrow(0, offset, shard.chunk)?.f_copy_(&shard.master.f_detach()?)?;
+        }
+        Ok(buffer)
+    }
+
+    /// The unit's flat buffer with every rank's master shards, all-gathered (or the
+    /// prefetched one).
+    fn all_gathered(&mut self, u: usize) -> Result<Tensor> {
+        if let Some((work, buffer)) = self.units[u].prefetched.take() {
+            work.wait()?;
+            return Ok(buffer);
+        }
+        let buffer = self.own_shards_buffer(u)?;
+        self.group.all_gather_in_place_async(&buffer)?.wait()?;
+        Ok(buffer)
+    }
+
+    /// The unit's full parameters as new tensors.
+    pub(super) fn gathered(&mut self, u: usize) -> Result<Vec<Tensor>> {
+        let buffer = self.all_gathered(u)?;
+        let unit = &self.units[u];
+        let world = self.group.size() as i64;
+        unit.members
+            .iter()
+            .zip(&unit.offsets)
+            .map(|(&s, &offset)| {
+                let shard = &self.shards[s];
+                let whole = Tensor::f_empty([shard.numel], (Kind::Float, Device::Cpu))?;
+                let columns = columns(&buffer, world, unit.segment, offset, shard.chunk)?;
+                copy_from_columns(&columns, &whole, shard.numel, shard.chunk)?;
+                Ok(whole.f_view(shard.param.size().as_slice())?)
+            })
+            .collect()
+    }
+
+    /// Writes the gathered values into the unit's parameters (allocating them first if
+    /// they were released).
+    pub(super) fn gather(&mut self, u: usize) -> Result<()> {
+        let buffer = self.all_gathered(u)?;
+        let unit = &self.units[u];
+        let world = self.group.size() as i64;
+        tch::no_grad(|| -> Result<()> {
+            for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
+                let shard = &self.shards[s];
+                let param = &shard.param;
+                if !unit.gathered {
+                    let bytes = param.numel() * param.kind().elt_size_in_bytes();
+                    shim::allocate_storage(param, bytes as u64)?;
+                }
+                // Through `.data`: autograd saved these parameters in the forward, and a
+                // write that bumped their version would make backward refuse them.
+                let target = param.f_data()?.f_view([-1])?;
+                let columns = columns(&buffer, world, unit.segment, offset, shard.chunk)?;
+                copy_from_columns(&columns, &target, shard.numel, shard.chunk)?;
+            }
+            Ok(())
+        })?;
+        self.units[u].gathered = true;
+        Ok(())
+    }
+
+    /// Launches the all-gather of a released zero3 unit without waiting; `gather` uses it.
+    pub(super) fn prefetch(&mut self, u: usize) -> Result<()> {
+        let unit = &self.units[u];
+        if !unit.managed || unit.gathered || unit.prefetched.is_some() {
+            return Ok(());
+        }
+        let buffer = self.own_shards_buffer(u)?;
+        let work = self.group.all_gather_in_place_async(&buffer)?;
+        self.units[u].prefetched = Some((work, buffer));
+        Ok(())
+    }
+
+    /// Releases the memory of a zero3 unit's full parameters.
+    pub(super) fn release(&mut self, u: usize) -> Result<()> {
+        if let Some((work, _)) = self.units[u].prefetched.take() {
+            // Gathered ahead but not used: finish the collective (every rank launched it).
+            work.wait()?;
+        }
+        let unit = &mut self.units[u];
+        if !unit.gathered {
+            return Ok(());
+        }
+        for &s in &unit.members {
+            let param = &self.shards[s].param;
+            let whole = param.numel() * param.kind().elt_size_in_bytes();
+            if !param.is_contiguous() || shim::storage_nbytes(param)? != whole as u64 {
+                return Err(Error::Unsupported(format!(
+                    "zero3: parameter {} shares its storage with other tensors, so its memory \
+                     cannot be released on its own; give it a storage of its own",
+                    self.shards[s].name
+                )));
+            }
+            // SAFETY: the unit is marked released; nothing reads it until `gather`
+            // allocates it again (a [`Unit`] does before its forward and its backward).
+            unsafe { shim::free_storage(param)? };
+        }
+        unit.gathered = false;
+        Ok(())
+    }
+}
