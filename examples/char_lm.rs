@@ -7,15 +7,26 @@
 //! `accel::Unit`, so under zero3 a block's weights exist whole only during its own forward
 //! and backward. It prints a sample of generated text at the end.
 //!
+//!
+//! The same model runs tensor-parallel (its heads, MLP and vocabulary split Megatron-style;
+//! `--sequence-parallel` splits the rest along the sequence) and pipeline-parallel (its
+//! embeddings, blocks and head cut into stages, `--accumulate` micro-batches per step):
+//!
 //!     cargo run --release -p accel-examples --example char_lm
 //!     accel launch --num-processes 2 --cpu target/release/examples/char_lm
 //!     accel launch --num-processes 2 --cpu --strategy zero3 target/release/examples/char_lm --steps 300
+//!     accel launch --num-processes 4 --cpu target/release/examples/char_lm \
+//!         --tensor-parallel 2 --pipeline-parallel 2 --accumulate 4
 
 use std::path::PathBuf;
 
+use std::io::Write;
+
 use accel_core::comm::ReduceOp;
 use accel_core::data::{DataLoader, LoaderOptions, Sampler, TensorDataset};
+use accel_core::mesh::Dim;
 use accel_core::optim::{AdamConfig, AdamW, Schedule};
+use accel_core::strategy::pp::{self, Pipeline};
 use accel_core::{Accelerator, Precision, Strategy};
 use accel_examples::gpt::{Gpt, GptConfig};
 use anyhow::{Context, Result, bail};
@@ -59,6 +70,27 @@ struct Args {
     /// Also write the final held-out loss here, as JSON.
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// Micro-batches per optimizer step (with a pipeline: in flight through it).
+    #[arg(long, default_value_t = 1)]
+    accumulate: u32,
+    /// Tensor-parallel ranks.
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
+    /// Sequence parallelism (with tensor parallelism).
+    #[arg(long)]
+    sequence_parallel: bool,
+    /// Pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    pipeline_parallel: usize,
+    /// Pipeline schedule: `1f1b` or `gpipe`.
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
+    /// Each step's training loss, one JSON line per step (rank 0).
+    #[arg(long)]
+    losses: Option<PathBuf>,
+    /// The final weights, whole (rank 0).
+    #[arg(long)]
+    weights: Option<PathBuf>,
 }
 
 /// Windows of `context + 1` characters starting every `stride`: inputs and next characters.
@@ -73,7 +105,20 @@ fn main() -> Result<()> {
     if args.width % args.heads != 0 {
         bail!("--width {} is not divisible by --heads {}", args.width, args.heads);
     }
-    let acc = Accelerator::builder().seed(0).precision(args.precision).build()?;
+    let acc = Accelerator::builder()
+        .seed(0)
+        .precision(args.precision)
+        .accumulate(args.accumulate)
+        .tensor_parallel(args.tensor_parallel)
+        .sequence_parallel(args.sequence_parallel)
+        .pipeline_parallel(args.pipeline_parallel)
+        .build()?;
+    let schedule = match args.schedule.as_str() {
+        "1f1b" => pp::Schedule::OneForwardOneBackward,
+        "gpipe" => pp::Schedule::GPipe,
+        other => bail!("unknown schedule `{other}`; use 1f1b or gpipe"),
+    };
+    let pipeline = Pipeline::new(&acc, schedule);
     let path = (args.text.clone())
         .unwrap_or_else(|| accel_examples::data_dir().join("kjv-genesis-exodus.txt"));
     let text =
@@ -95,8 +140,10 @@ fn main() -> Result<()> {
         width: args.width,
         blocks: args.blocks,
         heads: args.heads,
+        seed: 0,
     };
-    let model = Gpt::new(&vs.root(), &config);
+    let layers = pipeline.layers(config.layers())?;
+    let model = Gpt::stage(&vs.root(), &config, &acc.tensor_parallel(), layers)?;
     acc.prepare_model(&vs)?;
     let parameters: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
     let mut opt = acc.prepare_optimizer(AdamW::new(
@@ -116,13 +163,14 @@ fn main() -> Result<()> {
     let mut loader = acc.prepare_loader(DataLoader::new(train, options(true))?)?;
     let mut held_out = acc.prepare_loader(DataLoader::new(held_out, options(false))?)?;
     acc.print(format!(
-        "{parameters} parameters ({} blocks of width {}), {} characters ({} distinct), {} \
-         process(es), strategy {}, {} steps of {} x {} characters per process",
+        "{parameters} parameters here ({} blocks of width {}), {} characters ({} distinct), {} \
+         process(es) ({}), strategy {}, {} steps of {} x {} characters per replica",
         args.blocks,
         args.width,
         ids.size()[0],
         vocab.len(),
         acc.num_processes(),
+        acc.mesh().dims(),
         match acc.config().strategy {
             Strategy::Single if acc.num_processes() > 1 => Strategy::Ddp,
             other => other,
@@ -132,19 +180,32 @@ fn main() -> Result<()> {
         args.context
     ));
 
+    let staged = pipeline.stages() > 1;
     let evaluate = |held_out: &mut accel_core::PreparedLoader<TensorDataset>| -> Result<f64> {
+        if staged {
+            // Every held-out batch through the stages; each data-parallel replica's sums
+            // added up (the padding of a last uneven round counts: a small bias of the metric).
+            let batches: Vec<(Tensor, Tensor)> = held_out
+                .iter()
+                .map(|b| b.map(|b| (b[0].shallow_clone(), b[1].shallow_clone())))
+                .collect::<accel_core::Result<_>>()?;
+            let count: i64 = batches.iter().map(|(_, y)| y.numel() as i64).sum();
+            let sums = pipeline.eval_step(
+                &acc,
+                &batches,
+                |x| model.forward_stage(x),
+                |logits, y| model.token_losses(logits, y).sum(Kind::Float),
+            )?;
+            let totals = Tensor::from_slice(&[sums.iter().sum::<f64>(), count as f64]);
+            acc.mesh().comm(Dim::Data).all_reduce(&totals, ReduceOp::Sum)?;
+            return Ok(totals.double_value(&[0]) / totals.double_value(&[1]));
+        }
         let (mut total, mut count) = (0.0, 0i64);
         tch::no_grad(|| -> Result<()> {
             for batch in held_out.iter() {
                 let batch = batch?;
-                let logits = acc.forward(|| model.forward(&batch[0]))?;
-                let losses = logits.view([-1, vocab.len() as i64]).cross_entropy_loss::<Tensor>(
-                    &batch[1].view([-1]),
-                    None,
-                    tch::Reduction::None,
-                    -100,
-                    0.0,
-                );
+                let logits = acc.forward(|| model.forward_stage(&batch[0]))?;
+                let losses = model.token_losses(&logits, &batch[1]).view([-1]);
                 let losses = acc.gather_for_metrics(&losses)?;
                 total += losses.sum(Kind::Double).double_value(&[]);
                 count += losses.numel() as i64;
@@ -154,23 +215,55 @@ fn main() -> Result<()> {
         Ok(total / count as f64)
     };
 
+    let mut loss_log = args
+        .losses
+        .as_ref()
+        .filter(|_| acc.is_main_process())
+        .map(std::fs::File::create)
+        .transpose()?;
     let bar = acc.progress_bar(args.steps);
     let started = std::time::Instant::now();
     let mut step = 0;
+    // A pipeline takes its step's micro-batches at once; otherwise each batch runs its
+    // backward as it comes and the optimizer steps when the accumulation window closes.
+    let mut micro: Vec<(Tensor, Tensor)> = Vec::new();
+    let mut losses: Vec<f64> = Vec::new();
     'train: loop {
         for batch in loader.iter() {
             let batch = batch?;
-            let logits = acc.forward(|| model.forward(&batch[0]))?;
-            let loss = logits
-                .view([-1, vocab.len() as i64])
-                .cross_entropy_for_logits(&batch[1].view([-1]));
-            acc.backward(&loss)?;
+            if staged {
+                micro.push((batch[0].shallow_clone(), batch[1].shallow_clone()));
+                if micro.len() < args.accumulate as usize {
+                    continue;
+                }
+                losses = pipeline.train_step(
+                    &acc,
+                    &micro,
+                    |x| model.forward_stage(x),
+                    |logits, y| model.loss(logits, y),
+                )?;
+                micro.clear();
+            } else {
+                let logits = acc.forward(|| model.forward_stage(&batch[0]))?;
+                let loss = model.loss(&logits, &batch[1]);
+                acc.backward(&loss)?;
+                losses.push(loss.double_value(&[]));
+                if !acc.sync_gradients() {
+                    continue;
+                }
+            }
             opt.step()?;
             opt.zero_grad()?;
             step += 1;
             bar.inc(1);
+            let mean = losses.iter().sum::<f64>() / losses.len() as f64;
+            losses.clear();
+            if let Some(log) = &mut loss_log {
+                writeln!(log, "{}", serde_json::json!({ "step": step, "loss": mean }))?;
+            }
             if step % 100 == 0 || step == args.steps {
-                let train_loss = acc.reduce(&loss.detach(), ReduceOp::Avg)?.double_value(&[]);
+                let train_loss =
+                    acc.reduce(&Tensor::from_slice(&[mean]), ReduceOp::Avg)?.double_value(&[0]);
                 let held = evaluate(&mut held_out)?;
                 bar.suspend(|| {
                     acc.print(format!(
@@ -185,15 +278,27 @@ fn main() -> Result<()> {
     }
     bar.finish_and_clear();
     let held = evaluate(&mut held_out)?;
+    acc.end_training()?;
+    let weights = acc.full_state_dict(&vs)?;
+    if let (Some(path), true) = (&args.weights, acc.is_main_process()) {
+        Tensor::write_safetensors(&weights, path)?;
+    }
 
-    // A sample: 300 characters after "And God said", greedy but for a little temperature.
+    // A sample: 300 characters after "And God said", greedy but for a little temperature
+    // (not through a pipeline: its stages would have to pass every character along).
     let mut context: Vec<i64> = "And God said".chars().map(index).collect();
+    let characters = if staged { 0 } else { 300 };
     tch::no_grad(|| {
         tch::manual_seed(1);
-        for _ in 0..300 {
+        for _ in 0..characters {
             let start = context.len().saturating_sub(args.context as usize);
-            let input = Tensor::from_slice(&context[start..]).unsqueeze(0).to_device(acc.device());
-            let logits = model.forward(&input).select(1, -1).squeeze_dim(0) / 0.8;
+            // Sequence parallelism splits the sequence: pad it on the right (causal
+            // attention keeps the padding out of the real positions).
+            let mut window = context[start..].to_vec();
+            let real = window.len();
+            window.resize(real.next_multiple_of(acc.tensor_parallel().size()), 0);
+            let input = Tensor::from_slice(&window).unsqueeze(0).to_device(acc.device());
+            let logits = model.forward(&input).select(1, real as i64 - 1).squeeze_dim(0) / 0.8;
             let next = logits.softmax(-1, Kind::Float).multinomial(1, false).int64_value(&[0]);
             context.push(next);
         }

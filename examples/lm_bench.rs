@@ -19,9 +19,9 @@ const STEPS: usize = 100;
 fn main() -> Result<()> {
     let acc = Accelerator::builder().seed(0).cpu(true).build()?;
     tch::set_num_threads(1);
-    let config = GptConfig { vocab: 72, context: 64, width: 128, blocks: 4, heads: 4 };
+    let config = GptConfig { vocab: 72, context: 64, width: 128, blocks: 4, heads: 4, seed: 0 };
     let vs = nn::VarStore::new(Device::Cpu);
-    let model = Gpt::new(&vs.root(), &config);
+    let model = Gpt::new(&vs.root(), &config)?;
     acc.prepare_model(&vs)?;
     let mut opt = acc.prepare_optimizer(AdamW::new(
         acc.params(&vs),

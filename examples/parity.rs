@@ -17,6 +17,8 @@ use std::path::PathBuf;
 
 use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW, Sgd, SgdConfig, named_params};
+use accel_core::strategy::pp::{Pipeline, Schedule};
+use accel_core::strategy::tp::{ColumnParallelLinear, LinearOptions, RowParallelLinear};
 use accel_core::{Accelerator, Precision, ShardOptions, Strategy, Unit};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -78,6 +80,17 @@ struct Args {
     /// Continue from a state saved by `--state` (any strategy, any number of processes).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Tensor-parallel ranks: the MLP's layers in Megatron pairs (column-parallel, then
+    /// row-parallel; a layer whose width they do not divide stays whole).
+    #[arg(long, default_value_t = 1)]
+    tensor_parallel: usize,
+    /// Pipeline stages: the layers (pairs kept together) cut into stages; each step runs
+    /// `--accumulate` micro-batches through them.
+    #[arg(long, default_value_t = 1)]
+    pipeline_parallel: usize,
+    /// Pipeline schedule: `1f1b` or `gpipe`.
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
     /// Local SGD instead of `--strategy`: no gradient all-reduce, parameters averaged every
     /// K batches and at the end (accel_examples::local_sgd, a strategy written outside
     /// accel-core).
@@ -99,6 +112,8 @@ fn main() -> Result<()> {
         .strategy(args.strategy)
         .precision(args.precision)
         .accumulate(args.accumulate)
+        .tensor_parallel(args.tensor_parallel)
+        .pipeline_parallel(args.pipeline_parallel)
         .cpu(true);
     if args.clip_grad_norm > 0.0 {
         builder = builder.clip_grad_norm(args.clip_grad_norm);
@@ -132,30 +147,7 @@ fn main() -> Result<()> {
     }
 
     let vs = nn::VarStore::new(Device::Cpu);
-    let root = vs.root();
-    let mut net = nn::seq();
-    for i in 0..layers {
-        let [out, inp] = weight(i).expect("counted").size()[..] else {
-            bail!("layers.{i}.weight is not 2-D")
-        };
-        // Each layer is a sharding unit: under zero3 its weights exist whole only during
-        // its forward and backward (elsewhere `Unit` changes nothing).
-        let path = &root / "layers" / i;
-        net = net.add(Unit::new(&path, nn::linear(&path, inp, out, Default::default())));
-        if i + 1 < layers {
-            net = net.add_fn(|x| x.relu());
-        }
-    }
-    tch::no_grad(|| -> Result<()> {
-        for (name, mut var) in vs.variables() {
-            let (_, value) = init
-                .iter()
-                .find(|(n, _)| *n == name)
-                .with_context(|| format!("{} lacks {name}", args.init.display()))?;
-            var.f_copy_(value)?;
-        }
-        Ok(())
-    })?;
+    let net = build(&acc, &vs, &init, layers)?;
     acc.prepare_model(&vs)?;
     let params = named_params(&vs);
     let mut opt = match args.optimizer.as_str() {
@@ -191,19 +183,64 @@ fn main() -> Result<()> {
         acc.load_state(dir)?;
     }
     let mut log = acc.is_main_process().then(|| std::fs::File::create(&args.losses)).transpose()?;
+    let mut write = |step: u64, loss: f64| -> Result<()> {
+        if let Some(log) = &mut log {
+            writeln!(log, "{}", serde_json::json!({ "step": step, "loss": loss }))?;
+        }
+        Ok(())
+    };
     let mut step = 0u64;
+    if args.pipeline_parallel > 1 {
+        let schedule = match args.schedule.as_str() {
+            "1f1b" => Schedule::OneForwardOneBackward,
+            "gpipe" => Schedule::GPipe,
+            other => bail!("unknown schedule `{other}`; use 1f1b or gpipe"),
+        };
+        let pipeline = Pipeline::new(&acc, schedule);
+        for _ in loader.epoch()..args.epochs {
+            let mut batches = Vec::new();
+            for batch in loader.iter() {
+                let batch = batch?;
+                batches.push((batch[0].shallow_clone(), batch[1].shallow_clone()));
+                if batches.len() < args.accumulate as usize {
+                    continue;
+                }
+                let losses = pipeline.train_step(
+                    &acc,
+                    &batches,
+                    |x| net.forward(x),
+                    |logits, y| logits.cross_entropy_for_logits(y),
+                )?;
+                for loss in losses {
+                    write(step, loss)?;
+                    step += 1;
+                }
+                opt.step()?;
+                opt.zero_grad()?;
+                batches.clear();
+                if let (Some(dir), Some(n)) = (&args.state, args.stop_after)
+                    && acc.counters().micro_steps_total == n
+                {
+                    acc.save_state(dir)?;
+                    return finish(&acc, &vs, &args);
+                }
+            }
+            if !batches.is_empty() {
+                bail!(
+                    "{} batch(es) left over: with a pipeline, the batches per epoch must be a \
+                     multiple of --accumulate",
+                    batches.len()
+                );
+            }
+        }
+        return finish(&acc, &vs, &args);
+    }
     'train: for _ in loader.epoch()..args.epochs {
         for batch in loader.iter() {
             let batch = batch?;
             let logits = acc.forward(|| net.forward(&batch[0]))?;
             let loss = logits.cross_entropy_for_logits(&batch[1]);
-            if let Some(log) = &mut log {
-                writeln!(
-                    log,
-                    "{}",
-                    serde_json::json!({ "step": step, "loss": loss.double_value(&[]) })
-                )?;
-            }
+            write(step, loss.double_value(&[]))?;
             acc.backward(&loss)?;
             opt.step()?;
             opt.zero_grad()?;
@@ -216,16 +253,95 @@ fn main() -> Result<()> {
             }
         }
     }
+    finish(&acc, &vs, &args)
+}
+
+/// The final weights, whole, written by rank 0 (and by `save_model` if asked).
+fn finish(acc: &Accelerator, vs: &nn::VarStore, args: &Args) -> Result<()> {
     // The strategy's last word (Local SGD averages the replicas once more).
     acc.end_training()?;
     // Under zero2/zero3 every rank holds a shard: all take part in gathering them.
-    let named = acc.full_state_dict(&vs)?;
+    let named = acc.full_state_dict(vs)?;
     if acc.is_main_process() {
         Tensor::write_safetensors(&named, &args.out)?;
     }
     if let Some(dir) = &args.save_model {
-        acc.save_model(&vs, dir, u64::MAX)?;
+        acc.save_model(vs, dir, u64::MAX)?;
     }
     acc.wait_for_everyone()?;
     Ok(())
+}
+
+/// One layer of the MLP as this process holds it.
+enum Layer {
+    Whole(nn::Linear),
+    Column(ColumnParallelLinear),
+    Row(RowParallelLinear),
+}
+
+/// The MLP's layers on this process's pipeline stage, initialised from `init`: Megatron
+/// pairs where the tensor ranks divide the width between them (column-parallel without
+/// gathering its output, then row-parallel taking it as it is), whole layers elsewhere. A
+/// pair stays on one stage. Each layer is an [`Unit`], so under zero3 its weights exist whole
+/// only during its own forward and backward (elsewhere `Unit` changes nothing).
+fn build(
+    acc: &Accelerator,
+    vs: &nn::VarStore,
+    init: &[(String, Tensor)],
+    layers: usize,
+) -> Result<impl Module> {
+    let tp = acc.tensor_parallel();
+    let get = |name: String| init.iter().find(|(n, _)| *n == name).map(|(_, t)| t);
+    let weight = |i: usize| get(format!("layers.{i}.weight")).expect("counted");
+    // Units of one or two layers, so that a pair is never cut between stages.
+    let mut units: Vec<Vec<usize>> = Vec::new();
+    let mut i = 0;
+    while i < layers {
+        let paired = tp.size() > 1 && i + 1 < layers && weight(i).size()[0] % tp.size() as i64 == 0;
+        units.push(if paired { vec![i, i + 1] } else { vec![i] });
+        i += if paired { 2 } else { 1 };
+    }
+    let pipeline = Pipeline::new(acc, Schedule::OneForwardOneBackward);
+    let mine = pipeline.layers(units.len())?;
+    let root = vs.root();
+    let mut net = nn::seq();
+    for unit in &units[mine] {
+        for (k, &i) in unit.iter().enumerate() {
+            let [out, inp] = weight(i).size()[..] else { bail!("layers.{i}.weight is not 2-D") };
+            let path = &root / "layers" / i;
+            let bias =
+                get(format!("layers.{i}.bias")).with_context(|| format!("no layers.{i}.bias"))?;
+            let options = LinearOptions::default();
+            let layer = match (unit.len(), k) {
+                (2, 0) => {
+                    let l = ColumnParallelLinear::new(&tp, &path, inp, out, options)?;
+                    l.load_whole(weight(i), Some(bias))?;
+                    Layer::Column(l)
+                }
+                (2, _) => {
+                    let l = RowParallelLinear::new(&tp, &path, inp, out, options)?;
+                    l.load_whole(weight(i), Some(bias))?;
+                    Layer::Row(l)
+                }
+                _ => {
+                    let l = nn::linear(&path, inp, out, Default::default());
+                    tch::no_grad(|| -> Result<()> {
+                        l.ws.shallow_clone().f_copy_(weight(i))?;
+                        l.bs.as_ref().expect("a bias").shallow_clone().f_copy_(bias)?;
+                        Ok(())
+                    })?;
+                    Layer::Whole(l)
+                }
+            };
+            net = match layer {
+                Layer::Whole(l) => net.add(Unit::new(&path, l)),
+                Layer::Column(l) => net.add(Unit::new(&path, l)),
+                Layer::Row(l) => net.add(Unit::new(&path, l)),
+            };
+            if i + 1 < layers {
+                net = net.add_fn(|x| x.relu());
+            }
+        }
+    }
+    Ok(net)
 }

@@ -60,6 +60,15 @@ impl GradientState {
         self.lock().backwards_on_batch = Some(0);
     }
 
+    /// A pipeline step starts: its micro-batches (fetched ahead) are one accumulation
+    /// window, each backward one micro-step, the last one the sync step.
+    pub(crate) fn start_window(&self) {
+        let mut s = self.lock();
+        s.counters.micro_step = 0;
+        s.end_of_dataloader = false;
+        s.backwards_on_batch = None;
+    }
+
     /// The prepared data source ran out or was dropped: backward counts alone again.
     pub(crate) fn end_batches(&self) {
         self.lock().backwards_on_batch = None;

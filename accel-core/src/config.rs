@@ -33,6 +33,12 @@ pub struct Config {
     pub seed: Option<u64>,
     /// Run on CPU even where a GPU is available.
     pub cpu: bool,
+    /// Tensor-parallel ranks (Megatron's tensor model parallel size), >= 1.
+    pub tensor_parallel: usize,
+    /// Pipeline stages, >= 1.
+    pub pipeline_parallel: usize,
+    /// Split the activations outside tensor-parallel regions along the sequence.
+    pub sequence_parallel: bool,
 }
 
 impl Default for Config {
@@ -44,6 +50,9 @@ impl Default for Config {
             clip_grad_norm: None,
             seed: None,
             cpu: false,
+            tensor_parallel: 1,
+            pipeline_parallel: 1,
+            sequence_parallel: false,
         }
     }
 }
@@ -71,6 +80,15 @@ pub struct PartialConfig {
     /// See [`Config::cpu`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu: Option<bool>,
+    /// See [`Config::tensor_parallel`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensor_parallel: Option<usize>,
+    /// See [`Config::pipeline_parallel`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline_parallel: Option<usize>,
+    /// See [`Config::sequence_parallel`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sequence_parallel: Option<bool>,
 }
 
 /// Environment variables read by [`PartialConfig::from_env`] (set by `accel launch`).
@@ -81,7 +99,18 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("ACCEL_CLIP_GRAD_NORM", "clip_grad_norm"),
     ("ACCEL_SEED", "seed"),
     ("ACCEL_CPU", "cpu"),
+    ("ACCEL_TENSOR_PARALLEL", "tensor_parallel"),
+    ("ACCEL_PIPELINE_PARALLEL", "pipeline_parallel"),
+    ("ACCEL_SEQUENCE_PARALLEL", "sequence_parallel"),
 ];
+
+fn parse_bool(value: &str) -> Option<bool> {
+    match value.to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" => Some(true),
+        "0" | "false" | "no" | "" => Some(false),
+        _ => None,
+    }
+}
 
 /// Names the config file through the environment.
 pub const CONFIG_FILE_ENV: &str = "ACCEL_CONFIG_FILE";
@@ -124,11 +153,24 @@ impl PartialConfig {
                         Some(value.parse().map_err(|_| parse_err(var, &value, "an integer"))?)
                 }
                 "ACCEL_CPU" => {
-                    config.cpu = Some(match value.to_ascii_lowercase().as_str() {
-                        "1" | "true" | "yes" => true,
-                        "0" | "false" | "no" | "" => false,
-                        _ => return Err(parse_err(var, &value, "true or false")),
-                    })
+                    config.cpu = Some(
+                        parse_bool(&value)
+                            .ok_or_else(|| parse_err(var, &value, "true or false"))?,
+                    )
+                }
+                "ACCEL_TENSOR_PARALLEL" => {
+                    config.tensor_parallel =
+                        Some(value.parse().map_err(|_| parse_err(var, &value, "an integer >= 1"))?)
+                }
+                "ACCEL_PIPELINE_PARALLEL" => {
+                    config.pipeline_parallel =
+                        Some(value.parse().map_err(|_| parse_err(var, &value, "an integer >= 1"))?)
+                }
+                "ACCEL_SEQUENCE_PARALLEL" => {
+                    config.sequence_parallel = Some(
+                        parse_bool(&value)
+                            .ok_or_else(|| parse_err(var, &value, "true or false"))?,
+                    )
                 }
                 _ => unreachable!("every ENV_VARS entry is handled"),
             }
@@ -150,6 +192,9 @@ impl PartialConfig {
             clip_grad_norm: stronger.clip_grad_norm.or(self.clip_grad_norm),
             seed: stronger.seed.or(self.seed),
             cpu: stronger.cpu.or(self.cpu),
+            tensor_parallel: stronger.tensor_parallel.or(self.tensor_parallel),
+            pipeline_parallel: stronger.pipeline_parallel.or(self.pipeline_parallel),
+            sequence_parallel: stronger.sequence_parallel.or(self.sequence_parallel),
         }
     }
 
@@ -165,7 +210,17 @@ impl PartialConfig {
                 }
             )*};
         }
-        check!(strategy, precision, accumulate, clip_grad_norm, seed, cpu);
+        check!(
+            strategy,
+            precision,
+            accumulate,
+            clip_grad_norm,
+            seed,
+            cpu,
+            tensor_parallel,
+            pipeline_parallel,
+            sequence_parallel
+        );
         out
     }
 
@@ -179,7 +234,23 @@ impl PartialConfig {
             clip_grad_norm: self.clip_grad_norm.or(d.clip_grad_norm),
             seed: self.seed.or(d.seed),
             cpu: self.cpu.unwrap_or(d.cpu),
+            tensor_parallel: self.tensor_parallel.unwrap_or(d.tensor_parallel),
+            pipeline_parallel: self.pipeline_parallel.unwrap_or(d.pipeline_parallel),
+            sequence_parallel: self.sequence_parallel.unwrap_or(d.sequence_parallel),
         };
+        if config.tensor_parallel == 0 || config.pipeline_parallel == 0 {
+            return Err(Error::Config(format!(
+                "tensor_parallel = {}, pipeline_parallel = {}: each degree must be >= 1",
+                config.tensor_parallel, config.pipeline_parallel
+            )));
+        }
+        if config.sequence_parallel && config.tensor_parallel == 1 {
+            return Err(Error::Config(
+                "sequence_parallel splits the activations among the tensor-parallel ranks: it \
+                 needs tensor_parallel >= 2"
+                    .into(),
+            ));
+        }
         if config.accumulate == 0 {
             return Err(Error::Config(
                 "accumulate = 0: the number of micro-batches per optimizer step must be >= 1"

@@ -98,9 +98,22 @@ impl ParallelDims {
     /// over each machine's processes and replicates across machines.
     pub fn for_run(config: &Config, topology: &Topology) -> Result<Self> {
         let world = topology.world_size;
+        let (tp, pp) = (config.tensor_parallel, config.pipeline_parallel);
+        let model = tp * pp;
+        if model == 0 || world % model != 0 {
+            return Err(Error::Config(format!(
+                "tensor_parallel {tp} × pipeline_parallel {pp} = {model} does not divide the \
+                 {world} process(es): the data-parallel degree would be {world}/{model}"
+            )));
+        }
+        let dp = world / model;
         match config.strategy {
-            Strategy::Single | Strategy::Ddp | Strategy::Zero1 => Self::new(world, 1, world, 1, 1),
-            Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp => Self::new(world, 1, 1, world, 1),
+            Strategy::Single | Strategy::Ddp | Strategy::Zero1 => Self::new(world, pp, dp, 1, tp),
+            Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp => Self::new(world, pp, 1, dp, tp),
+            Strategy::HybridShard if model > 1 => Err(Error::Unsupported(format!(
+                "hybrid_shard together with tensor_parallel {tp} / pipeline_parallel {pp}: use \
+                 zero3 (sharded over every data-parallel process)"
+            ))),
             Strategy::HybridShard => {
                 let local = topology.local_world_size;
                 if local == 0 || world % local != 0 || local == world {
@@ -312,6 +325,28 @@ mod tests {
             assert_eq!(dims.rank(dims.coords(rank)), rank);
         }
         assert_eq!(dims.index(Dim::Data, 6), 1);
+    }
+
+    #[test]
+    fn tensor_and_pipeline_degrees_leave_the_rest_to_data_parallelism() {
+        let topology = Topology { world_size: 8, local_world_size: 8, ..Topology::single() };
+        let config = Config {
+            strategy: Strategy::Zero3,
+            tensor_parallel: 2,
+            pipeline_parallel: 2,
+            ..Config::default()
+        };
+        let dims = ParallelDims::for_run(&config, &topology).unwrap();
+        assert_eq!(
+            (dims.pipeline, dims.data_replicate, dims.data_shard, dims.tensor),
+            (2, 1, 2, 2)
+        );
+        let config = Config { tensor_parallel: 3, ..Config::default() };
+        let err = ParallelDims::for_run(&config, &topology).unwrap_err().to_string();
+        assert!(
+            err.contains("tensor_parallel 3 × pipeline_parallel 1 = 3 does not divide the 8"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -28,6 +28,12 @@ fn accumulation_evaluation_mixed_precision_sharding_and_local_sgd_on_1_and_2_pro
 }
 
 #[test]
+fn tensor_parallelism_through_the_attribute_matches_the_whole_model_on_2_processes() {
+    // tensor_parallel = 2 is in the attribute: it needs a multiple of 2 processes.
+    launch(2, vec![example("tensor_parallel")], &[]);
+}
+
+#[test]
 fn the_transformer_trains_alike_under_ddp_and_zero3() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("char-lm");
     std::fs::create_dir_all(&dir).unwrap();
@@ -68,5 +74,75 @@ fn checkpointing_stops_and_resumes_on_1_and_2_processes() {
         launch(processes, vec![example("checkpointing"), "--resume".into()], &env);
         // One checkpoint per epoch after the stop, the oldest pruned to a limit of 3.
         assert!(dir.join("checkpoint_3").exists() && !dir.join("checkpoint_0").exists());
+    }
+}
+
+/// Each step's loss (`--losses`) and the final whole weights (`--weights`) of one char_lm run.
+fn char_lm_run(
+    name: &str,
+    processes: usize,
+    extra: &[&str],
+) -> (Vec<f64>, Vec<(String, tch::Tensor)>) {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("char-lm-split");
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/kjv-genesis-exodus.txt");
+    let (losses, weights) =
+        (dir.join(format!("{name}.jsonl")), dir.join(format!("{name}.safetensors")));
+    let small = "--steps 8 --width 64 --blocks 2 --heads 4 --context 32 --batch-size 8 \
+                 --accumulate 2 --target 10";
+    let mut program = vec![example("char_lm")];
+    program.extend(small.split(' ').chain(extra.iter().copied()).map(String::from));
+    program.extend(["--text".into(), text.display().to_string()]);
+    program.extend(["--losses".into(), losses.display().to_string()]);
+    program.extend(["--weights".into(), weights.display().to_string()]);
+    let plan = LaunchPlan { rank0_only: true, ..LaunchPlan::local(processes, program) };
+    assert_eq!(run(&plan).unwrap(), 0, "char_lm {extra:?} on {processes} process(es) failed");
+    let losses = std::fs::read_to_string(&losses).unwrap();
+    let losses = losses
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .collect();
+    let mut weights = tch::Tensor::read_safetensors(&weights).unwrap();
+    weights.sort_by(|a, b| a.0.cmp(&b.0));
+    (losses, weights)
+}
+
+#[test]
+fn the_transformer_trains_alike_split_by_tensor_sequence_and_pipeline() {
+    let (reference, whole) = char_lm_run("one-process", 1, &[]);
+    assert_eq!(reference.len(), 8);
+    let runs: [(&str, usize, &[&str]); 3] = [
+        ("tp2-sp", 2, &["--tensor-parallel", "2", "--sequence-parallel"]),
+        ("pp2-1f1b", 2, &["--pipeline-parallel", "2"]),
+        (
+            "tp2-pp2-gpipe-sp",
+            4,
+            &[
+                "--tensor-parallel",
+                "2",
+                "--pipeline-parallel",
+                "2",
+                "--schedule",
+                "gpipe",
+                "--sequence-parallel",
+            ],
+        ),
+    ];
+    for (name, processes, extra) in runs {
+        let (losses, weights) = char_lm_run(name, processes, extra);
+        for (step, (a, b)) in reference.iter().zip(&losses).enumerate() {
+            assert!((a - b).abs() < 1e-5, "{name}: step {} loss {b} vs one process {a}", step + 1);
+        }
+        assert_eq!(weights.len(), whole.len(), "{name}: the whole state dict has other names");
+        for ((key, a), (other, b)) in whole.iter().zip(&weights) {
+            assert_eq!(key, other);
+            // Key biases get no gradient (softmax ignores a shift of every score), so Adam
+            // turns their rounding noise into full steps: they cannot agree, nor matter.
+            if key.ends_with("qkv.bias") {
+                continue;
+            }
+            let relative = (a - b).norm().double_value(&[]) / a.norm().double_value(&[]);
+            assert!(relative < 1e-4, "{name}: {key} differs from one process by {relative:.2e}");
+        }
     }
 }

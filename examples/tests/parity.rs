@@ -164,6 +164,19 @@ fn parity_example_matches_pytorch_and_accelerate() {
 /// Runs `args` through PyTorch + Accelerate (torchrun) and through the `parity` example
 /// (accel launch) on `n` processes, and checks every logged loss and final weight (1e-5).
 fn compare_with_accelerate(dir: &Path, tag: &str, n: usize, common: Vec<String>) {
+    compare_with_accelerate_as(dir, tag, n, common, n, &[]);
+}
+
+/// `compare_with_accelerate` with accel on `accel_n` processes given `accel_extra` too
+/// (say, 4 processes as 2 data-parallel replicas of 2 tensor-parallel ranks).
+fn compare_with_accelerate_as(
+    dir: &Path,
+    tag: &str,
+    n: usize,
+    common: Vec<String>,
+    accel_n: usize,
+    accel_extra: &[&str],
+) {
     let torchrun = root().join(".venv/bin/torchrun");
     assert!(torchrun.exists(), "{} is missing: run `cargo xtask setup`", torchrun.display());
     let script = root().join("python/reference/parity_accelerate.py");
@@ -189,13 +202,14 @@ fn compare_with_accelerate(dir: &Path, tag: &str, n: usize, common: Vec<String>)
     );
     let mut program = vec![example("parity")];
     program.extend(common);
+    program.extend(accel_extra.iter().map(|s| s.to_string()));
     program.extend([
         "--out".into(),
         rs_out.display().to_string(),
         "--losses".into(),
         rs_losses.display().to_string(),
     ]);
-    launch(n, program);
+    launch(accel_n, program);
 
     let (py, rs) = (read_losses(&py_losses), read_losses(&rs_losses));
     assert_eq!(py.len(), rs.len(), "{tag}: number of batches on rank 0");
@@ -476,4 +490,91 @@ fn hybrid_sharding_on_2_machines_of_2_trains_like_ddp_on_4_and_checkpoints_once(
     assert_eq!(max_diff(&stopped, &merged), 0.0, "merged hybrid shards vs the gathered weights");
     // And it continues on one machine of 2 under zero3.
     run_parity(&dir, 2, "zero3", "hybrid-into-zero3", &["--resume", &state]);
+}
+
+/// Megatron-style column/row pairs and pipeline stages (both schedules) train the parity
+/// MLP exactly as one process does; tensor parallelism inside data parallelism matches
+/// Accelerate's DDP; and a tensor × pipeline checkpoint continues as plain DDP.
+#[test]
+fn tensor_and_pipeline_parallel_train_like_one_process_and_like_accelerate() {
+    let dir = scratch("tp-pp");
+    let (w, d) = make_weights_and_data(&dir, 4);
+    let one = run_parity(&dir, 1, "ddp", "one", &[]);
+    let one_losses = read_losses(&dir.join("one.jsonl"));
+    let runs: [(&str, usize, &[&str]); 5] = [
+        ("tp2", 2, &["--tensor-parallel", "2"]),
+        ("pp2-1f1b", 2, &["--pipeline-parallel", "2"]),
+        ("pp2-gpipe", 2, &["--pipeline-parallel", "2", "--schedule", "gpipe"]),
+        ("pp3", 3, &["--pipeline-parallel", "3"]),
+        ("tp2-pp2", 4, &["--tensor-parallel", "2", "--pipeline-parallel", "2"]),
+    ];
+    for (tag, n, extra) in runs {
+        let weights = run_parity(&dir, n, "ddp", tag, extra);
+        let losses = read_losses(&dir.join(format!("{tag}.jsonl")));
+        assert_eq!(losses.len(), one_losses.len(), "{tag}: steps");
+        for (step, (a, b)) in one_losses.iter().zip(&losses).enumerate() {
+            assert!((a - b).abs() <= 1e-6, "{tag}: loss at step {step}: one process {a} vs {b}");
+        }
+        // Row-parallel layers add partial products in another order: 1e-7 per step, which
+        // Adam blows up for a weight whose gradient is nearly 0 (tp2: one weight 4e-6 off,
+        // every other within 1.2e-7), as it does between DDP and ZeRO.
+        let diff = max_diff(&one, &weights);
+        assert!(diff <= 1e-5, "{tag}: weights differ from one process's by {diff}");
+    }
+
+    // 2 data-parallel replicas of 2 tensor-parallel ranks = Accelerate's DDP on 2, under
+    // each strategy that shards across the replicas too.
+    for strategy in ["ddp", "zero3"] {
+        let common: Vec<String> = [
+            "--init",
+            w.to_str().unwrap(),
+            "--data",
+            d.to_str().unwrap(),
+            "--hidden",
+            "16,16",
+            "--lr",
+            "1e-2",
+            "--batch-size",
+            "4",
+            "--accumulate",
+            "2",
+            "--epochs",
+            "2",
+            "--clip-grad-norm",
+            "1.0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let extra = ["--tensor-parallel", "2", "--strategy", strategy];
+        compare_with_accelerate_as(&dir, &format!("tp2-dp2-{strategy}"), 2, common, 4, &extra);
+    }
+
+    // A checkpoint written by 2 stages of 2 tensor-parallel ranks continues on one process
+    // (the same one data-parallel replica, so the same batches) to where one process goes
+    // without a stop, and on 2 pipeline stages likewise: its pieces are put back whole.
+    let state = dir.join("tp2-pp2-state").display().to_string();
+    let tp_pp = ["--tensor-parallel", "2", "--pipeline-parallel", "2"];
+    let stop = [&tp_pp[..], &["--state", &state, "--stop-after", "4"]].concat();
+    run_parity(&dir, 4, "ddp", "tp2-pp2-stopped", &stop);
+    for (tag, n, extra) in
+        [("one-resumed", 1, &[][..]), ("pp2-resumed", 2, &["--pipeline-parallel", "2"][..])]
+    {
+        let resume = [extra, &["--resume", &state]].concat();
+        let resumed = run_parity(&dir, n, "ddp", tag, &resume);
+        let diff = max_diff(&one, &resumed);
+        assert!(diff <= 1e-5, "{tag}: a tp2 x pp2 checkpoint continued differs by {diff}");
+        // It started from the checkpoint: only the batches after it ran, with the losses
+        // the uninterrupted run had there.
+        let losses = read_losses(&dir.join(format!("{tag}.jsonl")));
+        assert!(
+            !losses.is_empty() && losses.len() < one_losses.len(),
+            "{tag}: {} batches",
+            losses.len()
+        );
+        let tail = &one_losses[one_losses.len() - losses.len()..];
+        for (a, b) in tail.iter().zip(&losses) {
+            assert!((a - b).abs() <= 1e-6, "{tag}: loss {b} where the straight run had {a}");
+        }
+    }
 }

@@ -1,5 +1,6 @@
-//! The explicit API used without one of its `prepare_*` calls: with several processes each
-//! of these trains one model per process unless the accelerator refuses, which it must.
+//! The explicit API used without one of its `prepare_*` calls, or with a model that does not
+//! fit the run's parallelism: with several processes each of these trains one model per
+//! process (or repeats the same work on each) unless the accelerator refuses, which it must.
 
 use accel_core::Accelerator;
 use accel_core::optim::{AdamConfig, AdamW, Optimizer, named_params};
@@ -10,7 +11,13 @@ use crate::common::{Data, mlp};
 
 /// Runs case `name` over 2 epochs of `data`; every case must fail.
 pub fn run(name: &str, data: &Data) -> anyhow::Result<()> {
-    let acc = Accelerator::builder().cpu(true).build()?;
+    let builder = Accelerator::builder().cpu(true);
+    let acc = match name {
+        "tensor_parallel_of_ordinary_layers" => builder.tensor_parallel(2),
+        "backward_outside_the_pipeline" => builder.pipeline_parallel(2),
+        _ => builder,
+    }
+    .build()?;
     let vs = nn::VarStore::new(Device::Cpu);
     let net = mlp(&vs.root());
     let config = AdamConfig { lr: 1e-2, ..AdamConfig::adamw() };
@@ -41,6 +48,15 @@ pub fn run(name: &str, data: &Data) -> anyhow::Result<()> {
             for (x, y) in acc.prepare_iter(data.batches()) {
                 acc.backward(&net.forward(&x).cross_entropy_for_logits(&y))?;
                 opt.step()?;
+            }
+        }
+        // Two tensor ranks, and a model of ordinary layers: both would compute all of it.
+        "tensor_parallel_of_ordinary_layers" => acc.prepare_model(&vs)?,
+        // Two pipeline stages, each running the whole model's backward on its own.
+        "backward_outside_the_pipeline" => {
+            acc.prepare_model(&vs)?;
+            for (x, y) in acc.prepare_iter(data.batches()) {
+                acc.backward(&net.forward(&x).cross_entropy_for_logits(&y))?;
             }
         }
         other => anyhow::bail!("no case {other}"),

@@ -144,6 +144,8 @@ fn the_explicit_api_refuses_to_train_one_model_per_process() {
         ("prepare_model", "no prepared model"),
         ("prepare_optimizer", "was not prepared by the accelerator"),
         ("the_trained_model", "belong to no model the accelerator prepared"),
+        ("tensor_parallel_of_ordinary_layers", "this model has no tensor-parallel layers"),
+        ("backward_outside_the_pipeline", "only a pipeline step passes activations"),
     ];
     for (case, expected) in cases {
         let port = free_port().to_string();

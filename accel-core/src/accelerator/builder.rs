@@ -75,6 +75,21 @@ impl AcceleratorBuilder {
         self.explicit.clip_grad_norm = Some(max_norm);
         self
     }
+    /// Tensor-parallel ranks (the mesh's tensor dimension).
+    pub fn tensor_parallel(mut self, ranks: usize) -> Self {
+        self.explicit.tensor_parallel = Some(ranks);
+        self
+    }
+    /// Pipeline stages (the mesh's pipeline dimension).
+    pub fn pipeline_parallel(mut self, stages: usize) -> Self {
+        self.explicit.pipeline_parallel = Some(stages);
+        self
+    }
+    /// Split activations along the sequence outside tensor-parallel regions.
+    pub fn sequence_parallel(mut self, on: bool) -> Self {
+        self.explicit.sequence_parallel = Some(on);
+        self
+    }
     /// Seed torch's generators (and the shuffling of loaders that use the run's seed).
     pub fn seed(mut self, seed: u64) -> Self {
         self.explicit.seed = Some(seed);
@@ -162,6 +177,10 @@ impl AcceleratorBuilder {
         }
         let scaler = (config.precision == Precision::Fp16)
             .then(|| Arc::new(Mutex::new(GradScaler::new(ScalerConfig::default(), device))));
+        let tp = crate::strategy::tp::TensorParallel::new(
+            mesh.comm(crate::mesh::Dim::Tensor),
+            config.sequence_parallel,
+        );
         let accelerator = Accelerator {
             inner: Arc::new(Inner {
                 state: Arc::new(GradientState::new(config.accumulate)),
@@ -172,10 +191,12 @@ impl AcceleratorBuilder {
                 registry: Mutex::new(Registry::default()),
                 checkpoint_dir: self.checkpoint_dir,
                 checkpoint_limit: self.checkpoint_limit,
+                tp,
                 mesh,
                 strategy,
                 model_options: ModelOptions::from(self.ddp),
                 driven_unscaled: Mutex::new(Default::default()),
+                in_pipeline_step: Default::default(),
             }),
         };
         crate::optim::note_run(accelerator.process_index(), accelerator.num_processes());

@@ -24,7 +24,16 @@ impl Accelerator {
     /// prepared loader (Accelerate's `gather_for_metrics`): over an epoch, exactly the
     /// data set's samples come back.
     pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor> {
-        let gathered = self.gather(tensor)?;
+        // Over the data-parallel replicas: their tensor ranks and stages hold the same samples.
+        let gathered = match self.inner.mesh.dims().size(crate::mesh::Dim::Data) {
+            replicas if replicas == self.num_processes() => self.gather(tensor)?,
+            _ => {
+                let data = self.inner.mesh.comm(crate::mesh::Dim::Data);
+                let t =
+                    if tensor.dim() == 0 { tensor.f_reshape([1])? } else { tensor.shallow_clone() };
+                data.all_gather(&t)?
+            }
+        };
         if self.inner.state.end_of_dataloader() {
             if let Some(remainder) = self.inner.state.remainder() {
                 return Ok(gathered.f_narrow(0, 0, (remainder as i64).min(gathered.size()[0]))?);

@@ -194,6 +194,14 @@ impl<O: DriveOptimizer> Driven<'_, O> {
 
     fn refuse_shards(&self) -> Result<()> {
         let strategy = self.accelerator.strategy();
+        let dims = self.accelerator.mesh().dims();
+        if dims.tensor > 1 || dims.pipeline > 1 {
+            return Err(Error::Unsupported(format!(
+                "{} is kept outside the #[accelerate] function, and driving it does not support \
+                 tensor or pipeline parallelism ({dims}): build the optimizer in the function",
+                self.optimizer.name()
+            )));
+        }
         if !strategy.steps_whole_parameters() {
             return Err(Error::Unsupported(format!(
                 "{} is kept outside the #[accelerate] function (a field or an argument), so it \

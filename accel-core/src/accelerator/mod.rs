@@ -8,6 +8,7 @@ mod builder;
 mod collectives;
 mod data;
 mod driven;
+mod layout;
 mod optimizer;
 
 use std::fmt::Display;
@@ -66,9 +67,14 @@ pub(crate) struct Inner {
     pub(crate) mesh: DeviceMesh,
     /// What every hook of training defers to.
     pub(crate) strategy: Arc<dyn crate::strategy::Strategy>,
+    /// The tensor dimension: its communicator and the parameters its layers split.
+    pub(crate) tp: crate::strategy::tp::TensorParallel,
     model_options: ModelOptions,
     /// Driven optimizers (by their first parameter) whose gradients this step unscaled.
     driven_unscaled: Mutex<std::collections::HashSet<usize>>,
+    /// Set while a pipeline step runs (its backward passes are the only ones allowed when
+    /// the model is cut into stages).
+    pub(crate) in_pipeline_step: std::sync::atomic::AtomicBool,
 }
 
 /// Distributed training for one process of a run; cheap to clone (a shared handle).
@@ -157,6 +163,26 @@ impl Accelerator {
         self.inner.strategy.as_ref()
     }
 
+    /// The tensor dimension of the mesh: builds tensor-parallel layers and remembers what
+    /// they split (a group of one without tensor parallelism).
+    pub fn tensor_parallel(&self) -> crate::strategy::tp::TensorParallel {
+        self.inner.tp.clone()
+    }
+
+    /// This process's index along mesh dimension `dim`.
+    pub(crate) fn index_along(&self, dim: crate::mesh::Dim) -> usize {
+        self.inner.mesh.dims().index(dim, self.process_index())
+    }
+
+    /// This process's data-parallel index and the number of data-parallel replicas (the
+    /// process index and count without tensor or pipeline parallelism).
+    pub fn data_parallel(&self) -> (usize, usize) {
+        (
+            self.index_along(crate::mesh::Dim::Data),
+            self.inner.mesh.dims().size(crate::mesh::Dim::Data),
+        )
+    }
+
     /// What the strategy's hooks see of the run.
     pub(crate) fn strategy_context(&self) -> crate::strategy::Context<'_> {
         crate::strategy::Context {
@@ -203,6 +229,27 @@ impl Accelerator {
                 }
                 Ok(())
             })?;
+        }
+        let tensor_ranks = self.inner.tp.size();
+        if tensor_ranks > 1 && !params.is_empty() {
+            let split = params.iter().any(|p| {
+                crate::shim::tensor_id(&p.tensor)
+                    .is_ok_and(|id| self.inner.tp.split_of(id).is_some())
+            });
+            // A pipeline stage may hold only whole layers; the model is judged as a whole.
+            let anywhere = Tensor::from_slice(&[i64::from(split)]);
+            let stages = self.inner.mesh.comm(crate::mesh::Dim::Pipeline);
+            stages.all_reduce(&anywhere, crate::comm::ReduceOp::Max)?;
+            if anywhere.int64_value(&[0]) == 0 {
+                return Err(Error::Config(format!(
+                    "tensor_parallel = {tensor_ranks}, but this model has no tensor-parallel \
+                     layers: each of the {tensor_ranks} tensor ranks would compute the whole \
+                     model on the same batches, {tensor_ranks}x the work for nothing. Build its \
+                     layers from `accelerator.tensor_parallel()` (ColumnParallelLinear, \
+                     RowParallelLinear, VocabParallelEmbedding: accel_core::strategy::tp), or \
+                     run with tensor_parallel = 1"
+                )));
+            }
         }
         self.inner.strategy.prepare_model(&self.strategy_context(), &params, &options.into())?;
         self.registry().models.push(params);
@@ -281,7 +328,10 @@ impl Accelerator {
     where
         D::Batch: ToDevice,
     {
-        loader.shard(self.process_index(), self.num_processes())?;
+        // Processes of one data-parallel replica (its tensor ranks and pipeline stages) see
+        // the same batches.
+        let (index, replicas) = self.data_parallel();
+        loader.shard(index, replicas)?;
         let position = Arc::new(Mutex::new(DataPosition::default()));
         self.registry().loaders.push(position.clone());
         Ok(PreparedLoader::new(loader, self.inner.state.clone(), position, self.device()))
@@ -297,7 +347,8 @@ impl Accelerator {
         I::Item: ToDevice,
     {
         let position = Arc::new(Mutex::new(DataPosition::default()));
-        let rounds = Rounds::new(iterable.into_iter(), self.process_index(), self.num_processes());
+        let (index, replicas) = self.data_parallel();
+        let rounds = Rounds::new(iterable.into_iter(), index, replicas);
         PreparedIter::new(rounds, self.inner.state.clone(), position, self.device())
     }
 
@@ -314,9 +365,10 @@ impl Accelerator {
         I: IntoIterator,
         I::Item: Clone,
     {
+        let (rank, world) = self.data_parallel();
         let options = crate::data::ShardOptions {
-            rank: self.process_index(),
-            world: self.num_processes(),
+            rank,
+            world,
             batch_size,
             drop_last: false,
             even_batches: true,
@@ -364,6 +416,16 @@ impl Accelerator {
                 self.num_processes()
             )));
         }
+        let stages = self.inner.mesh.dims().size(crate::mesh::Dim::Pipeline);
+        if stages > 1 && !self.inner.in_pipeline_step.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(Error::Training(format!(
+                "backward on rank {} with pipeline_parallel = {stages}: the model is cut into \
+                 stages, and only a pipeline step passes activations and gradients between \
+                 them. Run each step with `Pipeline::train_step` \
+                 (accel_core::strategy::pp), or run with pipeline_parallel = 1",
+                self.process_index()
+            )));
+        }
         self.inner.state.begin_micro_step();
         let n = self.inner.state.accumulate();
         let loss = if n > 1 { loss.f_div_scalar(n as f64)? } else { loss.shallow_clone() };
@@ -376,13 +438,31 @@ impl Accelerator {
         self.inner.strategy.after_backward(&self.strategy_context(), sync)
     }
 
+    /// A backward pass from `output` with its gradient `grad` given (a pipeline stage's
+    /// output, whose gradient the next stage computed): a micro-step as [`backward`]'s,
+    /// without loss division or scaling (the gradient carries them already).
+    ///
+    /// [`backward`]: Self::backward
+    pub(crate) fn backward_with_grad(&self, output: &Tensor, grad: &Tensor) -> Result<()> {
+        self.inner.state.begin_micro_step();
+        let surrogate = output.f_mul(grad)?.f_sum(tch::Kind::Float)?;
+        surrogate.f_backward().map_err(|e| Error::Training(format!("backward failed: {e}")))?;
+        let sync = self.inner.state.sync_gradients();
+        self.inner.strategy.after_backward(&self.strategy_context(), sync)
+    }
+
     /// The model's variables by name, whole: under zero2/zero3 the sharded parameters are
     /// gathered from every rank's shard (a collective: call it on every process, as
     /// Accelerate's `get_state_dict`); otherwise copies of the local values.
     pub fn full_state_dict(&self, vs: &tch::nn::VarStore) -> Result<Vec<(String, Tensor)>> {
         let params = crate::optim::sorted_variables(vs);
         let values = self.inner.strategy.full_parameters(&params)?;
-        Ok(params.into_iter().map(|p| p.name).zip(values).collect())
+        let mine = params
+            .into_iter()
+            .zip(values)
+            .map(|(p, v)| Ok((p.name.clone(), self.tensor_parallel_whole(&p.tensor, &v)?)))
+            .collect::<Result<Vec<_>>>()?;
+        self.pipeline_whole(mine)
     }
 
     /// Whether the current micro-step ends an accumulation window (optimizers step).

@@ -34,6 +34,13 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
+    /// The model's parameters by the optimizer's names for them (for a shard, the whole
+    /// parameter it is a shard of).
+    pub(crate) fn named_trainable(&self) -> std::collections::BTreeMap<String, Tensor> {
+        let names = self.optimizer.param_names();
+        names.into_iter().zip(self.trainable.iter().map(Tensor::shallow_clone)).collect()
+    }
+
     /// The strategy's plan (a failed one was reported at the first step already).
     pub(crate) fn plan(&self) -> &dyn OptimizerPlan {
         self.plan.as_deref().unwrap_or(&Replicated)
@@ -44,7 +51,8 @@ impl Slot {
 /// accelerator: they act only on sync steps of gradient accumulation; fp16 gradients are
 /// unscaled and checked first, and a step with inf/NaN gradients is skipped (and the
 /// schedule not advanced); `clip_grad_norm` from the config is applied before each step.
-/// The schedule advances once per process per real optimizer step, as Accelerate's does.
+/// The schedule advances once per data-parallel replica per real optimizer step, as
+/// Accelerate's does (once per process: its processes are all data-parallel).
 #[derive(Clone)]
 pub struct AcceleratedOptimizer {
     pub(crate) slot: Arc<Mutex<Slot>>,
@@ -52,6 +60,9 @@ pub struct AcceleratedOptimizer {
     scaler: Option<Arc<Mutex<GradScaler>>>,
     clip: Option<f64>,
     num_processes: usize,
+    /// Data-parallel replicas: each sees 1/replicas of an epoch, so the schedule advances
+    /// this many times per step (tensor and pipeline ranks share one replica's batches).
+    data_replicas: usize,
     /// For `backward_step*` (weak: the accelerator's registry holds this optimizer).
     accelerator: Weak<Inner>,
 }
@@ -93,6 +104,7 @@ impl AcceleratedOptimizer {
             scaler: inner.scaler.clone(),
             clip: inner.config.clip_grad_norm,
             num_processes: inner.process.world_size,
+            data_replicas: inner.mesh.dims().size(crate::mesh::Dim::Data),
             accelerator: Arc::downgrade(inner),
         }
     }
@@ -241,18 +253,72 @@ impl AcceleratedOptimizer {
         }
         let mut slot = self.lock();
         self.unscale(&mut slot)?;
-        Self::clip(&slot, &self.gradients(&slot), max_norm)
+        self.clip(&slot, &self.gradients(&slot), max_norm)
     }
 
-    fn clip(slot: &Slot, params: &[Tensor], max_norm: f64) -> Result<f64> {
-        match slot.plan().gradient_group() {
-            Some(group) => clip_grad_norm_sharded(params, max_norm, group.as_ref()),
-            None => clip_grad_norm(params, max_norm),
+    /// Clips the global gradient norm, each parameter counted once across the run: split
+    /// across the gradient group (shards), the tensor ranks (split parameters only), the
+    /// pipeline stages (each holds its own layers).
+    fn clip(&self, slot: &Slot, grads: &[Tensor], max_norm: f64) -> Result<f64> {
+        let accelerator = self.accelerator()?;
+        let dims = accelerator.inner.mesh.dims();
+        let group = slot.plan().gradient_group();
+        if dims.tensor == 1 && dims.pipeline == 1 {
+            return match group {
+                Some(group) => clip_grad_norm_sharded(grads, max_norm, group.as_ref()),
+                None => clip_grad_norm(grads, max_norm),
+            };
         }
+        let tp = &accelerator.inner.tp;
+        // Sums of squares: [split by tensor parallelism, not split].
+        let sums = Tensor::f_zeros([2], (tch::Kind::Double, tch::Device::Cpu))?;
+        for (grad, param) in grads.iter().zip(&slot.trainable) {
+            let g = grad.grad();
+            if !g.defined() {
+                continue;
+            }
+            let split = tp.split_of(crate::shim::tensor_id(param)?).is_some();
+            let square = g.f_to_kind(tch::Kind::Double)?.f_square()?.f_sum(tch::Kind::Double)?;
+            let _ = sums.get(i64::from(!split)).f_add_(&square.f_to_device(tch::Device::Cpu)?)?;
+        }
+        if let Some(group) = &group {
+            group.all_reduce(&sums, crate::comm::ReduceOp::Sum)?;
+        }
+        tp.comm().all_reduce(&sums.get(0), crate::comm::ReduceOp::Sum)?;
+        let total = sums.f_sum(tch::Kind::Double)?.f_reshape([1])?;
+        accelerator
+            .inner
+            .mesh
+            .comm(crate::mesh::Dim::Pipeline)
+            .all_reduce(&total, crate::comm::ReduceOp::Sum)?;
+        let norm = total.f_double_value(&[0])?.sqrt();
+        let coef = (max_norm / (norm + 1e-6)).min(1.0);
+        tch::no_grad(|| -> Result<()> {
+            for g in grads.iter().map(Tensor::grad).filter(Tensor::defined) {
+                let _ = g.shallow_clone().f_mul_scalar_(coef)?;
+            }
+            Ok(())
+        })?;
+        Ok(norm)
     }
 
+    /// Once per step, before anything reads the gradients: the sequence-parallel sums across
+    /// the tensor ranks, then the fp16 unscale.
     fn unscale(&self, slot: &mut Slot) -> Result<()> {
-        if let (Some(scaler), false) = (&self.scaler, slot.unscaled) {
+        if slot.unscaled {
+            return Ok(());
+        }
+        let accelerator = self.accelerator()?;
+        let tp = &accelerator.inner.tp;
+        if tp.sequence_parallel() {
+            for (grad, param) in self.gradients(slot).iter().zip(&slot.trainable) {
+                let g = grad.grad();
+                if g.defined() && tp.is_sequence(crate::shim::tensor_id(param)?) {
+                    tp.comm().all_reduce(&g, crate::comm::ReduceOp::Sum)?;
+                }
+            }
+        }
+        if let Some(scaler) = &self.scaler {
             scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(&self.gradients(slot))?;
         }
         slot.unscaled = true;
@@ -281,7 +347,13 @@ impl AcceleratedOptimizer {
         let skipped = match &self.scaler {
             Some(scaler) => {
                 let mut scaler = scaler.lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(group) = slot.plan().gradient_group() {
+                let dims = self.accelerator()?.inner.mesh.dims();
+                if dims.tensor > 1 || dims.pipeline > 1 {
+                    // An overflow anywhere skips the step everywhere.
+                    if let Some(world) = self.accelerator()?.process_group() {
+                        scaler.share_found_inf(&params, world)?;
+                    }
+                } else if let Some(group) = slot.plan().gradient_group() {
                     scaler.share_found_inf(&params, group.as_ref())?;
                 }
                 let overflow = scaler.found_inf(&params)?;
@@ -292,7 +364,7 @@ impl AcceleratedOptimizer {
         };
         if !skipped {
             if let Some(max) = self.clip {
-                Self::clip(&slot, &params, max)?;
+                self.clip(&slot, &params, max)?;
             }
             crate::optim::prepared_step(|| slot.optimizer.step())?;
         }
@@ -305,7 +377,7 @@ impl AcceleratedOptimizer {
         if !skipped {
             let Slot { optimizer, scheduler, .. } = &mut *slot;
             if let Some(scheduler) = scheduler {
-                for _ in 0..self.num_processes {
+                for _ in 0..self.data_replicas {
                     // One-cycle refuses to go past its end; Accelerate stops stepping it there.
                     if let Schedule::OneCycle { total_steps, .. } = scheduler.state().schedule {
                         if scheduler.steps() >= total_steps {

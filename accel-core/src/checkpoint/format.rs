@@ -33,16 +33,19 @@ pub(crate) struct OptimizerRecord {
 }
 
 /// Where a tensor that is not in the model or optimizer files lives: in the shard file
-/// (`shard_{rank}.safetensors`) of the process that held it whole, or cut into chunks held
-/// by several processes.
+/// (`shard_{rank}.safetensors`) of the process that held it whole, cut into chunks held by
+/// several processes, or sliced along a dimension (tensor parallelism), each slice held in
+/// one of those ways.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub(crate) enum SavedPiece {
     /// Whole, in rank `rank`'s shard file.
-    Owned { rank: usize },
+    Whole { rank: usize },
     /// Chunk i of the flattened, zero-padded whole of `numel` elements is in rank
     /// `ranks[i]`'s shard file.
     Chunks { numel: i64, ranks: Vec<usize> },
+    /// Slice i along `dim` of a whole of `shape` is saved as `parts[i]` says.
+    Slices { dim: usize, shape: Vec<i64>, parts: Vec<SavedPiece> },
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -121,7 +124,8 @@ impl Manifest {
     }
 
     /// The tensors saved in pieces whose key `keep` accepts, put back together whole
-    /// (chunks concatenated in order, flat, padding dropped).
+    /// (chunks concatenated in order, flat, padding dropped; slices concatenated along their
+    /// dimension, in the whole's shape).
     pub fn whole_pieces(
         &self,
         dir: &Path,
@@ -130,36 +134,58 @@ impl Manifest {
         let mut files: BTreeMap<usize, BTreeMap<String, Tensor>> = BTreeMap::new();
         let mut whole = BTreeMap::new();
         for (key, piece) in self.pieces.iter().filter(|(k, _)| keep(k)) {
-            let ranks = match piece {
-                SavedPiece::Owned { rank } => std::slice::from_ref(rank),
-                SavedPiece::Chunks { ranks, .. } => ranks.as_slice(),
-            };
-            let mut parts = Vec::new();
-            for &rank in ranks {
-                if let std::collections::btree_map::Entry::Vacant(entry) = files.entry(rank) {
-                    entry.insert(self.read_file(dir, &shard_file(rank))?);
-                }
-                let part = files[&rank].get(key).ok_or_else(|| {
-                    bad(&dir.join(shard_file(rank)), format!("has no tensor `{key}`"))
-                })?;
-                parts.push(part.shallow_clone());
-            }
-            let tensor = match piece {
-                SavedPiece::Owned { .. } => parts.remove(0),
-                SavedPiece::Chunks { numel, .. } => {
-                    let flat = Tensor::f_cat(&parts, 0)?;
-                    if (flat.numel() as i64) < *numel {
-                        return Err(bad(
-                            dir,
-                            format!("the chunks of `{key}` hold fewer than its {numel} elements"),
-                        ));
-                    }
-                    flat.f_narrow(0, 0, *numel)?
-                }
-            };
-            whole.insert(key.clone(), tensor);
+            whole.insert(key.clone(), self.assemble(dir, key, piece, &mut files)?);
         }
         Ok(whole)
+    }
+
+    fn assemble(
+        &self,
+        dir: &Path,
+        key: &str,
+        piece: &SavedPiece,
+        files: &mut BTreeMap<usize, BTreeMap<String, Tensor>>,
+    ) -> Result<Tensor> {
+        let mut part_of = |rank: usize| -> Result<Tensor> {
+            if let std::collections::btree_map::Entry::Vacant(entry) = files.entry(rank) {
+                entry.insert(self.read_file(dir, &shard_file(rank))?);
+            }
+            let part = files[&rank].get(key).ok_or_else(|| {
+                bad(&dir.join(shard_file(rank)), format!("has no tensor `{key}`"))
+            })?;
+            Ok(part.shallow_clone())
+        };
+        match piece {
+            SavedPiece::Whole { rank } => part_of(*rank),
+            SavedPiece::Chunks { numel, ranks } => {
+                let parts = ranks.iter().map(|&r| part_of(r)).collect::<Result<Vec<_>>>()?;
+                let flat = Tensor::f_cat(&parts, 0)?;
+                if (flat.numel() as i64) < *numel {
+                    return Err(bad(
+                        dir,
+                        format!("the chunks of `{key}` hold fewer than its {numel} elements"),
+                    ));
+                }
+                Ok(flat.f_narrow(0, 0, *numel)?)
+            }
+            SavedPiece::Slices { dim, shape, parts } => {
+                let mut slice_shape = shape.clone();
+                if *dim >= shape.len() || parts.is_empty() {
+                    return Err(bad(
+                        dir,
+                        format!("`{key}`: slices of a malformed shape {shape:?}"),
+                    ));
+                }
+                slice_shape[*dim] /= parts.len() as i64;
+                let slices = parts
+                    .iter()
+                    .map(|p| {
+                        Ok(self.assemble(dir, key, p, files)?.f_reshape(slice_shape.as_slice())?)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Tensor::f_cat(&slices, *dim as i64)?)
+            }
+        }
     }
 }
 

@@ -35,8 +35,77 @@ pub use model::merge_weights;
 /// What one process saved of a tensor in its shard file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 enum PieceReport {
-    Owned,
+    Whole,
     Chunk { index: usize, count: usize, numel: i64 },
+    Slice { dim: usize, index: usize, count: usize, shape: Vec<i64>, inner: Box<PieceReport> },
+}
+
+impl PieceReport {
+    /// What to report of a piece placed so, if this process saves it.
+    fn of(placement: &Placement) -> Option<Self> {
+        Some(match placement {
+            Placement::Replicated => return None,
+            Placement::Whole { write } | Placement::Chunk { write, .. } if !write => return None,
+            Placement::Whole { .. } => PieceReport::Whole,
+            Placement::Chunk { index, count, numel, .. } => {
+                PieceReport::Chunk { index: *index, count: *count, numel: *numel }
+            }
+            Placement::Slice { dim, index, count, shape, inner } => PieceReport::Slice {
+                dim: *dim,
+                index: *index,
+                count: *count,
+                shape: shape.clone(),
+                inner: Box::new(Self::of(inner)?),
+            },
+        })
+    }
+}
+
+/// A tensor's pieces as the processes report them, becoming its [`SavedPiece`].
+enum Collected {
+    Whole(usize),
+    Chunks(i64, Vec<Option<usize>>),
+    Slices(usize, Vec<i64>, Vec<Option<Collected>>),
+}
+
+impl Collected {
+    fn add(slot: &mut Option<Collected>, rank: usize, report: PieceReport) {
+        match report {
+            PieceReport::Whole => *slot = Some(Collected::Whole(rank)),
+            PieceReport::Chunk { index, count, numel } => {
+                let entry = slot.get_or_insert_with(|| Collected::Chunks(numel, vec![None; count]));
+                if let Collected::Chunks(_, ranks) = entry {
+                    if let Some(r) = ranks.get_mut(index) {
+                        *r = Some(rank);
+                    }
+                }
+            }
+            PieceReport::Slice { dim, index, count, shape, inner } => {
+                let entry = slot.get_or_insert_with(|| {
+                    Collected::Slices(dim, shape, (0..count).map(|_| None).collect())
+                });
+                if let Collected::Slices(_, _, parts) = entry {
+                    if let Some(part) = parts.get_mut(index) {
+                        Self::add(part, rank, *inner);
+                    }
+                }
+            }
+        }
+    }
+
+    fn finish(self) -> Option<SavedPiece> {
+        Some(match self {
+            Collected::Whole(rank) => SavedPiece::Whole { rank },
+            Collected::Chunks(numel, ranks) => {
+                SavedPiece::Chunks { numel, ranks: ranks.into_iter().collect::<Option<_>>()? }
+            }
+            Collected::Slices(dim, shape, parts) => SavedPiece::Slices {
+                dim,
+                shape,
+                parts: parts.into_iter().map(|p| p?.finish()).collect::<Option<_>>()?,
+            },
+        })
+    }
 }
 
 /// This process's part of a checkpoint: the tensors of its shard file (and what each is),
@@ -65,25 +134,23 @@ impl Accelerator {
             shapes: BTreeMap::new(),
         };
         let place = |part: &mut Part, key: String, tensor: Tensor, placement: Placement| {
-            let report = match placement {
-                Placement::Replicated => return Some(tensor),
-                Placement::Owned => PieceReport::Owned,
-                Placement::Chunk { write: false, .. } => return None,
-                Placement::Chunk { index, count, numel, write: true } => {
-                    PieceReport::Chunk { index, count, numel }
-                }
-            };
-            part.shard.push((key.clone(), tensor));
-            part.reports.push((key, report));
+            if placement == Placement::Replicated {
+                return Some(tensor);
+            }
+            if let Some(report) = PieceReport::of(&placement) {
+                part.shard.push((key.clone(), tensor));
+                part.reports.push((key, report));
+            }
             None
         };
         for (i, params) in registry.models.iter().enumerate() {
             let mut whole = Vec::new();
             for p in params {
                 let (tensor, placement) = strategy.parameter(p)?;
+                let placement = self.model_placement(&p.tensor, placement)?;
                 let key = format!("model_{i}/{}", p.name);
                 if placement != Placement::Replicated {
-                    part.shapes.insert(key.clone(), p.tensor.size());
+                    part.shapes.insert(key.clone(), self.whole_shape(&p.tensor)?);
                 }
                 if let Some(t) = place(&mut part, key, tensor, placement) {
                     whole.push((p.name.clone(), t));
@@ -93,9 +160,15 @@ impl Accelerator {
         }
         for (j, optimizer) in registry.optimizers.iter().enumerate() {
             let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
+            let params = slot.named_trainable();
             let mut whole = Vec::new();
             for (key, tensor) in slot.optimizer.state()?.tensors {
                 let placement = slot.plan().state_placement(&key, &tensor);
+                let param = key.rsplit_once('/').and_then(|(p, _)| params.get(p));
+                let placement = match param {
+                    Some(param) if tensor.dim() > 0 => self.model_placement(param, placement)?,
+                    _ => self.model_placement_unsplit(placement),
+                };
                 if let Some(t) = place(&mut part, format!("optimizer_{j}/{key}"), tensor, placement)
                 {
                     whole.push((key, t));
@@ -182,32 +255,21 @@ impl Accelerator {
     /// manifest, which records every process's files and pieces (`written`, in rank order).
     fn write_main(&self, tmp: &Path, part: Part, written: Vec<Written>) -> Result<()> {
         let mut files: BTreeMap<String, FileRecord> = BTreeMap::new();
-        let mut chunks: BTreeMap<String, (i64, Vec<Option<usize>>)> = BTreeMap::new();
-        let mut pieces = BTreeMap::new();
+        let mut collected: BTreeMap<String, Option<Collected>> = BTreeMap::new();
         for (rank, (own_files, reports)) in written.into_iter().enumerate() {
             for (name, bytes, crc32) in own_files {
                 files.insert(name, FileRecord { bytes, crc32 });
             }
             for (key, report) in reports {
-                match report {
-                    PieceReport::Owned => {
-                        pieces.insert(key, SavedPiece::Owned { rank });
-                    }
-                    PieceReport::Chunk { index, count, numel } => {
-                        let entry = chunks.entry(key).or_insert_with(|| (numel, vec![None; count]));
-                        if let Some(slot) = entry.1.get_mut(index) {
-                            *slot = Some(rank);
-                        }
-                    }
-                }
+                Collected::add(collected.entry(key).or_default(), rank, report);
             }
         }
-        for (key, (numel, ranks)) in chunks {
-            let ranks: Option<Vec<usize>> = ranks.into_iter().collect();
-            let ranks = ranks.ok_or_else(|| {
-                bad(tmp, format!("some chunks of `{key}` were saved by no process"))
+        let mut pieces = BTreeMap::new();
+        for (key, piece) in collected {
+            let piece = piece.and_then(Collected::finish).ok_or_else(|| {
+                bad(tmp, format!("some parts of `{key}` were saved by no process"))
             })?;
-            pieces.insert(key, SavedPiece::Chunks { numel, ranks });
+            pieces.insert(key, piece);
         }
         for (i, tensors) in part.models.iter().enumerate() {
             files.insert(model_file(i), write_tensors(&tmp.join(model_file(i)), tensors)?);
@@ -291,24 +353,25 @@ impl Accelerator {
         for (i, params) in registry.models.iter().enumerate() {
             let (path, mut tensors) = file(model_file(i))?;
             for p in params {
+                let shape = self.whole_shape(&p.tensor)?;
                 if let Some(whole) = pieces.remove(&format!("model_{i}/{}", p.name)) {
-                    if whole.numel() != p.tensor.numel() {
+                    let numel: i64 = shape.iter().product();
+                    if whole.numel() as i64 != numel {
                         return Err(bad(
                             dir,
                             format!(
-                                "`{}` has {} elements saved, the model's has {}",
+                                "`{}` has {} elements saved, the model's has {numel}",
                                 p.name,
                                 whole.numel(),
-                                p.tensor.numel()
                             ),
                         ));
                     }
-                    tensors.insert(p.name.clone(), whole.f_view(p.tensor.size().as_slice())?);
+                    tensors.insert(p.name.clone(), whole.f_view(shape.as_slice())?);
                 }
                 let saved = tensors.get(&p.name).ok_or_else(|| {
                     bad(&path, format!("has no tensor `{}`, which the model has", p.name))
                 })?;
-                if saved.size() != p.tensor.size() || saved.kind() != p.tensor.kind() {
+                if saved.size() != shape || saved.kind() != p.tensor.kind() {
                     return Err(bad(
                         &path,
                         format!(
@@ -317,12 +380,15 @@ impl Accelerator {
                             saved.kind(),
                             saved.size(),
                             p.tensor.kind(),
-                            p.tensor.size()
+                            shape
                         ),
                     ));
                 }
             }
-            if let Some(extra) = tensors.keys().find(|k| params.iter().all(|p| &p.name != *k)) {
+            // (A pipeline stage holds some of the model only.)
+            let whole_model = self.inner.mesh.dims().pipeline == 1;
+            let extra = tensors.keys().find(|k| params.iter().all(|p| &p.name != *k));
+            if let (Some(extra), true) = (extra, whole_model) {
                 return Err(bad(
                     &path,
                     format!("holds tensor `{extra}`, which the model does not have"),
@@ -343,13 +409,22 @@ impl Accelerator {
                 tensors.insert(key[prefix.len()..].to_string(), whole);
             }
             let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
-            // Each whole state tensor cut as this run's strategy places its parameter.
+            // Each whole state tensor cut as this run places its parameter: this tensor
+            // rank's slice first, then the strategy's share of that.
             let params: BTreeMap<String, Tensor> =
                 slot.optimizer.param_names().into_iter().zip(slot.optimizer.params()).collect();
+            let originals = slot.named_trainable();
             for (key, tensor) in tensors.iter_mut() {
                 let Some((param, _)) = key.rsplit_once('/') else { continue };
                 if tensor.dim() == 0 {
                     continue;
+                }
+                if let Some(original) = originals.get(param) {
+                    let shape = self.whole_shape(original)?;
+                    if tensor.numel() as i64 == shape.iter().product::<i64>() {
+                        *tensor =
+                            self.tensor_parallel_cut(original, &tensor.f_view(shape.as_slice())?)?;
+                    }
                 }
                 let placement = slot.plan().state_placement_of(param, tensor.numel() as i64);
                 *tensor = placement.cut(tensor, params.get(param))?;
@@ -395,7 +470,8 @@ impl Accelerator {
         let strategy = &self.inner.strategy;
         for (params, tensors) in registry.models.iter().zip(&models) {
             for p in params {
-                strategy.load_parameter(p, &tensors[&p.name])?;
+                let mine = self.tensor_parallel_cut(&p.tensor, &tensors[&p.name])?;
+                strategy.load_parameter(p, &mine)?;
             }
         }
         strategy.after_load()?;

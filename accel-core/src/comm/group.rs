@@ -205,14 +205,9 @@ impl ProcessGroup {
         self.worker.submit(tag, true, what, move |links| job(links, tag))
     }
 
-    /// Queues a point-to-point transfer, numbered by (peer, direction).
-    fn point_to_point(
-        &self,
-        peer: usize,
-        sending: bool,
-        tensor: &Tensor,
-        job: impl FnOnce(&Links, Tag) -> FaultResult<()> + Send + 'static,
-    ) -> Result<Work> {
+    /// The tag of the next point-to-point transfer of `tensor` with `peer` (numbered by
+    /// peer and direction, apart from the collectives).
+    fn p2p_tag(&self, peer: usize, sending: bool, tensor: &Tensor) -> Result<Tag> {
         check_rank(peer, self.world)?;
         let seq = {
             let mut counters = self.p2p.lock().unwrap_or_else(|e| e.into_inner());
@@ -221,7 +216,18 @@ impl ProcessGroup {
             *counter
         };
         let kind = WireKind::of(tensor.kind())?;
-        let tag = Tag { seq, op: Op::SendRecv, kind, numel: tensor.numel() as u64 };
+        Ok(Tag { seq, op: Op::SendRecv, kind, numel: tensor.numel() as u64 })
+    }
+
+    /// Queues a point-to-point transfer.
+    fn point_to_point(
+        &self,
+        peer: usize,
+        sending: bool,
+        tensor: &Tensor,
+        job: impl FnOnce(&Links, Tag) -> FaultResult<()> + Send + 'static,
+    ) -> Result<Work> {
+        let tag = self.p2p_tag(peer, sending, tensor)?;
         let what = describe(Op::SendRecv, tensor);
         Ok(self.worker.submit(tag, false, what, move |links| job(links, tag)))
     }
@@ -434,6 +440,36 @@ impl Communicator for ProcessGroup {
             links.recv_into(from, tag, buf.bytes_mut(0..len))?;
             copy_back(&target, buf.tensor())
         })
+    }
+
+    fn send_recv_async(
+        &self,
+        send: &Tensor,
+        to: usize,
+        recv: &Tensor,
+        from: usize,
+    ) -> Result<Work> {
+        let out = Buffer::new(send)?;
+        let mut into = Buffer::new(recv)?;
+        let target = recv.shallow_clone();
+        let (send_tag, recv_tag) =
+            (self.p2p_tag(to, true, send)?, self.p2p_tag(from, false, recv)?);
+        let what = format!("{} and {}", describe(Op::SendRecv, send), describe(Op::SendRecv, recv));
+        Ok(self.worker.submit(recv_tag, false, what, move |links| {
+            let outgoing = out.bytes(0..out.len());
+            std::thread::scope(|scope| {
+                let sender = scope.spawn(|| links.send(to, send_tag, outgoing));
+                let len = into.len();
+                let received = links.recv_into(from, recv_tag, into.bytes_mut(0..len));
+                let sent = sender.join().unwrap_or_else(|_| {
+                    Err(super::cpu::diagnosis::Fault::Other(Error::Training(
+                        "sender thread panicked".into(),
+                    )))
+                });
+                received.and(sent)
+            })?;
+            copy_back(&target, into.tensor())
+        }))
     }
 
     fn abort(&self) {

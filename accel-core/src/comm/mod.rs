@@ -156,6 +156,21 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// for their timeout. The communicator is unusable afterwards.
     fn abort(&self);
 
+    /// Sends `send` to rank `to` while receiving into `recv` from rank `from` (NCCL's
+    /// grouped send/recv, torch's `batch_isend_irecv`): what neighbouring pipeline stages
+    /// exchange, neither waiting for the other. By default one after the other, which a
+    /// backend must override where a large send blocks until it is received.
+    fn send_recv_async(
+        &self,
+        send: &Tensor,
+        to: usize,
+        recv: &Tensor,
+        from: usize,
+    ) -> Result<Work> {
+        self.send_async(send, to)?.wait()?;
+        self.recv_async(recv, from)
+    }
+
     /// [`all_reduce_async`](Self::all_reduce_async), waited for.
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         self.all_reduce_async(tensor, op)?.wait()

@@ -44,6 +44,9 @@ const OURS: &[&str] = &[
     "clip_grad_norm",
     "seed",
     "cpu",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "sequence_parallel",
 ];
 
 /// Accelerate keys we translate.
@@ -54,6 +57,7 @@ const TRANSLATED: &[&str] = &[
     "gradient_accumulation_steps",
     "fsdp_config",
     "deepspeed_config",
+    "megatron_lm_config",
 ];
 
 /// Accelerate keys that have no meaning here; read and ignored.
@@ -73,7 +77,6 @@ const IGNORED: &[&str] = &[
     "tpu_use_cluster",
     "tpu_use_sudo",
     "use_mps_device",
-    "megatron_lm_config",
     "parallelism_config",
 ];
 
@@ -139,6 +142,30 @@ impl LaunchConfig {
                         Some(value.as_f64().ok_or_else(|| bad("a number"))?)
                 }
                 "seed" => config.training.seed = Some(as_usize()? as u64),
+                "tensor_parallel" => config.training.tensor_parallel = Some(as_usize()?),
+                "pipeline_parallel" => config.training.pipeline_parallel = Some(as_usize()?),
+                "sequence_parallel" => {
+                    config.training.sequence_parallel =
+                        Some(value.as_bool().ok_or_else(|| bad("true or false"))?)
+                }
+                // Accelerate's Megatron-LM plugin: the degrees mean the same here.
+                "megatron_lm_config" => {
+                    let get = |k: &str| value.get(k);
+                    if let Some(tp) = get("megatron_lm_tp_degree").and_then(|v| v.as_u64()) {
+                        config.training.tensor_parallel = Some(tp as usize);
+                    }
+                    if let Some(pp) = get("megatron_lm_pp_degree").and_then(|v| v.as_u64()) {
+                        config.training.pipeline_parallel = Some(pp as usize);
+                    }
+                    if let Some(m) = get("megatron_lm_num_micro_batches").and_then(|v| v.as_u64()) {
+                        accelerate_accumulate = Some(m as u32);
+                    }
+                    if let Some(sp) =
+                        get("megatron_lm_sequence_parallelism").and_then(|v| v.as_bool())
+                    {
+                        config.training.sequence_parallel = Some(sp);
+                    }
+                }
                 "cpu" | "use_cpu" => {
                     config.training.cpu = Some(value.as_bool().ok_or_else(|| bad("true or false"))?)
                 }
@@ -266,6 +293,15 @@ impl LaunchConfig {
         }
         if let Some(v) = t.cpu {
             env.push(("ACCEL_CPU", v.to_string()));
+        }
+        if let Some(v) = t.tensor_parallel {
+            env.push(("ACCEL_TENSOR_PARALLEL", v.to_string()));
+        }
+        if let Some(v) = t.pipeline_parallel {
+            env.push(("ACCEL_PIPELINE_PARALLEL", v.to_string()));
+        }
+        if let Some(v) = t.sequence_parallel {
+            env.push(("ACCEL_SEQUENCE_PARALLEL", v.to_string()));
         }
         env
     }

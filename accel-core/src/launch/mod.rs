@@ -250,6 +250,7 @@ fn spawn(
         readers.push(std::thread::spawn(move || {
             let mut reader = BufReader::new(stream);
             let mut line = Vec::new();
+            let mut in_backtrace = false;
             while reader.read_until(b'\n', &mut line).unwrap_or(0) > 0 {
                 let text = String::from_utf8_lossy(&line).trim_end_matches(['\n', '\r']).to_owned();
                 line.clear();
@@ -261,6 +262,15 @@ fn spawn(
                         let _ = writeln!(std::io::stdout(), "[rank{rank}] {text}");
                     }
                 }
+                // The report's tail is for the message: a backtrace's frames would push it out.
+                in_backtrace = match is_backtrace_frame(&text) {
+                    Frame::Header => true,
+                    Frame::Line => in_backtrace,
+                    Frame::Not => false,
+                };
+                if in_backtrace {
+                    continue;
+                }
                 let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
                 if tail.len() == TAIL_LINES {
                     tail.pop_front();
@@ -270,6 +280,34 @@ fn spawn(
         }));
     }
     Ok(Rank { rank, child, tail, readers, status: None })
+}
+
+/// What a line is to a Rust backtrace, as `RUST_BACKTRACE=1` prints one after an error or
+/// a panic: its header, one of its frames (`  12: path::to::fn`, `      at src/x.rs:3:5`,
+/// the closing note), or not part of one (anyhow's numbered `Caused by:` lines look like
+/// frames, so frames count only after a header).
+#[derive(Debug, PartialEq, Eq)]
+enum Frame {
+    Header,
+    Line,
+    Not,
+}
+
+fn is_backtrace_frame(line: &str) -> Frame {
+    let trimmed = line.trim_start();
+    let indented = trimmed.len() < line.len();
+    let numbered = trimmed
+        .split_once(": ")
+        .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    if trimmed.eq_ignore_ascii_case("stack backtrace:") {
+        Frame::Header
+    } else if (indented && (numbered || trimmed.starts_with("at ")))
+        || trimmed.starts_with("note: Some details are omitted")
+    {
+        Frame::Line
+    } else {
+        Frame::Not
+    }
 }
 
 fn run_once(
@@ -393,4 +431,33 @@ fn report_failure(ranks: &[Rank], failed: usize) {
         }
     }
     let _ = std::io::stderr().write_all(report.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Frame, is_backtrace_frame};
+
+    #[test]
+    fn backtrace_frames_are_told_from_messages() {
+        assert_eq!(is_backtrace_frame("stack backtrace:"), Frame::Header);
+        assert_eq!(is_backtrace_frame("Stack backtrace:"), Frame::Header);
+        for frame in [
+            "   0: __rustc::rust_begin_unwind",
+            "  12: parity::main",
+            "             at ./examples/parity.rs:43:5",
+            "note: Some details are omitted, run with `RUST_BACKTRACE=full` for a verbose backtrace.",
+            // anyhow's causes look the same; the reader keeps them unless a header came first.
+            "    0: no such file",
+        ] {
+            assert_eq!(is_backtrace_frame(frame), Frame::Line, "{frame}");
+        }
+        for message in [
+            "Error: invalid configuration: tensor_parallel = 2, but ...",
+            "thread 'main' (24855) panicked at accel-core/src/strategy/tp/layers.rs:253:50:",
+            "step 10: loss 0.5",
+            "Caused by:",
+        ] {
+            assert_eq!(is_backtrace_frame(message), Frame::Not, "{message}");
+        }
+    }
 }

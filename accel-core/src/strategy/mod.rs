@@ -10,6 +10,8 @@
 
 pub mod ddp;
 pub mod fsdp;
+pub mod pp;
+pub mod tp;
 pub mod zero1;
 
 use std::sync::Arc;
@@ -29,9 +31,12 @@ use crate::optim::{Optimizer, Param};
 pub enum Placement {
     /// The whole tensor, the same on every process: saved once, by the main process.
     Replicated,
-    /// The whole tensor, held by this process alone (ZeRO-1's state of the parameters it
-    /// steps): saved by this process.
-    Owned,
+    /// The whole tensor, held by some processes only (ZeRO-1's state of the parameters a
+    /// process steps; a pipeline stage's tensors): saved by this process when `write`.
+    Whole {
+        /// Whether this process's copy is the one saved.
+        write: bool,
+    },
     /// Chunk `index` of `count` equal chunks of the flattened whole of `numel` elements,
     /// zero-padded at the end (ZeRO-2/3's shards); saved by this process when `write`
     /// (under hybrid sharding the other machines hold copies).
@@ -45,6 +50,20 @@ pub enum Placement {
         /// Whether this process's copy is the one saved.
         write: bool,
     },
+    /// Slice `index` of `count` equal slices along dimension `dim` of a whole of `shape`
+    /// (tensor parallelism), itself held as `inner` says.
+    Slice {
+        /// The dimension cut.
+        dim: usize,
+        /// Which slice.
+        index: usize,
+        /// How many slices.
+        count: usize,
+        /// The whole's shape.
+        shape: Vec<i64>,
+        /// How this process holds its slice.
+        inner: Box<Placement>,
+    },
 }
 
 impl Placement {
@@ -54,12 +73,26 @@ impl Placement {
             Placement::Chunk { index, count, .. } => {
                 crate::strategy::fsdp::chunk_of(whole, *index, *count)
             }
-            Placement::Replicated | Placement::Owned => match like {
+            Placement::Slice { dim, index, count, inner, .. } => {
+                let part = whole.size()[*dim] / *count as i64;
+                let slice = whole.f_narrow(*dim as i64, *index as i64 * part, part)?;
+                inner.cut(&slice, like)
+            }
+            Placement::Replicated | Placement::Whole { .. } => match like {
                 Some(t) if t.numel() == whole.numel() && t.size() != whole.size() => {
                     Ok(whole.f_reshape(t.size().as_slice())?)
                 }
                 _ => Ok(whole.shallow_clone()),
             },
+        }
+    }
+
+    /// Whether this process saves its part.
+    pub fn writes(&self) -> bool {
+        match self {
+            Placement::Replicated => false,
+            Placement::Whole { write } | Placement::Chunk { write, .. } => *write,
+            Placement::Slice { inner, .. } => inner.writes(),
         }
     }
 }

@@ -98,11 +98,11 @@ impl OptimizerPlan for Zero1Plan {
     }
 
     fn state_placement(&self, _: &str, _: &Tensor) -> Placement {
-        Placement::Owned
+        Placement::Whole { write: true }
     }
 
     fn state_placement_of(&self, _: &str, _: i64) -> Placement {
-        Placement::Owned
+        Placement::Whole { write: true }
     }
 }
 

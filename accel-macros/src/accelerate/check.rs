@@ -20,7 +20,72 @@ fn accumulate_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     if let Some(a) = &raw.accumulate {
         if a.value == 0 {
             errors.push(syn::Error::new(a.span, "`accumulate = 0`: the number of micro-batches per optimizer step must be at least 1"));
+        } else if a.value > u64::from(u32::MAX) {
+            errors.push(syn::Error::new(
+                a.span,
+                format!(
+                    "`accumulate = {}` is more than the {} micro-batches a step can take",
+                    a.value,
+                    u32::MAX
+                ),
+            ));
         }
+    }
+}
+
+/// Tensor and pipeline parallelism split each model replica over this many processes; 0
+/// processes cannot hold one.
+fn parallel_sizes_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
+    for (key, size) in
+        [("tensor_parallel", &raw.tensor_parallel), ("pipeline_parallel", &raw.pipeline_parallel)]
+    {
+        if let Some(n) = size {
+            if n.value == 0 || n.value > 1 << 20 {
+                errors.push(syn::Error::new(
+                    n.span,
+                    format!("`{key} = {}`: the processes each model replica is split over must be at least 1 (1: not split)", n.value),
+                ));
+            }
+        }
+    }
+}
+
+/// Sequence parallelism splits along the sequence what tensor parallelism leaves whole; with
+/// one tensor rank there is nothing to split it across.
+fn sequence_parallel_needs_tensor_parallel(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
+    if let Some(sp) = &raw.sequence_parallel {
+        if sp.value && raw.tensor_parallel.as_ref().is_none_or(|t| t.value < 2) {
+            errors.push(syn::Error::new(
+                sp.span,
+                "`sequence_parallel = true` needs `tensor_parallel = 2` or more: it splits the \
+                 activations that tensor parallelism keeps whole across the tensor ranks",
+            ));
+        }
+    }
+}
+
+/// Hybrid sharding lays its own two dimensions (machines × processes per machine) over the
+/// processes; tensor and pipeline dimensions do not fit beside them.
+fn hybrid_alone(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
+    let hybrid =
+        raw.strategy.as_ref().filter(|s| s.value == Strategy::HybridShard).map(|s| s.span).or_else(
+            || {
+                raw.sharding
+                    .as_ref()
+                    .filter(|s| s.value.strategy() == Strategy::HybridShard)
+                    .map(|s| s.span)
+            },
+        );
+    let split =
+        [&raw.tensor_parallel, &raw.pipeline_parallel].into_iter().flatten().find(|n| n.value > 1);
+    if let (Some(span), Some(n)) = (hybrid, split) {
+        let mut e = syn::Error::new(
+            span,
+            "hybrid sharding cannot be combined with tensor or pipeline parallelism; use \
+             \"zero3\" (or \"fsdp\") across the data-parallel replicas instead",
+        );
+        e.combine(syn::Error::new(n.span, "tensor or pipeline parallelism is set here"));
+        errors.push(e);
     }
 }
 
@@ -79,6 +144,9 @@ fn fp8_not_on_cpu(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 pub(crate) fn args(raw: &RawArgs) -> Vec<syn::Error> {
     let mut errors = Vec::new();
     accumulate_positive(raw, &mut errors);
+    parallel_sizes_positive(raw, &mut errors);
+    sequence_parallel_needs_tensor_parallel(raw, &mut errors);
+    hybrid_alone(raw, &mut errors);
     clip_positive(raw, &mut errors);
     sharding_needs_fsdp(raw, &mut errors);
     offload_needs_sharding(raw, &mut errors);

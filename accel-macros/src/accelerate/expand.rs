@@ -62,6 +62,18 @@ pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path) -> TokenStream {
         let o = o.value;
         calls.extend(quote!(.offload(#o)));
     }
+    if let Some(t) = &raw.tensor_parallel {
+        let t = t.value as usize;
+        calls.extend(quote!(.tensor_parallel(#t)));
+    }
+    if let Some(s) = &raw.sequence_parallel {
+        let s = s.value;
+        calls.extend(quote!(.sequence_parallel(#s)));
+    }
+    if let Some(p) = &raw.pipeline_parallel {
+        let p = p.value as usize;
+        calls.extend(quote!(.pipeline_parallel(#p)));
+    }
     if let Some(c) = &raw.config {
         let c = &c.value;
         calls.extend(quote!(.config_file(#c)));

@@ -141,6 +141,15 @@ struct LaunchArgs {
     /// CPU only, passed as ACCEL_CPU.
     #[arg(long)]
     cpu: bool,
+    /// Tensor-parallel ranks, passed as ACCEL_TENSOR_PARALLEL.
+    #[arg(long)]
+    tensor_parallel: Option<usize>,
+    /// Pipeline stages, passed as ACCEL_PIPELINE_PARALLEL.
+    #[arg(long)]
+    pipeline_parallel: Option<usize>,
+    /// Sequence parallelism (with tensor parallelism), passed as ACCEL_SEQUENCE_PARALLEL.
+    #[arg(long)]
+    sequence_parallel: bool,
     /// Timeout of rendezvous and collectives in seconds, passed as ACCEL_TIMEOUT_SECS.
     #[arg(long)]
     timeout: Option<f64>,
@@ -180,6 +189,9 @@ impl LaunchArgs {
                 clip_grad_norm: self.clip_grad_norm,
                 seed: self.seed,
                 cpu: self.cpu.then_some(true),
+                tensor_parallel: self.tensor_parallel,
+                pipeline_parallel: self.pipeline_parallel,
+                sequence_parallel: self.sequence_parallel.then_some(true),
             },
         };
         let config = file.overlay(&flags);
