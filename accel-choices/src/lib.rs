@@ -1,5 +1,5 @@
-//! The named choices of accel's configuration: [`Strategy`], [`Precision`] and FSDP's
-//! [`Sharding`]. One definition serves the runtime (accel-core re-exports these enums) and
+//! The named choices of accel's configuration: [`Strategy`], [`Precision`], fp8's
+//! [`Fp8Recipe`] and FSDP's [`Sharding`]. One definition serves the runtime (accel-core re-exports these enums) and
 //! the `#[accelerate]` attribute (accel-macros parses its arguments into them), so the
 //! attribute accepts exactly what the runtime runs.
 
@@ -124,8 +124,20 @@ choices!(
     "fp16" => Fp16,
     /// bf16 autocast, no scaling.
     "bf16" => Bf16,
-    /// fp8 matmuls (Ada/Hopper GPUs), the rest under bf16.
+    /// fp8 matmuls in the linear layers (torchao's recipes; fast on Ada/Hopper GPUs,
+    /// emulated on CPU), the rest under bf16.
     "fp8" => Fp8,
+);
+
+choices!(
+    /// How fp8 layers choose their scales (torchao's `Float8LinearRecipeName`).
+    Fp8Recipe, "fp8 recipe", "fp8 recipes",
+    /// One scale per tensor, computed from its current amax; inputs and weights in e4m3,
+    /// output gradients in e5m2 (torchao's default).
+    "tensorwise" => Tensorwise,
+    /// One scale per row (per column for the right-hand operand), rounded down to a power
+    /// of two; e4m3 throughout.
+    "rowwise" => Rowwise,
 );
 
 choices!(
@@ -146,6 +158,13 @@ choices!(
 impl Default for Strategy {
     fn default() -> Self {
         Strategy::Single
+    }
+}
+
+#[allow(clippy::derivable_impls)]
+impl Default for Fp8Recipe {
+    fn default() -> Self {
+        Fp8Recipe::Tensorwise
     }
 }
 

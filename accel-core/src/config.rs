@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-pub use accel_choices::{Precision, Sharding, Strategy, UnknownChoice};
+pub use accel_choices::{Fp8Recipe, Precision, Sharding, Strategy, UnknownChoice};
 
 pub use accel_choices::closest;
 
@@ -23,6 +23,9 @@ pub struct Config {
     pub strategy: Strategy,
     /// Mixed precision mode.
     pub precision: Precision,
+    /// How fp8 layers scale their operands (used when `precision` is fp8).
+    #[serde(default)]
+    pub fp8_recipe: Fp8Recipe,
     /// Micro-batches per optimizer step (gradient accumulation), >= 1.
     pub accumulate: u32,
     /// Clip the global gradient L2 norm to this value before each optimizer step.
@@ -46,6 +49,7 @@ impl Default for Config {
         Self {
             strategy: Strategy::Single,
             precision: Precision::No,
+            fp8_recipe: Fp8Recipe::Tensorwise,
             accumulate: 1,
             clip_grad_norm: None,
             seed: None,
@@ -68,6 +72,9 @@ pub struct PartialConfig {
     /// See [`Config::precision`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
+    /// See [`Config::fp8_recipe`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fp8_recipe: Option<Fp8Recipe>,
     /// See [`Config::accumulate`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub accumulate: Option<u32>,
@@ -95,6 +102,7 @@ pub struct PartialConfig {
 pub const ENV_VARS: &[(&str, &str)] = &[
     ("ACCEL_STRATEGY", "strategy"),
     ("ACCEL_PRECISION", "precision"),
+    ("ACCEL_FP8_RECIPE", "fp8_recipe"),
     ("ACCEL_ACCUMULATE", "accumulate"),
     ("ACCEL_CLIP_GRAD_NORM", "clip_grad_norm"),
     ("ACCEL_SEED", "seed"),
@@ -139,6 +147,9 @@ impl PartialConfig {
                 }
                 "ACCEL_PRECISION" => {
                     config.precision = Some(value.parse().map_err(|e| env_context(var, e))?)
+                }
+                "ACCEL_FP8_RECIPE" => {
+                    config.fp8_recipe = Some(value.parse().map_err(|e| env_context(var, e))?)
                 }
                 "ACCEL_ACCUMULATE" => {
                     config.accumulate =
@@ -188,6 +199,7 @@ impl PartialConfig {
         PartialConfig {
             strategy: stronger.strategy.or(self.strategy),
             precision: stronger.precision.or(self.precision),
+            fp8_recipe: stronger.fp8_recipe.or(self.fp8_recipe),
             accumulate: stronger.accumulate.or(self.accumulate),
             clip_grad_norm: stronger.clip_grad_norm.or(self.clip_grad_norm),
             seed: stronger.seed.or(self.seed),
@@ -213,6 +225,7 @@ impl PartialConfig {
         check!(
             strategy,
             precision,
+            fp8_recipe,
             accumulate,
             clip_grad_norm,
             seed,
@@ -230,6 +243,7 @@ impl PartialConfig {
         let config = Config {
             strategy: self.strategy.unwrap_or(d.strategy),
             precision: self.precision.unwrap_or(d.precision),
+            fp8_recipe: self.fp8_recipe.unwrap_or(d.fp8_recipe),
             accumulate: self.accumulate.unwrap_or(d.accumulate),
             clip_grad_norm: self.clip_grad_norm.or(d.clip_grad_norm),
             seed: self.seed.or(d.seed),

@@ -100,6 +100,8 @@ pub struct DriverInfo {
     pub version: String,
     /// One entry per visible device: name and total memory in bytes.
     pub devices: Vec<(String, u64)>,
+    /// Compute capability (major, minor) of each device, in the order of `devices`.
+    pub capabilities: Vec<(i32, i32)>,
 }
 
 /// Queries the NVIDIA driver; `Err` says why it could not be reached.
@@ -109,6 +111,10 @@ pub fn driver_info() -> std::result::Result<DriverInfo, String> {
     type DeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
     type DeviceGetName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
     type DeviceTotalMem = unsafe extern "C" fn(*mut usize, c_int) -> c_int;
+    type DeviceGetAttribute = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int;
+    // CUdevice_attribute values from cuda.h.
+    const COMPUTE_CAPABILITY_MAJOR: c_int = 75;
+    const COMPUTE_CAPABILITY_MINOR: c_int = 76;
 
     // SAFETY: libcuda's initialisers have no preconditions.
     let lib = unsafe { libloading::Library::new("libcuda.so.1") }
@@ -127,6 +133,8 @@ pub fn driver_info() -> std::result::Result<DriverInfo, String> {
         let device_get: DeviceGet = std::mem::transmute(sym(b"cuDeviceGet\0")?);
         let device_name: DeviceGetName = std::mem::transmute(sym(b"cuDeviceGetName\0")?);
         let total_mem: DeviceTotalMem = std::mem::transmute(sym(b"cuDeviceTotalMem_v2\0")?);
+        let attribute: DeviceGetAttribute =
+            std::mem::transmute(sym(b"cuDeviceGetAttribute\0")?);
 
         let mut version = 0;
         driver_version(&mut version);
@@ -138,6 +146,7 @@ pub fn driver_info() -> std::result::Result<DriverInfo, String> {
         let mut count = 0;
         device_count(&mut count);
         let mut devices = Vec::new();
+        let mut capabilities = Vec::new();
         for i in 0..count {
             let mut device = 0;
             device_get(&mut device, i);
@@ -147,8 +156,12 @@ pub fn driver_info() -> std::result::Result<DriverInfo, String> {
             total_mem(&mut bytes, device);
             let name = CStr::from_ptr(name.as_ptr()).to_string_lossy().into_owned();
             devices.push((name, bytes as u64));
+            let (mut major, mut minor) = (0, 0);
+            attribute(&mut major, COMPUTE_CAPABILITY_MAJOR, device);
+            attribute(&mut minor, COMPUTE_CAPABILITY_MINOR, device);
+            capabilities.push((major, minor));
         }
-        Ok(DriverInfo { version, devices })
+        Ok(DriverInfo { version, devices, capabilities })
     }
 }
 

@@ -35,7 +35,7 @@ pub use accelerator::{
     PreparedLoader, StepCounters, current, split_between,
 };
 pub use checkpoint::merge_weights;
-pub use config::{Config, Precision, Strategy};
+pub use config::{Config, Fp8Recipe, Precision, Strategy};
 pub use device::ToDevice;
 pub use error::{Error, Result};
 pub use strategy::fsdp::{ShardOptions, Unit};
@@ -55,5 +55,5 @@ pub mod __private {
 /// Everything `#[accelerate]` generated code needs, under one stable path.
 #[doc(hidden)]
 pub mod __macro_support {
-    pub use crate::{Accelerator, Precision, Strategy};
+    pub use crate::{Accelerator, Fp8Recipe, Precision, Strategy};
 }

@@ -578,3 +578,55 @@ fn tensor_and_pipeline_parallel_train_like_one_process_and_like_accelerate() {
         }
     }
 }
+
+/// accel's fp8 linear layer against torchao's `Float8Linear` (python/reference/fp8_linear.py)
+/// on the same tensors: output and every gradient equal bit for bit, for the tensor-wise
+/// recipe in fp32 and under bf16 autocast, and for the row-wise recipe.
+#[test]
+fn fp8_linear_equals_torchao_bit_for_bit() {
+    use accel_core::Fp8Recipe;
+    use accel_core::precision::fp8;
+    use tch::{Device, Kind, Tensor};
+
+    let dir = scratch("fp8-linear");
+    let file = dir.join("torchao.safetensors");
+    let made = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("python/reference/fp8_linear.py"))
+        .arg(&file)
+        .status()
+        .unwrap();
+    assert!(made.success(), "fp8_linear.py failed");
+    let reference: BTreeMap<String, Tensor> =
+        Tensor::read_safetensors(&file).unwrap().into_iter().collect();
+    // Fresh copies: each case accumulates its own gradients.
+    let get = |name: &str| reference[name].copy();
+    for (case, recipe, autocast) in [
+        ("tensorwise", Fp8Recipe::Tensorwise, false),
+        ("tensorwise_autocast", Fp8Recipe::Tensorwise, true),
+        ("rowwise", Fp8Recipe::Rowwise, false),
+    ] {
+        let x = get("x").set_requires_grad(true);
+        let w = get("w").set_requires_grad(true);
+        let b = get("b").set_requires_grad(true);
+        let y = {
+            let _autocast = autocast
+                .then(|| accel_core::shim::autocast(Device::Cpu, Kind::BFloat16, true).unwrap());
+            fp8::linear(&x, &w, Some(&b), recipe).unwrap()
+        };
+        let gy = get("gy").to_kind(y.kind());
+        // d(sum(y·gy))/dy is gy exactly.
+        (&y * &gy).sum(y.kind()).backward();
+        let exact = x.linear(&w, Some(&b));
+        assert!(!y.to_kind(Kind::Float).equal(&exact), "{case}: no quantisation happened");
+        for (what, ours) in [
+            ("y", y.to_kind(Kind::Float)),
+            ("gx", x.grad()),
+            ("gw", w.grad()),
+            ("gb", b.grad()),
+        ] {
+            let theirs = get(&format!("{case}.{what}"));
+            let diff = (&ours - &theirs).abs().max().double_value(&[]);
+            assert!(ours.equal(&theirs), "{case}.{what}: differs from torchao by up to {diff}");
+        }
+    }
+}

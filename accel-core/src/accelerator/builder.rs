@@ -8,7 +8,7 @@ use tch::Device;
 
 use super::{Accelerator, CURRENT, GradientState, Inner, Registry};
 use crate::comm::{GroupOptions, ProcessGroup};
-use crate::config::{Config, PartialConfig, Precision, Strategy, config_file_from_env};
+use crate::config::{Config, Fp8Recipe, PartialConfig, Precision, Strategy, config_file_from_env};
 use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, ParallelDims};
 use crate::precision::{self, GradScaler, ScalerConfig};
@@ -63,6 +63,11 @@ impl AcceleratorBuilder {
     /// Mixed precision.
     pub fn precision(mut self, precision: Precision) -> Self {
         self.explicit.precision = Some(precision);
+        self
+    }
+    /// How fp8 layers scale their operands (with `precision(Precision::Fp8)`).
+    pub fn fp8_recipe(mut self, recipe: Fp8Recipe) -> Self {
+        self.explicit.fp8_recipe = Some(recipe);
         self
     }
     /// Micro-batches per optimizer step.

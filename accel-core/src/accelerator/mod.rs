@@ -8,6 +8,7 @@ mod builder;
 mod collectives;
 mod data;
 mod driven;
+mod layers;
 mod layout;
 mod optimizer;
 
@@ -52,6 +53,8 @@ pub(crate) struct Registry {
     pub(crate) models: Vec<Vec<Param>>,
     pub(crate) optimizers: Vec<AcceleratedOptimizer>,
     pub(crate) loaders: Vec<Arc<Mutex<DataPosition>>>,
+    /// Linear layers made by [`Accelerator::linear`] under fp8, in creation order.
+    pub(crate) fp8_layers: Vec<layers::Fp8Layer>,
 }
 
 pub(crate) struct Inner {
@@ -251,6 +254,7 @@ impl Accelerator {
                 )));
             }
         }
+        self.filter_fp8_layers(&params)?;
         self.inner.strategy.prepare_model(&self.strategy_context(), &params, &options.into())?;
         self.registry().models.push(params);
         Ok(())

@@ -40,6 +40,7 @@ const OURS: &[&str] = &[
     "main_process_port",
     "strategy",
     "precision",
+    "fp8_recipe",
     "accumulate",
     "clip_grad_norm",
     "seed",
@@ -53,6 +54,7 @@ const OURS: &[&str] = &[
 const TRANSLATED: &[&str] = &[
     "distributed_type",
     "mixed_precision",
+    "fp8_config",
     "use_cpu",
     "gradient_accumulation_steps",
     "fsdp_config",
@@ -136,6 +138,7 @@ impl LaunchConfig {
                 }
                 "strategy" => config.training.strategy = Some(as_str()?.parse()?),
                 "precision" => config.training.precision = Some(as_str()?.parse()?),
+                "fp8_recipe" => config.training.fp8_recipe = Some(as_str()?.parse()?),
                 "accumulate" => config.training.accumulate = Some(as_usize()? as u32),
                 "clip_grad_norm" => {
                     config.training.clip_grad_norm =
@@ -191,6 +194,21 @@ impl LaunchConfig {
                             )));
                         }
                     })
+                }
+                // Accelerate's fp8 backends: torchao's (AO) is what accel implements, with
+                // its default (tensor-wise) recipe unless `fp8_recipe` says otherwise.
+                "fp8_config" => {
+                    let backend = value.get("backend").and_then(serde_yaml_ng::Value::as_str);
+                    match backend.map(str::to_ascii_uppercase).as_deref() {
+                        None | Some("AO") => {}
+                        Some(other) => {
+                            return Err(Error::Config(format!(
+                                "fp8_config: backend {other} (Transformer Engine or MS-AMP) is \
+                                 not available in accel; accel's fp8 is torchao's (backend: AO), \
+                                 with fp8_recipe tensorwise or rowwise"
+                            )));
+                        }
+                    }
                 }
                 "gradient_accumulation_steps" => accelerate_accumulate = Some(as_usize()? as u32),
                 "deepspeed_config" => {
@@ -281,6 +299,9 @@ impl LaunchConfig {
         }
         if let Some(v) = t.precision {
             env.push(("ACCEL_PRECISION", v.to_string()));
+        }
+        if let Some(v) = t.fp8_recipe {
+            env.push(("ACCEL_FP8_RECIPE", v.to_string()));
         }
         if let Some(v) = t.accumulate {
             env.push(("ACCEL_ACCUMULATE", v.to_string()));

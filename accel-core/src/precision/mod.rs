@@ -1,5 +1,6 @@
 //! Mixed precision: autocast regions, fp32 outputs, and fp16 loss scaling.
 
+pub mod fp8;
 mod scaler;
 
 use tch::{Device, Kind, Tensor};
@@ -8,6 +9,7 @@ use crate::config::Precision;
 use crate::error::{Error, Result};
 use crate::shim::{AutocastGuard, autocast};
 
+pub use fp8::Float8Linear;
 pub use scaler::{GradScaler, ScalerConfig, ScalerState};
 
 /// The autocast dtype of a precision mode (`None` for fp32).
@@ -20,19 +22,26 @@ pub fn autocast_kind(precision: Precision) -> Option<Kind> {
     }
 }
 
-/// Checks that `precision` can run on `device`; fp8 needs hardware accel does not drive yet.
+/// Checks that `precision` can run on `device`: fp8 matmuls need compute capability 8.9
+/// (Ada, Hopper and later) on a GPU; on CPU they run through libtorch's reference kernels,
+/// exact but slow.
 pub fn check_precision(precision: Precision, device: Device) -> Result<()> {
-    if precision == Precision::Fp8 {
-        let where_ = match device {
-            Device::Cpu => "this run is on CPU".to_owned(),
-            other => format!("this run is on {other:?}, and accel has no fp8 kernels yet"),
-        };
-        return Err(Error::Unsupported(format!(
-            "precision fp8 needs an NVIDIA GPU with fp8 tensor cores (Ada or Hopper, compute \
-             capability 8.9+); {where_}. Use precision bf16"
-        )));
+    if precision != Precision::Fp8 {
+        return Ok(());
     }
-    Ok(())
+    let Device::Cuda(index) = device else { return Ok(()) };
+    let capability = crate::cuda::driver_info().ok().and_then(|d| d.capabilities.get(index).copied());
+    match capability {
+        Some(c) if c >= (8, 9) => Ok(()),
+        Some((major, minor)) => Err(Error::Unsupported(format!(
+            "precision fp8 needs fp8 tensor cores (compute capability 8.9 or later: Ada, \
+             Hopper, Blackwell); cuda:{index} has {major}.{minor}. Use precision bf16"
+        ))),
+        None => Err(Error::Unsupported(format!(
+            "precision fp8: the compute capability of cuda:{index} could not be read from the \
+             NVIDIA driver; fp8 needs 8.9 or later. Use precision bf16"
+        ))),
+    }
 }
 
 /// Enters autocast for `precision` on `device`; `None` when there is nothing to do.

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use accel_core::config::{PartialConfig, Precision, Strategy};
+use accel_core::config::{Fp8Recipe, PartialConfig, Precision, Strategy};
 use accel_core::launch::config::{LaunchConfig, default_config_path};
 use accel_core::launch::{LaunchPlan, run};
 use clap::{Args, Parser, Subcommand};
@@ -129,6 +129,10 @@ struct LaunchArgs {
     /// Mixed precision, passed as ACCEL_PRECISION.
     #[arg(long)]
     precision: Option<Precision>,
+    /// How fp8 layers choose their scales (tensorwise or rowwise), passed as
+    /// ACCEL_FP8_RECIPE.
+    #[arg(long)]
+    fp8_recipe: Option<Fp8Recipe>,
     /// Gradient accumulation steps, passed as ACCEL_ACCUMULATE.
     #[arg(long)]
     accumulate: Option<u32>,
@@ -185,6 +189,7 @@ impl LaunchArgs {
             training: PartialConfig {
                 strategy: self.strategy,
                 precision: self.precision,
+                fp8_recipe: self.fp8_recipe,
                 accumulate: self.accumulate,
                 clip_grad_norm: self.clip_grad_norm,
                 seed: self.seed,
