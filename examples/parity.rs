@@ -17,9 +17,10 @@ use std::path::PathBuf;
 
 use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW, Sgd, SgdConfig, named_params};
+use accel_core::precision::Float8Linear;
 use accel_core::strategy::pp::{Pipeline, Schedule};
 use accel_core::strategy::tp::{ColumnParallelLinear, LinearOptions, RowParallelLinear};
-use accel_core::{Accelerator, Precision, ShardOptions, Strategy, Unit};
+use accel_core::{Accelerator, Fp8Recipe, Precision, ShardOptions, Strategy, Unit};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use tch::nn::{self, Module};
@@ -61,6 +62,9 @@ struct Args {
     /// Mixed precision.
     #[arg(long, default_value = "no")]
     precision: Precision,
+    /// With `--precision fp8`: `tensorwise` or `rowwise`.
+    #[arg(long, default_value = "tensorwise")]
+    fp8_recipe: Fp8Recipe,
     /// Clip the global gradient norm (0: off).
     #[arg(long, default_value_t = 0.0)]
     clip_grad_norm: f64,
@@ -111,6 +115,7 @@ fn main() -> Result<()> {
     let mut builder = Accelerator::builder()
         .strategy(args.strategy)
         .precision(args.precision)
+        .fp8_recipe(args.fp8_recipe)
         .accumulate(args.accumulate)
         .tensor_parallel(args.tensor_parallel)
         .pipeline_parallel(args.pipeline_parallel)
@@ -274,7 +279,7 @@ fn finish(acc: &Accelerator, vs: &nn::VarStore, args: &Args) -> Result<()> {
 
 /// One layer of the MLP as this process holds it.
 enum Layer {
-    Whole(nn::Linear),
+    Whole(Float8Linear),
     Column(ColumnParallelLinear),
     Row(RowParallelLinear),
 }
@@ -324,7 +329,8 @@ fn build(
                     Layer::Row(l)
                 }
                 _ => {
-                    let l = nn::linear(&path, inp, out, Default::default());
+                    // nn::linear's layer, whose matmuls run in fp8 under `--precision fp8`.
+                    let l = acc.linear(&path, inp, out, Default::default());
                     tch::no_grad(|| -> Result<()> {
                         l.ws.shallow_clone().f_copy_(weight(i))?;
                         l.bs.as_ref().expect("a bias").shallow_clone().f_copy_(bias)?;

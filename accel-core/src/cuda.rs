@@ -133,8 +133,7 @@ pub fn driver_info() -> std::result::Result<DriverInfo, String> {
         let device_get: DeviceGet = std::mem::transmute(sym(b"cuDeviceGet\0")?);
         let device_name: DeviceGetName = std::mem::transmute(sym(b"cuDeviceGetName\0")?);
         let total_mem: DeviceTotalMem = std::mem::transmute(sym(b"cuDeviceTotalMem_v2\0")?);
-        let attribute: DeviceGetAttribute =
-            std::mem::transmute(sym(b"cuDeviceGetAttribute\0")?);
+        let attribute: DeviceGetAttribute = std::mem::transmute(sym(b"cuDeviceGetAttribute\0")?);
 
         let mut version = 0;
         driver_version(&mut version);

@@ -288,11 +288,35 @@ fn bf16_runs_matmuls_in_bf16_and_returns_fp32() {
 }
 
 #[test]
-fn fp8_without_the_hardware_is_a_clear_error() {
+fn fp8_keeps_first_last_and_odd_layers_in_bf16_and_refuses_a_model_without_fp8_layers() {
     let _serial = serial();
-    let err = Accelerator::builder().precision(Precision::Fp8).cpu(true).build().unwrap_err();
-    let text = err.to_string();
-    assert!(text.contains("fp8") && text.contains("Hopper") && text.contains("bf16"), "{text}");
+    let acc = Accelerator::builder().precision(Precision::Fp8).cpu(true).build().unwrap();
+    // Layers made with plain nn::linear cannot become fp8: an error, not a silent bf16 run.
+    let plain = nn::VarStore::new(Device::Cpu);
+    let _ = nn::linear(plain.root() / "l", 32, 32, Default::default());
+    let err = acc.prepare_model(&plain).unwrap_err().to_string();
+    assert!(err.contains("accelerator.linear") && err.contains("bf16"), "{err}");
+
+    let vs = nn::VarStore::new(Device::Cpu);
+    let widths = [32, 64, 48, 10, 32];
+    let layers: Vec<_> = widths
+        .windows(2)
+        .enumerate()
+        .map(|(i, w)| acc.linear(vs.root() / i, w[0], w[1], Default::default()))
+        .collect();
+    acc.prepare_model(&vs).unwrap();
+    let fp8: Vec<bool> = layers.iter().map(|l| l.fp8_recipe().is_some()).collect();
+    // first, middle, 48→10 (not a multiple of 16), last
+    assert_eq!(fp8, [false, true, false, false]);
+    let mut opt = acc.build_optimizer(nn::Sgd::default(), &vs, 0.1).unwrap();
+    let x = Tensor::randn([8, 32], (Kind::Float, Device::Cpu));
+    let out =
+        acc.forward(|| layers.iter().fold(x.shallow_clone(), |h, l| l.forward(&h).relu())).unwrap();
+    let loss = out.square().mean(Kind::Float);
+    acc.backward(&loss).unwrap();
+    let grad = layers[1].ws.grad();
+    assert!(grad.defined() && grad.abs().sum(Kind::Float).double_value(&[]) > 0.0);
+    opt.step().unwrap();
 }
 
 #[test]

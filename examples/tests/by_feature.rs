@@ -19,8 +19,8 @@ fn launch(processes: usize, program: Vec<String>, env: &[(&str, &Path)]) {
 }
 
 #[test]
-fn accumulation_evaluation_mixed_precision_sharding_and_local_sgd_on_1_and_2_processes() {
-    for name in ["accumulation", "evaluation", "mixed_precision", "sharding", "local_sgd"] {
+fn accumulation_evaluation_mixed_precision_fp8_sharding_and_local_sgd_on_1_and_2_processes() {
+    for name in ["accumulation", "evaluation", "mixed_precision", "fp8", "sharding", "local_sgd"] {
         for processes in [1, 2] {
             launch(processes, vec![example(name)], &[]);
         }

@@ -85,10 +85,15 @@ fn one_process_with_batch_8n_equals_n_processes_with_batch_8() {
 /// W.safetensors and D.safetensors for the parity runs (45 samples of 10 features, a
 /// 10-16-16-3 MLP), made by python/reference/parity_accelerate.py in `.venv`.
 fn make_weights_and_data(dir: &Path, seed: u64) -> (PathBuf, PathBuf) {
+    make_weights_and_data_with(dir, seed, "16,16")
+}
+
+/// [`make_weights_and_data`] with other hidden widths.
+fn make_weights_and_data_with(dir: &Path, seed: u64, hidden: &str) -> (PathBuf, PathBuf) {
     let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
     let made = Command::new(root().join(".venv/bin/python"))
         .arg(root().join("python/reference/parity_accelerate.py"))
-        .args(["make", "--n", "45", "--d", "10", "--hidden", "16,16", "--classes", "3"])
+        .args(["make", "--n", "45", "--d", "10", "--hidden", hidden, "--classes", "3"])
         .args(["--seed", &seed.to_string()])
         .arg("--init")
         .arg(&w)
@@ -579,6 +584,64 @@ fn tensor_and_pipeline_parallel_train_like_one_process_and_like_accelerate() {
     }
 }
 
+/// fp8 training against Accelerate's (`mixed_precision="fp8"` with torchao's `Float8Linear`,
+/// `AORecipeKwargs`): a 10-32-32-32-3 MLP, whose two middle layers are fp8 on both sides
+/// (the first and last stay bf16), trained 3 epochs on 1 process, on 2 under DDP and zero3,
+/// and with the row-wise recipe: every loss and weight within 1e-5 of Accelerate's
+/// (the issue asked 2e-3), while both differ from the fp32 run (quantisation happened).
+#[test]
+fn fp8_trains_like_accelerate_with_torchao() {
+    let dir = scratch("fp8");
+    let (w, d) = make_weights_and_data_with(&dir, 0, "32,32,32");
+    let args = |precision: &str, recipe: &str| -> Vec<String> {
+        [
+            "--init",
+            w.to_str().unwrap(),
+            "--data",
+            d.to_str().unwrap(),
+            "--hidden",
+            "32,32,32",
+            "--lr",
+            "1e-2",
+            "--batch-size",
+            "4",
+            "--epochs",
+            "3",
+            "--precision",
+            precision,
+            "--fp8-recipe",
+            recipe,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    compare_with_accelerate(&dir, "fp8-1", 1, args("fp8", "tensorwise"));
+    compare_with_accelerate(&dir, "fp8-2-ddp", 2, args("fp8", "tensorwise"));
+    compare_with_accelerate_as(
+        &dir,
+        "fp8-2-zero3",
+        2,
+        args("fp8", "tensorwise"),
+        2,
+        &["--strategy", "zero3"],
+    );
+    compare_with_accelerate(&dir, "fp8-rowwise", 1, args("fp8", "rowwise"));
+
+    let mut program = vec![example("parity")];
+    program.extend(args("no", "tensorwise"));
+    let fp32 = dir.join("fp32.safetensors");
+    program.extend(["--out".into(), fp32.display().to_string(), "--losses".into()]);
+    program.push(dir.join("fp32.jsonl").display().to_string());
+    launch(1, program);
+    let fp32 = read_weights(&fp32);
+    for tag in ["fp8-1", "fp8-rowwise"] {
+        let fp8 = read_weights(&dir.join(format!("rs-{tag}.safetensors")));
+        let diff = max_diff(&fp8, &fp32);
+        assert!(diff > 1e-3, "{tag}: fp8 weights within {diff} of fp32's: no quantisation?");
+    }
+}
+
 /// accel's fp8 linear layer against torchao's `Float8Linear` (python/reference/fp8_linear.py)
 /// on the same tensors: output and every gradient equal bit for bit, for the tensor-wise
 /// recipe in fp32 and under bf16 autocast, and for the row-wise recipe.
@@ -618,12 +681,9 @@ fn fp8_linear_equals_torchao_bit_for_bit() {
         (&y * &gy).sum(y.kind()).backward();
         let exact = x.linear(&w, Some(&b));
         assert!(!y.to_kind(Kind::Float).equal(&exact), "{case}: no quantisation happened");
-        for (what, ours) in [
-            ("y", y.to_kind(Kind::Float)),
-            ("gx", x.grad()),
-            ("gw", w.grad()),
-            ("gb", b.grad()),
-        ] {
+        for (what, ours) in
+            [("y", y.to_kind(Kind::Float)), ("gx", x.grad()), ("gw", w.grad()), ("gb", b.grad())]
+        {
             let theirs = get(&format!("{case}.{what}"));
             let diff = (&ours - &theirs).abs().max().double_value(&[]);
             assert!(ours.equal(&theirs), "{case}.{what}: differs from torchao by up to {diff}");

@@ -7,6 +7,9 @@ logging, so the two can be compared number by number.
         --precision no --clip-grad-norm 1.0 --out final.safetensors --losses losses.jsonl
 
 `--local-sgd K` wraps the loop in Accelerate's LocalSGD (parameters averaged every K batches).
+`--precision fp8` is Accelerate's fp8 with torchao (`AORecipeKwargs`): the default
+(tensor-wise) recipe, or `--fp8-recipe rowwise` (emulated, as the CPU kernel takes tensor-wise
+scales only).
 
 It can also write a fresh W and D: `parity_accelerate.py make W D --n 45 --d 10 --hidden
 16,16 --classes 3 --seed 0`.
@@ -49,11 +52,24 @@ def train(args):
     from accelerate import Accelerator
     from accelerate.utils import DataLoaderConfiguration
 
+    handlers = []
+    if args.precision == "fp8":
+        import dataclasses
+
+        from accelerate.utils import AORecipeKwargs
+        from torchao.float8 import Float8LinearConfig
+
+        if args.fp8_recipe == "rowwise":
+            config = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=True)
+        else:
+            config = Float8LinearConfig()
+        handlers.append(AORecipeKwargs(config=config))
     acc = Accelerator(
         gradient_accumulation_steps=args.accumulate,
         cpu=True,
         mixed_precision=args.precision,
         dataloader_config=DataLoaderConfiguration(split_batches=args.split_batches),
+        kwargs_handlers=handlers,
     )
     init = load_file(args.init)
     layers = sum(1 for k in init if k.endswith(".weight"))
@@ -68,6 +84,13 @@ def train(args):
         torch.utils.data.TensorDataset(data["x"], data["y"]), batch_size=args.batch_size, shuffle=False
     )
     model, opt, dl = acc.prepare(model, opt, dl)
+    if args.precision == "fp8":
+        from torchao.float8.float8_linear import Float8Linear
+
+        fp8 = [n for n, m in acc.unwrap_model(model).named_modules() if isinstance(m, Float8Linear)]
+        assert fp8, "Accelerate converted no layer to fp8"
+        if acc.is_main_process:
+            print(f"fp8 layers: {fp8}", file=sys.stderr)
     log = open(args.losses, "w") if acc.is_main_process else None
     step = 0
     # Accelerate's by_feature/local_sgd.py: LocalSGD around the loop, step() once per batch.
@@ -90,6 +113,8 @@ def train(args):
                 step += 1
     if acc.is_main_process:
         state = acc.unwrap_model(model).state_dict()
+        # Float8Linear keeps nn.Linear's parameter names; drop any non-tensor extra state.
+        state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         save_file({k: v.contiguous() for k, v in state.items()}, args.out)
     acc.wait_for_everyone()
 
@@ -107,6 +132,7 @@ p.add_argument("--accumulate", type=int, default=1)
 p.add_argument("--epochs", type=int, default=1)
 p.add_argument("--strategy", default="ddp")
 p.add_argument("--precision", default="no")
+p.add_argument("--fp8-recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
 p.add_argument("--clip-grad-norm", type=float, default=0.0)
 p.add_argument("--split-batches", action="store_true")
 p.add_argument("--local-sgd", type=int, default=None)

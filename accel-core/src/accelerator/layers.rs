@@ -45,8 +45,8 @@ impl Accelerator {
     ) -> Float8Linear {
         let path = path.borrow();
         let linear = nn::linear(path, in_dim, out_dim, config);
-        let recipe = (self.inner.config.precision == Precision::Fp8)
-            .then_some(self.inner.config.fp8_recipe);
+        let recipe =
+            (self.inner.config.precision == Precision::Fp8).then_some(self.inner.config.fp8_recipe);
         let layer = Float8Linear::new(linear, recipe);
         if recipe.is_some()
             && let Ok(weight) = crate::shim::tensor_id(&layer.ws)
@@ -95,7 +95,10 @@ impl Accelerator {
             } else if i + 1 == mine.len() && last_stage {
                 Some("the last".to_owned())
             } else if !shapes_suit(layer.features.0, layer.features.1) {
-                Some(format!("{}→{} features, not multiples of 16", layer.features.0, layer.features.1))
+                Some(format!(
+                    "{}→{} features, not multiples of 16",
+                    layer.features.0, layer.features.1
+                ))
             } else {
                 None
             };
@@ -107,7 +110,11 @@ impl Accelerator {
         if self.is_main_process() {
             let fp8 = mine.len() - kept.len();
             let recipe = self.inner.config.fp8_recipe;
-            let kept = if kept.is_empty() { String::new() } else { format!("; in bf16: {}", kept.join(", ")) };
+            let kept = if kept.is_empty() {
+                String::new()
+            } else {
+                format!("; in bf16: {}", kept.join(", "))
+            };
             eprintln!("accel: fp8 ({recipe}): {fp8} of {} linear layers in fp8{kept}", mine.len());
             if self.device() == tch::Device::Cpu {
                 eprintln!(

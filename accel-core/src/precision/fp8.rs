@@ -70,7 +70,8 @@ pub struct Scaled {
 impl Scaled {
     /// The transpose of a 2-D operand, scales included.
     pub fn t(&self) -> Result<Scaled> {
-        let scale = if self.scale.dim() == 2 { self.scale.f_tr()? } else { self.scale.shallow_clone() };
+        let scale =
+            if self.scale.dim() == 2 { self.scale.f_tr()? } else { self.scale.shallow_clone() };
         Ok(Scaled { bits: self.bits.f_tr()?, scale })
     }
 
@@ -107,11 +108,8 @@ pub fn cast(
 ) -> Result<Scaled> {
     let scale = scale_from_amax(&amax(t, granularity)?, format, round_to_pow2)?;
     let max = format.max();
-    let bits = t
-        .f_to_kind(Kind::Float)?
-        .f_mul(&scale)?
-        .f_clamp(-max, max)?
-        .f_to_kind(format.kind())?;
+    let bits =
+        t.f_to_kind(Kind::Float)?.f_mul(&scale)?.f_clamp(-max, max)?.f_to_kind(format.kind())?;
     Ok(Scaled { bits, scale })
 }
 
@@ -126,15 +124,25 @@ fn is_row_major(t: &Tensor) -> bool {
 /// scales without fast accumulation are applied after a unit-scaled product, and
 /// `_scaled_mm` gives them in bf16 only. `emulate` computes the same product from
 /// dequantised f32 operands instead (torchao's `emulate`, for devices without the kernel).
-pub fn scaled_mm(a: &Scaled, b: &Scaled, out: Kind, fast_accum: bool, emulate: bool) -> Result<Tensor> {
+pub fn scaled_mm(
+    a: &Scaled,
+    b: &Scaled,
+    out: Kind,
+    fast_accum: bool,
+    emulate: bool,
+) -> Result<Tensor> {
     if emulate {
         let a = a.bits.f_to_kind(Kind::Float)?.f_div(&a.scale)?;
         let b = b.bits.f_to_kind(Kind::Float)?.f_div(&b.scale)?;
         return Ok(a.f_mm(&b)?.f_to_kind(out)?);
     }
-    let a_bits = if is_row_major(&a.bits) { a.bits.shallow_clone() } else { a.bits.f_contiguous()? };
-    let b_bits =
-        if is_row_major(&b.bits) { b.bits.f_tr()?.f_contiguous()?.f_tr()? } else { b.bits.shallow_clone() };
+    let a_bits =
+        if is_row_major(&a.bits) { a.bits.shallow_clone() } else { a.bits.f_contiguous()? };
+    let b_bits = if is_row_major(&b.bits) {
+        b.bits.f_tr()?.f_contiguous()?.f_tr()?
+    } else {
+        b.bits.shallow_clone()
+    };
     let (mut a_inv, mut b_inv) = (a.scale.f_reciprocal()?, b.scale.f_reciprocal()?);
     let rows = a.bits.size()[0];
     let cols = b.bits.size()[1];
@@ -299,7 +307,10 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, recipe: Fp8Recipe) 
         // hooks below replace with the fp8 results.
         let x_link = x.f_view_as(&x)?;
         let w_link = w.f_view_as(w)?;
-        let zero = x_link.f_narrow(0, 0, 0)?.f_sum(Kind::Float)?.f_add(&w_link.f_narrow(0, 0, 0)?.f_sum(Kind::Float)?)?;
+        let zero = x_link
+            .f_narrow(0, 0, 0)?
+            .f_sum(Kind::Float)?
+            .f_add(&w_link.f_narrow(0, 0, 0)?.f_sum(Kind::Float)?)?;
         let product = value.f_add(&zero.f_to_kind(out_kind)?)?;
         let (input_slot, weight_slot): (Slot, Slot) = Default::default();
         // Tensors are Send but not Sync; hooks must be both.
@@ -318,7 +329,8 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, recipe: Fp8Recipe) 
                         Some(gi.f_to_kind(x_kind)?.f_reshape(shape.as_slice())?);
                 }
                 if let Some(gw) = gw {
-                    *weight_out.lock().unwrap_or_else(|e| e.into_inner()) = Some(gw.f_to_kind(w_kind)?);
+                    *weight_out.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(gw.f_to_kind(w_kind)?);
                 }
                 Ok(())
             })();
@@ -328,10 +340,14 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, recipe: Fp8Recipe) 
             None
         })?;
         if want_input {
-            add_grad_hook(&x_link, move |_zeros| Some(take(&input_slot).expect("fp8: no input gradient")))?;
+            add_grad_hook(&x_link, move |_zeros| {
+                Some(take(&input_slot).expect("fp8: no input gradient"))
+            })?;
         }
         if want_weight {
-            add_grad_hook(&w_link, move |_zeros| Some(take(&weight_slot).expect("fp8: no weight gradient")))?;
+            add_grad_hook(&w_link, move |_zeros| {
+                Some(take(&weight_slot).expect("fp8: no weight gradient"))
+            })?;
         }
         product
     } else {

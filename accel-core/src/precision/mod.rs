@@ -30,7 +30,8 @@ pub fn check_precision(precision: Precision, device: Device) -> Result<()> {
         return Ok(());
     }
     let Device::Cuda(index) = device else { return Ok(()) };
-    let capability = crate::cuda::driver_info().ok().and_then(|d| d.capabilities.get(index).copied());
+    let capability =
+        crate::cuda::driver_info().ok().and_then(|d| d.capabilities.get(index).copied());
     match capability {
         Some(c) if c >= (8, 9) => Ok(()),
         Some((major, minor)) => Err(Error::Unsupported(format!(

@@ -1,7 +1,7 @@
 //! Parsing the attribute's arguments (syntax only): `key = value, ...` into raw values that
 //! keep their spans. Validation of values and of combinations lives in `check.rs`.
 
-use accel_choices::{Precision, Sharding, Strategy};
+use accel_choices::{Fp8Recipe, Precision, Sharding, Strategy};
 use proc_macro2::{Span, TokenStream};
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
@@ -12,6 +12,7 @@ pub(crate) const KEYS: &[&str] = &[
     "strategy",
     "sharding",
     "precision",
+    "fp8_recipe",
     "accumulate",
     "clip_grad_norm",
     "seed",
@@ -39,6 +40,7 @@ pub(crate) struct RawArgs {
     pub strategy: Option<Spanned<Strategy>>,
     pub sharding: Option<Spanned<Sharding>>,
     pub precision: Option<Spanned<Precision>>,
+    pub fp8_recipe: Option<Spanned<Fp8Recipe>>,
     pub accumulate: Option<Spanned<u64>>,
     pub clip_grad_norm: Option<Spanned<f64>>,
     pub seed: Option<Spanned<u64>>,
@@ -204,6 +206,7 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
                 "strategy" => raw.strategy = Some(expect_choice(v, &key, "\"ddp\"")?),
                 "sharding" => raw.sharding = Some(expect_choice(v, &key, "\"full_shard\"")?),
                 "precision" => raw.precision = Some(expect_choice(v, &key, "\"bf16\"")?),
+                "fp8_recipe" => raw.fp8_recipe = Some(expect_choice(v, &key, "\"rowwise\"")?),
                 "accumulate" => raw.accumulate = Some(expect_u64(v, &key, "4")?),
                 "clip_grad_norm" => raw.clip_grad_norm = Some(expect_f64(v, &key, "1.0")?),
                 "seed" => raw.seed = Some(expect_u64(v, &key, "42")?),

@@ -128,13 +128,13 @@ fn offload_needs_sharding(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     }
 }
 
-/// fp8 needs fp8 tensor cores; a CPU-only run cannot have them.
-fn fp8_not_on_cpu(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
-    if let (Some(p), Some(c)) = (&raw.precision, &raw.cpu) {
-        if p.value == Precision::Fp8 && c.value {
+/// An fp8 recipe means nothing without fp8.
+fn fp8_recipe_needs_fp8(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
+    if let Some(r) = &raw.fp8_recipe {
+        if !raw.precision.as_ref().is_some_and(|p| p.value == Precision::Fp8) {
             errors.push(syn::Error::new(
-                p.span,
-                "`precision = \"fp8\"` needs an Ada or Hopper GPU, but `cpu = true`",
+                r.span,
+                "`fp8_recipe` chooses how fp8 layers scale their operands: it needs `precision = \"fp8\"`",
             ));
         }
     }
@@ -150,7 +150,7 @@ pub(crate) fn args(raw: &RawArgs) -> Vec<syn::Error> {
     clip_positive(raw, &mut errors);
     sharding_needs_fsdp(raw, &mut errors);
     offload_needs_sharding(raw, &mut errors);
-    fp8_not_on_cpu(raw, &mut errors);
+    fp8_recipe_needs_fp8(raw, &mut errors);
     errors
 }
 

@@ -23,6 +23,8 @@ pub(crate) struct Context {
     pub name: syn::Ident,
     /// The model's VarStore as the `model` key names it (a variable or a field).
     pub model: Option<Expr>,
+    /// `precision = "fp8"`: the body's `nn::linear(..)` become the accelerator's fp8 layers.
+    pub fp8: bool,
 }
 
 /// The builder chain the arguments ask for.
@@ -41,6 +43,10 @@ pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path) -> TokenStream {
     if let Some(p) = &raw.precision {
         let v = ident(p.value.variant_name());
         calls.extend(quote!(.precision(#krate::Precision::#v)));
+    }
+    if let Some(r) = &raw.fp8_recipe {
+        let v = ident(r.value.variant_name());
+        calls.extend(quote!(.fp8_recipe(#krate::Fp8Recipe::#v)));
     }
     if let Some(a) = &raw.accumulate {
         let a = a.value as u32;
@@ -330,6 +336,15 @@ impl VisitMut for Rewriter<'_> {
             *expr = parse_quote_spanned_expr(span, quote!(#name.device()));
             return;
         }
+        // fp8 is a layer swap (torchao's `convert_to_float8_training`), done here at compile
+        // time: tch's linear layers become the accelerator's, whose matmuls run in fp8.
+        if self.cx.fp8 && is_call_to(expr, &["nn", "linear"]) {
+            if let Expr::Call(call) = &*expr {
+                let args = &call.args;
+                *expr = parse_quote_spanned_expr(span, quote!(#name.linear(#args)));
+            }
+            return;
+        }
         let Expr::MethodCall(m) = &*expr else {
             if self.unit && self.in_closure == 0 {
                 if let Expr::Return(r) = expr {
@@ -348,6 +363,16 @@ impl VisitMut for Rewriter<'_> {
         };
         if let Some(tokens) = replacement {
             *expr = parse_quote_spanned_expr(span, tokens);
+        }
+    }
+
+    fn visit_type_path_mut(&mut self, t: &mut syn::TypePath) {
+        syn::visit_mut::visit_type_path_mut(self, t);
+        // The swapped layers' type, where the body names it (`let l: nn::Linear = ..`).
+        let segs: Vec<String> = t.path.segments.iter().map(|s| s.ident.to_string()).collect();
+        if self.cx.fp8 && segs.len() >= 2 && segs[segs.len() - 2..] == ["nn", "Linear"] {
+            let krate = &self.cx.krate;
+            *t = parse_quote!(#krate::precision::Float8Linear);
         }
     }
 

@@ -67,6 +67,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
             .clone()
             .unwrap_or_else(|| syn::Ident::new("accelerator", proc_macro2::Span::call_site())),
         model: raw.model.clone(),
+        fp8: raw.precision.as_ref().is_some_and(|p| p.value == accel_choices::Precision::Fp8),
     };
     match expand::function(function, &raw, context, returns) {
         Ok(tokens) => tokens,

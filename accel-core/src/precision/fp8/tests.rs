@@ -106,7 +106,6 @@ fn saturation_and_zeros_are_finite() {
     let s = cast(&x, Fp8Format::E5m2, Granularity::Tensor, false).unwrap();
     assert_eq!(values(&s.bits.to_kind(Kind::Float))[0], -57344.0);
     assert_eq!(values(&s.dequantize(Kind::Float).unwrap())[0], -3.0);
-
 }
 
 #[test]
@@ -117,7 +116,8 @@ fn fp8_linear_is_near_the_exact_product_and_its_gradients_reach_input_and_weight
         let b = Tensor::randn([16], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let y = linear(&x, &w, Some(&b), recipe).unwrap();
         let exact = x.linear(&w, Some(&b));
-        let rel = |a: &Tensor, e: &Tensor| (a - e).norm().double_value(&[]) / e.norm().double_value(&[]);
+        let rel =
+            |a: &Tensor, e: &Tensor| (a - e).norm().double_value(&[]) / e.norm().double_value(&[]);
         let err = rel(&y, &exact);
         assert!(err > 0.0 && err < 0.1, "{recipe:?}: relative error {err}");
 
@@ -150,4 +150,3 @@ fn layers_of_unsuitable_shapes_and_other_precisions_stay_plain_linear() {
     let fits = tch::nn::linear(vs.root() / "b", 16, 32, Default::default());
     assert_eq!(Float8Linear::new(fits, None).fp8_recipe(), None);
 }
-

@@ -1,7 +1,7 @@
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Tensor};
 
-#[accel_core::accelerate(precision = "fp8", cpu = true)]
+#[accel_core::accelerate(precision = "bf16", fp8_recipe = "rowwise", cpu = true)]
 fn train() -> anyhow::Result<()> {
     let vs = nn::VarStore::new(Device::Cpu);
     let net = nn::linear(vs.root() / "lin", 2, 1, Default::default());
