@@ -33,17 +33,25 @@ fn tensor_parallelism_through_the_attribute_matches_the_whole_model_on_2_process
     launch(2, vec![example("tensor_parallel")], &[]);
 }
 
+/// DDP and zero3 alike to 1e-4; fp8 through the tensor-parallel layers (2 tensor ranks)
+/// within 2% of bf16 on the same layout.
 #[test]
-fn the_transformer_trains_alike_under_ddp_and_zero3() {
+fn the_transformer_trains_alike_under_ddp_and_zero3_and_in_fp8_split_by_tensor() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("char-lm");
     std::fs::create_dir_all(&dir).unwrap();
     let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/kjv-genesis-exodus.txt");
     let mut losses = Vec::new();
-    for strategy in ["ddp", "zero3"] {
-        let metrics = dir.join(format!("{strategy}.json"));
+    let runs: [(&str, &[&str]); 4] = [
+        ("ddp", &[]),
+        ("zero3", &[]),
+        ("ddp", &["--precision", "bf16", "--tensor-parallel", "2"]),
+        ("ddp", &["--precision", "fp8", "--tensor-parallel", "2"]),
+    ];
+    for (i, (strategy, extra)) in runs.into_iter().enumerate() {
+        let metrics = dir.join(format!("{strategy}-{i}.json"));
         let args = ["--steps", "12", "--blocks", "2", "--target", "10", "--text"];
         let mut program = vec![example("char_lm")];
-        program.extend(args.iter().map(|s| s.to_string()));
+        program.extend(extra.iter().chain(&args).map(|s| s.to_string()));
         program.extend([text.display().to_string(), "--metrics".into()]);
         program.push(metrics.display().to_string());
         let mut plan = LaunchPlan { rank0_only: true, ..LaunchPlan::local(2, program) };
@@ -55,6 +63,14 @@ fn the_transformer_trains_alike_under_ddp_and_zero3() {
     }
     assert!(losses[0] < 4.0, "12 steps leave the uniform guess (4.28) behind: {}", losses[0]);
     assert!((losses[0] - losses[1]).abs() < 1e-4, "ddp {} vs zero3 {}", losses[0], losses[1]);
+    let fp8 = (losses[3] - losses[2]).abs() / losses[2];
+    assert!(
+        fp8 > 0.0 && fp8 < 0.02,
+        "fp8 {} vs bf16 {}: {:.2}% apart",
+        losses[3],
+        losses[2],
+        fp8 * 100.0
+    );
 }
 
 #[test]

@@ -182,10 +182,13 @@ impl AcceleratorBuilder {
         }
         let scaler = (config.precision == Precision::Fp16)
             .then(|| Arc::new(Mutex::new(GradScaler::new(ScalerConfig::default(), device))));
+        let fp8 = (config.precision == Precision::Fp8)
+            .then(|| Arc::new(precision::fp8::Fp8Layers::new(config.fp8_recipe)));
         let tp = crate::strategy::tp::TensorParallel::new(
             mesh.comm(crate::mesh::Dim::Tensor),
             config.sequence_parallel,
-        );
+        )
+        .with_fp8(fp8.clone());
         let accelerator = Accelerator {
             inner: Arc::new(Inner {
                 state: Arc::new(GradientState::new(config.accumulate)),
@@ -197,6 +200,7 @@ impl AcceleratorBuilder {
                 checkpoint_dir: self.checkpoint_dir,
                 checkpoint_limit: self.checkpoint_limit,
                 tp,
+                fp8,
                 mesh,
                 strategy,
                 model_options: ModelOptions::from(self.ddp),

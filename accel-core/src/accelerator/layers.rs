@@ -2,28 +2,18 @@
 //! compute: fp8 linear layers, and the module filter that keeps some of them in higher
 //! precision (Accelerate's `filter_first_and_last_linear_layers`).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
 use tch::Tensor;
 use tch::nn::{self, LinearConfig};
 
 use super::Accelerator;
 use crate::comm::ReduceOp;
-use crate::config::Precision;
 use crate::error::{Error, Result};
 use crate::mesh::Dim;
 use crate::optim::Param;
 use crate::precision::Float8Linear;
 use crate::precision::fp8::shapes_suit;
-
-/// A linear layer made by [`Accelerator::linear`], as the module filter sees it.
-pub(crate) struct Fp8Layer {
-    path: String,
-    weight: usize,
-    features: (i64, i64),
-    enabled: Arc<AtomicBool>,
-}
 
 impl Accelerator {
     /// A linear layer with `tch::nn::linear`'s variables and initialisation, whose matmuls
@@ -45,33 +35,21 @@ impl Accelerator {
     ) -> Float8Linear {
         let path = path.borrow();
         let linear = nn::linear(path, in_dim, out_dim, config);
-        let recipe =
-            (self.inner.config.precision == Precision::Fp8).then_some(self.inner.config.fp8_recipe);
-        let layer = Float8Linear::new(linear, recipe);
-        if recipe.is_some()
-            && let Ok(weight) = crate::shim::tensor_id(&layer.ws)
-        {
-            self.registry().fp8_layers.push(Fp8Layer {
-                path: path.components().collect::<Vec<_>>().join("."),
-                weight,
-                features: (in_dim, out_dim),
-                enabled: layer.switch(),
-            });
+        let Some(fp8) = &self.inner.fp8 else { return Float8Linear::plain(linear) };
+        match fp8.register(path, &linear.ws) {
+            Ok(switch) => Float8Linear::with_switch(linear, fp8.recipe, switch),
+            // Only a weight without a tensor behind it fails here; nn::linear makes none.
+            Err(e) => panic!("accelerator.linear: {e}"),
         }
-        layer
     }
 
     /// Under fp8: applies the module filter to the layers of the model being prepared and
     /// reports the result once; an error when the model has no layer that could be fp8.
     pub(crate) fn filter_fp8_layers(&self, params: &[Param]) -> Result<()> {
-        if self.inner.config.precision != Precision::Fp8 {
-            return Ok(());
-        }
+        let Some(fp8) = &self.inner.fp8 else { return Ok(()) };
         let ids: Vec<usize> =
             params.iter().filter_map(|p| crate::shim::tensor_id(&p.tensor).ok()).collect();
-        let registry = self.registry();
-        let mine: Vec<&Fp8Layer> =
-            registry.fp8_layers.iter().filter(|l| ids.contains(&l.weight)).collect();
+        let mine = fp8.among(&ids);
         // With a pipeline, the model's first layer is on the first stage and its last on
         // the last; a stage without linear layers is fine if another stage has some.
         let stages = self.inner.mesh.comm(Dim::Pipeline);
@@ -80,10 +58,11 @@ impl Accelerator {
         if anywhere.int64_value(&[0]) == 0 {
             return Err(Error::Config(
                 "precision fp8 makes the matmuls of linear layers fp8, but this model has no \
-                 layer made by `accelerator.linear(..)`: build its linear layers inside the \
-                 function that carries #[accelerate(precision = \"fp8\")] (its `nn::linear` \
-                 calls become fp8 layers), or with `accelerator.linear(path, in, out, config)` \
-                 in place of `nn::linear`; or use precision bf16"
+                 layer made by `accelerator.linear(..)` (or the tensor-parallel layers of \
+                 `accelerator.tensor_parallel()`): build its linear layers inside the function \
+                 that carries #[accelerate(precision = \"fp8\")] (its `nn::linear` calls become \
+                 fp8 layers), or with `accelerator.linear(path, in, out, config)` in place of \
+                 `nn::linear`; or use precision bf16"
                     .into(),
             ));
         }
@@ -108,14 +87,17 @@ impl Accelerator {
             }
         }
         if self.is_main_process() {
-            let fp8 = mine.len() - kept.len();
-            let recipe = self.inner.config.fp8_recipe;
+            let in_fp8 = mine.len() - kept.len();
+            let recipe = fp8.recipe;
             let kept = if kept.is_empty() {
                 String::new()
             } else {
                 format!("; in bf16: {}", kept.join(", "))
             };
-            eprintln!("accel: fp8 ({recipe}): {fp8} of {} linear layers in fp8{kept}", mine.len());
+            eprintln!(
+                "accel: fp8 ({recipe}): {in_fp8} of {} linear layers in fp8{kept}",
+                mine.len()
+            );
             if self.device() == tch::Device::Cpu {
                 eprintln!(
                     "accel: fp8 on CPU runs the recipe through libtorch's reference kernels, \

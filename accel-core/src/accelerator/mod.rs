@@ -53,8 +53,6 @@ pub(crate) struct Registry {
     pub(crate) models: Vec<Vec<Param>>,
     pub(crate) optimizers: Vec<AcceleratedOptimizer>,
     pub(crate) loaders: Vec<Arc<Mutex<DataPosition>>>,
-    /// Linear layers made by [`Accelerator::linear`] under fp8, in creation order.
-    pub(crate) fp8_layers: Vec<layers::Fp8Layer>,
 }
 
 pub(crate) struct Inner {
@@ -72,6 +70,8 @@ pub(crate) struct Inner {
     pub(crate) strategy: Arc<dyn crate::strategy::Strategy>,
     /// The tensor dimension: its communicator and the parameters its layers split.
     pub(crate) tp: crate::strategy::tp::TensorParallel,
+    /// Under precision fp8: the recipe and the fp8 layers made so far.
+    pub(crate) fp8: Option<Arc<crate::precision::fp8::Fp8Layers>>,
     model_options: ModelOptions,
     /// Driven optimizers (by their first parameter) whose gradients this step unscaled.
     driven_unscaled: Mutex<std::collections::HashSet<usize>>,

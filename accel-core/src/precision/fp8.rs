@@ -301,16 +301,16 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, recipe: Fp8Recipe) 
     *out_shape.last_mut().expect("checked above") = features_out;
     let value = value.f_reshape(out_shape.as_slice())?;
 
+    // Views whose only use is the link: their gradients are the link's zeros, which the
+    // hooks below replace with the fp8 results. Under no_grad the link requires none.
+    let x_link = x.f_view_as(&x)?;
+    let w_link = w.f_view_as(w)?;
+    let zero = x_link
+        .f_narrow(0, 0, 0)?
+        .f_sum(Kind::Float)?
+        .f_add(&w_link.f_narrow(0, 0, 0)?.f_sum(Kind::Float)?)?;
     let (want_input, want_weight) = (x.requires_grad(), w.requires_grad());
-    let product = if want_input || want_weight {
-        // Views whose only use is the link: their gradients are the link's zeros, which the
-        // hooks below replace with the fp8 results.
-        let x_link = x.f_view_as(&x)?;
-        let w_link = w.f_view_as(w)?;
-        let zero = x_link
-            .f_narrow(0, 0, 0)?
-            .f_sum(Kind::Float)?
-            .f_add(&w_link.f_narrow(0, 0, 0)?.f_sum(Kind::Float)?)?;
+    let product = if zero.requires_grad() {
         let product = value.f_add(&zero.f_to_kind(out_kind)?)?;
         let (input_slot, weight_slot): (Slot, Slot) = Default::default();
         // Tensors are Send but not Sync; hooks must be both.
@@ -359,6 +359,66 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, recipe: Fp8Recipe) 
     })
 }
 
+/// The fp8 layers of a run in the order they were made (the accelerator's and the
+/// tensor-parallel ones alike), for the module filter and its report.
+#[derive(Debug)]
+pub(crate) struct Fp8Layers {
+    pub(crate) recipe: Fp8Recipe,
+    layers: Mutex<Vec<Fp8Layer>>,
+}
+
+/// One layer as the module filter sees it.
+#[derive(Debug, Clone)]
+pub(crate) struct Fp8Layer {
+    /// Its variables' path, e.g. `blocks.0.qkv`.
+    pub(crate) path: String,
+    /// [`crate::shim::tensor_id`] of its weight.
+    pub(crate) weight: usize,
+    /// Input and output features of this rank's weight.
+    pub(crate) features: (i64, i64),
+    /// On while its matmuls run in fp8.
+    pub(crate) enabled: Arc<AtomicBool>,
+}
+
+impl Fp8Layers {
+    pub(crate) fn new(recipe: Fp8Recipe) -> Self {
+        Self { recipe, layers: Mutex::default() }
+    }
+
+    /// Registers a layer whose weight (`[out, in]`) is `weight`; returns its switch, on
+    /// when `_scaled_mm` takes its shapes.
+    pub(crate) fn register(
+        &self,
+        path: &tch::nn::Path,
+        weight: &Tensor,
+    ) -> Result<Arc<AtomicBool>> {
+        let [features_out, features_in] = weight.size()[..] else {
+            return Err(Error::Config(format!(
+                "fp8 layer {}: the weight is not 2-D",
+                path.path("")
+            )));
+        };
+        let enabled = Arc::new(AtomicBool::new(shapes_suit(features_in, features_out)));
+        let name = path.components().collect::<Vec<_>>().join(".");
+        self.lock().push(Fp8Layer {
+            path: name,
+            weight: crate::shim::tensor_id(weight)?,
+            features: (features_in, features_out),
+            enabled: enabled.clone(),
+        });
+        Ok(enabled)
+    }
+
+    /// The registered layers whose weights are among `ids`, in the order they were made.
+    pub(crate) fn among(&self, ids: &[usize]) -> Vec<Fp8Layer> {
+        self.lock().iter().filter(|l| ids.contains(&l.weight)).cloned().collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Fp8Layer>> {
+        self.layers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// Whether `_scaled_mm` takes a layer of these features: both multiples of 16 (torchao's
 /// and Accelerate's module filter).
 pub fn shapes_suit(features_in: i64, features_out: i64) -> bool {
@@ -381,21 +441,28 @@ pub struct Float8Linear {
 }
 
 impl Float8Linear {
-    /// A layer over existing variables; `recipe` `None` keeps it in high precision.
-    pub fn new(linear: tch::nn::Linear, recipe: Option<Fp8Recipe>) -> Self {
-        let [out, inp] = linear.ws.size()[..] else { unreachable!("nn::linear weights are 2-D") };
-        let enabled = recipe.is_some() && shapes_suit(inp, out);
-        Self { ws: linear.ws, bs: linear.bs, recipe, enabled: Arc::new(AtomicBool::new(enabled)) }
+    /// A layer over existing variables, in high precision throughout (as `nn::Linear`).
+    pub fn plain(linear: tch::nn::Linear) -> Self {
+        Self {
+            ws: linear.ws,
+            bs: linear.bs,
+            recipe: None,
+            enabled: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// A layer over existing variables whose matmuls run with `recipe` while `enabled` is on.
+    pub(crate) fn with_switch(
+        linear: tch::nn::Linear,
+        recipe: Fp8Recipe,
+        enabled: Arc<AtomicBool>,
+    ) -> Self {
+        Self { ws: linear.ws, bs: linear.bs, recipe: Some(recipe), enabled }
     }
 
     /// The recipe its matmuls run with now, `None` when they run in high precision.
     pub fn fp8_recipe(&self) -> Option<Fp8Recipe> {
         self.recipe.filter(|_| self.enabled.load(Ordering::Relaxed))
-    }
-
-    /// The switch the accelerator's module filter turns off (first and last layers).
-    pub(crate) fn switch(&self) -> Arc<AtomicBool> {
-        self.enabled.clone()
     }
 
     /// The forward pass, with libtorch errors as `Err`.

@@ -144,9 +144,29 @@ fn layers_of_unsuitable_shapes_and_other_precisions_stay_plain_linear() {
     let plain = tch::nn::linear(vs.root() / "a", 10, 32, Default::default());
     let exact = Tensor::randn([4, 10], (Kind::Float, Device::Cpu));
     let expected = exact.linear(&plain.ws, plain.bs.as_ref());
-    let odd = Float8Linear::new(plain, Some(Fp8Recipe::Tensorwise));
+    let layers = Fp8Layers::new(Fp8Recipe::Tensorwise);
+    let switch = layers.register(&(vs.root() / "a"), &plain.ws).unwrap();
+    let odd = Float8Linear::with_switch(plain, Fp8Recipe::Tensorwise, switch);
     assert_eq!(odd.fp8_recipe(), None, "10 inputs are not a multiple of 16");
     assert!(odd.try_forward(&exact).unwrap().equal(&expected));
     let fits = tch::nn::linear(vs.root() / "b", 16, 32, Default::default());
-    assert_eq!(Float8Linear::new(fits, None).fp8_recipe(), None);
+    let switch = layers.register(&(vs.root() / "b"), &fits.ws).unwrap();
+    let fits = Float8Linear::with_switch(fits, Fp8Recipe::Tensorwise, switch);
+    assert_eq!(fits.fp8_recipe(), Some(Fp8Recipe::Tensorwise));
+    let paths: Vec<String> = layers
+        .among(&[crate::shim::tensor_id(&fits.ws).unwrap()])
+        .into_iter()
+        .map(|l| l.path)
+        .collect();
+    assert_eq!(paths, ["b"]);
+}
+
+#[test]
+fn evaluation_under_no_grad_needs_no_hooks() {
+    let x = sample(8, 32, 5);
+    let w = sample(16, 32, 6).set_requires_grad(true);
+    let y = tch::no_grad(|| linear(&x, &w, None, Fp8Recipe::Tensorwise)).unwrap();
+    assert!(!y.requires_grad());
+    let with_grad = linear(&x, &w, None, Fp8Recipe::Tensorwise).unwrap();
+    assert!(with_grad.requires_grad() && with_grad.detach().equal(&y));
 }

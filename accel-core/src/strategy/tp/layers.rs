@@ -3,6 +3,9 @@
 //! weight, as `tch::nn::linear`), and keeps its slice: a model built with the same seed holds
 //! exactly the slices of the single-process model.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use tch::nn::{self, Init, Module};
 use tch::{Kind, Tensor};
 
@@ -11,7 +14,20 @@ use super::mappings::{
     copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
     reduce_scatter_to_sequence_region, scatter_to_region,
 };
+use crate::config::Fp8Recipe;
 use crate::error::{Error, Result};
+use crate::precision::fp8;
+
+/// Under fp8, a layer's recipe and the switch the module filter may turn off.
+type Fp8Switch = Option<(Fp8Recipe, Arc<AtomicBool>)>;
+
+/// `x @ Wᵀ (+ b)`, in fp8 while the layer's switch is on (each rank scales its own slices).
+fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, fp8: &Fp8Switch) -> Result<Tensor> {
+    match fp8 {
+        Some((recipe, on)) if on.load(Ordering::Relaxed) => fp8::linear(x, weight, bias, *recipe),
+        _ => Ok(x.f_linear(weight, bias)?),
+    }
+}
 
 /// What a tensor-parallel linear layer does with its input and output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +98,7 @@ pub struct ColumnParallelLinear {
     /// This rank's part of the bias.
     pub bias: Option<Tensor>,
     options: LinearOptions,
+    fp8: Fp8Switch,
 }
 
 impl ColumnParallelLinear {
@@ -100,7 +117,8 @@ impl ColumnParallelLinear {
         };
         let init = nn::init::DEFAULT_KAIMING_UNIFORM;
         let weight = slice_var(tp, path, "weight", &whole(init, &[out_dim, in_dim])?, 0)?;
-        Ok(Self { tp: tp.clone(), weight, bias, options })
+        let fp8 = tp.fp8_layer(path, &weight)?;
+        Ok(Self { tp: tp.clone(), weight, bias, options, fp8 })
     }
 
     /// Replaces the weights by this rank's slices of whole ones (`[out, in]`, `[out]`).
@@ -120,7 +138,7 @@ impl ColumnParallelLinear {
         } else {
             copy_to_region(&self.tp, x)?
         };
-        let y = input.f_linear(&self.weight, self.bias.as_ref())?;
+        let y = linear(&input, &self.weight, self.bias.as_ref(), &self.fp8)?;
         if self.options.gather_output { gather_from_region(&self.tp, &y) } else { Ok(y) }
     }
 }
@@ -142,6 +160,7 @@ pub struct RowParallelLinear {
     /// The bias, whole on every rank.
     pub bias: Option<Tensor>,
     options: LinearOptions,
+    fp8: Fp8Switch,
 }
 
 impl RowParallelLinear {
@@ -164,7 +183,8 @@ impl RowParallelLinear {
         };
         let init = nn::init::DEFAULT_KAIMING_UNIFORM;
         let weight = slice_var(tp, path, "weight", &whole(init, &[out_dim, in_dim])?, 1)?;
-        Ok(Self { tp: tp.clone(), weight, bias, options })
+        let fp8 = tp.fp8_layer(path, &weight)?;
+        Ok(Self { tp: tp.clone(), weight, bias, options, fp8 })
     }
 
     /// Replaces the weights by this rank's slice of whole ones (`[out, in]`, `[out]`).
@@ -183,7 +203,7 @@ impl RowParallelLinear {
         } else {
             scatter_to_region(&self.tp, x)?
         };
-        let partial = input.f_linear::<Tensor>(&self.weight, None)?;
+        let partial = linear(&input, &self.weight, None, &self.fp8)?;
         let y = if self.tp.sequence_parallel() {
             reduce_scatter_to_sequence_region(&self.tp, &partial, self.options.sequence_dim)?
         } else {

@@ -15,11 +15,13 @@ mod mappings;
 mod tests;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::Tensor;
 
 use crate::comm::{Communicator, LocalComm};
+use crate::config::Fp8Recipe;
 use crate::error::Result;
 pub use layers::{
     ColumnParallelLinear, LinearOptions, RowParallelLinear, VocabParallelEmbedding,
@@ -55,6 +57,8 @@ pub struct TensorParallel {
     comm: Arc<dyn Communicator>,
     sequence_parallel: bool,
     registry: Arc<Mutex<Registry>>,
+    /// Under precision fp8: where the layers register (their matmuls then run in fp8).
+    fp8: Option<Arc<crate::precision::fp8::Fp8Layers>>,
 }
 
 impl std::fmt::Debug for TensorParallel {
@@ -71,7 +75,26 @@ impl TensorParallel {
     /// Tensor parallelism over `comm` (its ranks hold the slices), with sequence
     /// parallelism if `sequence_parallel`.
     pub fn new(comm: Arc<dyn Communicator>, sequence_parallel: bool) -> Self {
-        Self { comm, sequence_parallel, registry: Arc::default() }
+        Self { comm, sequence_parallel, registry: Arc::default(), fp8: None }
+    }
+
+    /// The same with its linear layers in fp8 (`Some`), as the accelerator hands it out
+    /// under precision fp8.
+    pub(crate) fn with_fp8(mut self, fp8: Option<Arc<crate::precision::fp8::Fp8Layers>>) -> Self {
+        self.fp8 = fp8;
+        self
+    }
+
+    /// Under fp8, registers a layer's weight; its recipe and switch.
+    pub(crate) fn fp8_layer(
+        &self,
+        path: &tch::nn::Path,
+        weight: &Tensor,
+    ) -> Result<Option<(Fp8Recipe, Arc<AtomicBool>)>> {
+        match &self.fp8 {
+            Some(fp8) => Ok(Some((fp8.recipe, fp8.register(path, weight)?))),
+            None => Ok(None),
+        }
     }
 
     /// No tensor parallelism: one rank, every layer whole.
