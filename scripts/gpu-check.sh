@@ -19,5 +19,14 @@ else
   echo "fewer than 2 GPUs: NCCL check with 1 process"
   "$bin/accel" launch --num-processes 1 --main-process-port 0 --timeout 120 "$bin/accel" worker nccl
 fi
+echo "== fp8 on cuda:0 (needs compute capability 8.9+): char_lm, then fp8 vs bf16 step time of a"
+echo "   GPT of width 2048 beside Accelerate + torchao on the same GPU"
+"$bin/examples/char_lm" --precision fp8 --steps 200 --target 10
+for precision in bf16 fp8; do
+  "$bin/examples/lm_bench" --device cuda --precision $precision --width 2048 --heads 16 \
+    --blocks 4 --context 512 --batch 8 --steps 20
+  python3 python/reference/accelerate_lm.py --device cuda --fused --precision $precision \
+    --width 2048 --heads 16 --blocks 4 --context 512 --batch 8 --steps 20
+done
 echo "== CPU reference timing"
 "$bin/examples/mlp_bench"

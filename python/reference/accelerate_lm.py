@@ -1,13 +1,15 @@
 """The speed benchmark's transformer with PyTorch + Accelerate: the same GPT-style model as
-examples/gpt.rs (4 pre-norm blocks of width 128, 4 heads, causal SDPA, tanh-GELU MLP of 4x,
-context 64, vocabulary 72), batch 16 of random tokens, AdamW, fp32, one thread, 20 warm-up
-steps then 100 timed ones; prints one machine-readable line. Argument `fused`: torch's
-fused AdamW kernel (the one accel's AdamW uses by default).
+examples/gpt.rs (pre-norm blocks, causal SDPA, tanh-GELU MLP of 4x, vocabulary 72; by default
+4 blocks of width 128, 4 heads, context 64), batch 16 of random tokens, AdamW, one thread on
+CPU, 20 warm-up steps then 100 timed ones; prints one machine-readable line. `--fused`:
+torch's fused AdamW kernel (the one accel's AdamW uses by default); `--precision bf16|fp8`:
+Accelerate's mixed precision (fp8 with torchao's default recipe, `AORecipeKwargs`).
 
-    .venv/bin/python python/reference/accelerate_lm.py [fused]
+    .venv/bin/python python/reference/accelerate_lm.py [--fused] [--precision fp8] \
+        [--width 2048 --heads 16 --device cuda]
 """
+import argparse
 import resource
-import sys
 import time
 
 import torch
@@ -15,7 +17,20 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-VOCAB, CONTEXT, WIDTH, BLOCKS, HEADS, BATCH, WARMUP, STEPS = 72, 64, 128, 4, 4, 16, 20, 100
+VOCAB, WARMUP = 72, 20
+
+p = argparse.ArgumentParser()
+p.add_argument("--fused", action="store_true")
+p.add_argument("--precision", default="no", choices=["no", "bf16", "fp8"])
+p.add_argument("--width", type=int, default=128)
+p.add_argument("--blocks", type=int, default=4)
+p.add_argument("--heads", type=int, default=4)
+p.add_argument("--context", type=int, default=64)
+p.add_argument("--batch", type=int, default=16)
+p.add_argument("--steps", type=int, default=100)
+p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+args = p.parse_args()
+WIDTH, HEADS, CONTEXT = args.width, args.heads, args.context
 
 
 class Block(torch.nn.Module):
@@ -42,25 +57,34 @@ class Gpt(torch.nn.Module):
         super().__init__()
         self.tokens = torch.nn.Embedding(VOCAB, WIDTH)
         self.positions = torch.nn.Embedding(CONTEXT, WIDTH)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(args.blocks))
         self.ln = torch.nn.LayerNorm(WIDTH)
         self.head = torch.nn.Linear(WIDTH, VOCAB)
 
     def forward(self, ids):
-        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
 
 
-acc = Accelerator(mixed_precision="no", cpu=True)
+handlers = []
+if args.precision == "fp8":
+    from accelerate.utils import AORecipeKwargs
+
+    handlers.append(AORecipeKwargs())
+cpu = args.device == "cpu"
+acc = Accelerator(mixed_precision=args.precision, cpu=cpu, kwargs_handlers=handlers)
 set_seed(0)
-torch.set_num_threads(1)
-fused = len(sys.argv) > 1 and sys.argv[1] == "fused"
+if cpu:
+    torch.set_num_threads(1)
 model = Gpt()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-model, opt = acc.prepare(model, opt)
-ids = torch.randint(0, VOCAB, (BATCH, CONTEXT + 1))
+# The model first, then an optimizer of its prepared parameters: with fp8 (Accelerate 1.15,
+# torchao 0.18) preparing both at once leaves this model's fp8 layers with new weight
+# objects that an optimizer made beforehand does not hold, so they would never train.
+model = acc.prepare(model)
+opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=args.fused))
+ids = torch.randint(0, VOCAB, (args.batch, CONTEXT + 1), device=acc.device)
 x, y = ids[:, :-1], ids[:, 1:]
 
 
@@ -74,9 +98,15 @@ def step():
 
 for _ in range(WARMUP):
     step()
+step().item()  # the GPU's queue drained before timing
 t0 = time.perf_counter()
-for _ in range(STEPS):
+for _ in range(args.steps):
     loss = step()
+last = loss.item()
 dt = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(f"fused={fused} steps={STEPS} samples_per_s={STEPS * BATCH / dt:.1f} step_ms={1e3 * dt / STEPS:.2f} peak_rss_mib={peak:.0f} loss={loss.item():.4f}")
+print(
+    f"fused={args.fused} precision={args.precision} steps={args.steps} "
+    f"samples_per_s={args.steps * args.batch / dt:.1f} step_ms={1e3 * dt / args.steps:.2f} "
+    f"peak_rss_mib={peak:.0f} loss={last:.4f}"
+)

@@ -311,7 +311,7 @@ fn bench() -> Result<(), String> {
             let mut command = Command::new(&python);
             command.arg(&lm_script);
             if fused {
-                command.arg("fused");
+                command.arg("--fused");
             }
             mlp_figures(&mut command)
         })
@@ -334,6 +334,42 @@ fn bench() -> Result<(), String> {
          fused AdamW)\n",
         lm_rows[0].1.0 / lm_rows[1].1.0,
         lm_rows[0].1.0 / lm_rows[2].1.0
+    );
+    // fp8 beside bf16, both sides: on CPU fp8 runs libtorch's reference kernels, so this
+    // measures the recipe's overhead there; the speed-up belongs to fp8 GPUs.
+    let lm_with = |precision: &'static str, accelerate: bool| {
+        median_of(RUNS, || {
+            let mut command = if accelerate {
+                let mut c = Command::new(&python);
+                c.args([lm_script.as_os_str(), "--fused".as_ref()]);
+                c
+            } else {
+                Command::new(&lm)
+            };
+            mlp_figures(command.args(["--precision", precision]))
+        })
+    };
+    let precision_rows = [
+        ("accel bf16", lm_with("bf16", false)?),
+        ("accel fp8", lm_with("fp8", false)?),
+        ("Accelerate bf16 (fused AdamW)", lm_with("bf16", true)?),
+        ("Accelerate fp8 (torchao)", lm_with("fp8", true)?),
+    ];
+    println!(
+        "The same transformer under bf16 and fp8 (tensor-wise recipe, all but the first and last \
+         linear layers), CPU; median of {RUNS} runs each"
+    );
+    println!("{:<30} {:>10} {:>14}", "step ms", "1 process", "peak RSS MiB");
+    for (name, (rate, rss)) in &precision_rows {
+        println!("{name:<30} {:>10.2} {rss:>14.0}", 16e3 / rate);
+    }
+    let ms = |i: usize| 16e3 / precision_rows[i].1.0;
+    println!(
+        "fp8 / bf16 step time: accel {:.2}x, Accelerate {:.2}x; accel / Accelerate in fp8: {:.2}x \
+         the speed\n",
+        ms(1) / ms(0),
+        ms(3) / ms(2),
+        ms(3) / ms(1)
     );
     let (annotated, plain) =
         (rebuild_seconds("existing_function")?, rebuild_seconds("existing_function_plain")?);

@@ -368,6 +368,19 @@ mod tests {
     }
 
     #[test]
+    fn accelerates_fp8_config_is_read_and_other_backends_refused() {
+        let yaml = "mixed_precision: fp8\nfp8_config:\n  backend: AO\nfp8_recipe: rowwise\n";
+        let config = LaunchConfig::from_yaml(yaml).unwrap();
+        assert_eq!(config.training.precision, Some(Precision::Fp8));
+        assert_eq!(config.training.fp8_recipe, Some(crate::config::Fp8Recipe::Rowwise));
+        assert!(config.training_env().contains(&("ACCEL_FP8_RECIPE", "rowwise".to_owned())));
+        let err = LaunchConfig::from_yaml("mixed_precision: fp8\nfp8_config:\n  backend: TE\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("backend TE") && err.contains("backend: AO"), "{err}");
+    }
+
+    #[test]
     fn unknown_keys_name_the_closest_valid_one_and_round_trip_works() {
         let err = LaunchConfig::from_yaml("num_proceses: 2\n").unwrap_err().to_string();
         assert!(
