@@ -129,10 +129,18 @@ impl Topology {
 
     /// Consistency, with the arithmetic in the message.
     pub fn check(&self) -> Result<()> {
+        // Per-rank tables are sized by the world: bound it before anything is allocated.
+        const MAX_WORLD_SIZE: usize = 1 << 20;
         let s = self.source;
         let fail = |why: String| Err(Error::Config(format!("{s}: {why}")));
         if self.world_size == 0 {
             return fail("world size 0: there must be at least one process".into());
+        }
+        if self.world_size > MAX_WORLD_SIZE {
+            return fail(format!(
+                "world size {} is over the {MAX_WORLD_SIZE} processes accel accepts (a typo?)",
+                self.world_size
+            ));
         }
         if self.rank >= self.world_size {
             return fail(format!(
@@ -247,6 +255,8 @@ mod tests {
             ("LOCAL_WORLD_SIZE", "2"),
         ]);
         assert!(e.contains("must have local rank 1 (3 mod 2)"), "{e}");
+        let e = err(&[("RANK", "0"), ("WORLD_SIZE", "1000000000000")]);
+        assert!(e.contains("world size 1000000000000 is over"), "{e}");
         let e = err(&[("RANK", "x"), ("WORLD_SIZE", "2")]);
         assert!(e.contains("RANK=\"x\""), "{e}");
         let e = err(&[("RANK", "0")]);

@@ -203,6 +203,54 @@ fn automatic_checkpoint_names_keep_the_newest_within_the_limit() {
 }
 
 #[test]
+fn checkpoints_survive_interruptions_and_a_second_writer_is_refused() {
+    let _serial = serial();
+    let dir = scratch("durable");
+    let acc = Accelerator::builder().cpu(true).checkpoints(&dir, None).build().unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _lin = nn::linear(vs.root() / "lin", 2, 2, Default::default());
+    acc.prepare_model(&vs).unwrap();
+    let first = acc.save_checkpoint().unwrap();
+    let second = acc.save_checkpoint().unwrap();
+
+    // A damaged newest checkpoint is skipped for the newest complete one.
+    let model = second.join("model.safetensors");
+    let mut bytes = std::fs::read(&model).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x55;
+    std::fs::write(&model, &bytes).unwrap();
+    assert_eq!(acc.load_latest_checkpoint().unwrap(), Some(first.clone()));
+    std::fs::remove_dir_all(&second).unwrap();
+
+    // A replacement stopped between its two renames: the old folder is put back.
+    std::fs::rename(&first, dir.join("checkpoint_0.old-4242")).unwrap();
+    acc.load_state(&first).unwrap();
+    assert!(first.join("manifest.json").exists());
+
+    // A folder another live process is writing is refused, naming the lock...
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    let lock = dir.join(".checkpoint_0.lock");
+    std::fs::write(&lock, format!("1 {}", host.trim())).unwrap();
+    let err = acc.save_state(&first).unwrap_err().to_string();
+    assert!(err.contains("another job") && err.contains(".checkpoint_0.lock"), "{err}");
+    // ...and the lock of a process that no longer runs is taken over, then released.
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    gone.wait().unwrap();
+    std::fs::write(&lock, format!("{} {}", gone.id(), host.trim())).unwrap();
+    acc.save_state(&first).unwrap();
+    assert!(!lock.exists());
+
+    // A crafted manifest's world size is refused before anything is sized by it.
+    let manifest = first.join("manifest.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    json["world_size"] = serde_json::json!(1_000_000_000_000_000_000u64);
+    std::fs::write(&manifest, json.to_string()).unwrap();
+    let err = acc.load_state(&first).unwrap_err().to_string();
+    assert!(err.contains("world_size 1000000000000000000"), "{err}");
+}
+
+#[test]
 fn save_model_shards_with_an_index() {
     let _serial = serial();
     let dir = scratch("save-model");

@@ -168,7 +168,7 @@ impl AcceleratorBuilder {
         let dims = ParallelDims::for_run(&config, &process)?;
         let mesh = if process.world_size > 1 {
             check_multi_process(&config, device)?;
-            let world = ProcessGroup::new(&process, GroupOptions::default())?;
+            let world = ProcessGroup::new(&process, GroupOptions::from_env()?)?;
             DeviceMesh::new(dims, &world)?
         } else {
             DeviceMesh::single()

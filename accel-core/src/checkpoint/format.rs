@@ -97,6 +97,12 @@ impl Manifest {
         let text = std::fs::read_to_string(&path).map_err(|e| io_error(&path, e))?;
         let manifest: Manifest = serde_json::from_str(&text)
             .map_err(|e| bad(&path, format!("unreadable manifest: {e}")))?;
+        if manifest.world_size == 0 || manifest.world_size > 1 << 20 {
+            return Err(bad(
+                &path,
+                format!("world_size {} is not a number of processes", manifest.world_size),
+            ));
+        }
         if manifest.format != FORMAT || manifest.version != VERSION {
             return Err(bad(
                 &path,
@@ -113,7 +119,18 @@ impl Manifest {
     pub fn write(&self, dir: &Path) -> Result<()> {
         let path = dir.join(MANIFEST);
         let text = serde_json::to_string_pretty(self).expect("the manifest serialises");
-        std::fs::write(&path, text).map_err(|e| io_error(&path, e))
+        std::fs::write(&path, text).map_err(|e| io_error(&path, e))?;
+        sync(&path)
+    }
+
+    /// Checks that every file the manifest lists is there whole (size and CRC32), without
+    /// reading tensors: what `load_latest_checkpoint` asks of a candidate.
+    pub fn verify(&self, dir: &Path) -> Result<()> {
+        for (name, record) in &self.files {
+            let path = dir.join(name);
+            check_bytes(&path, &std::fs::read(&path).map_err(|e| io_error(&path, e))?, record)?;
+        }
+        Ok(())
     }
 
     /// The tensors of file `name` of the checkpoint, checked against this manifest.
@@ -196,6 +213,7 @@ pub(crate) fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result
         .map(|(n, t)| Ok((n.clone(), t.f_to_device(Device::Cpu)?.f_contiguous()?)))
         .collect::<Result<_>>()?;
     Tensor::write_safetensors(&cpu, path).map_err(|e| bad(path, format!("cannot write: {e}")))?;
+    sync(path)?;
     let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
     Ok(FileRecord { bytes: bytes.len() as u64, crc32: crc32fast::hash(&bytes) })
 }
@@ -203,6 +221,14 @@ pub(crate) fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result
 /// Checks a file against its manifest record, then reads its tensors.
 pub(crate) fn read_tensors(path: &Path, record: &FileRecord) -> Result<BTreeMap<String, Tensor>> {
     let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
+    check_bytes(path, &bytes, record)?;
+    let tensors = Tensor::read_safetensors(path)
+        .map_err(|e| bad(path, format!("not a safetensors file: {e}")))?;
+    Ok(tensors.into_iter().collect())
+}
+
+/// A file's bytes against its manifest record.
+fn check_bytes(path: &Path, bytes: &[u8], record: &FileRecord) -> Result<()> {
     if bytes.len() as u64 != record.bytes {
         return Err(bad(
             path,
@@ -213,27 +239,138 @@ pub(crate) fn read_tensors(path: &Path, record: &FileRecord) -> Result<BTreeMap<
             ),
         ));
     }
-    if crc32fast::hash(&bytes) != record.crc32 {
+    if crc32fast::hash(bytes) != record.crc32 {
         return Err(bad(path, "the file's CRC32 does not match the manifest: it is corrupted"));
     }
-    let tensors = Tensor::read_safetensors(path)
-        .map_err(|e| bad(path, format!("not a safetensors file: {e}")))?;
-    Ok(tensors.into_iter().collect())
+    Ok(())
+}
+
+/// Flushes a file's data, or a folder's entries, to the disk (fsync).
+pub(crate) fn sync(path: &Path) -> Result<()> {
+    std::fs::File::open(path).and_then(|f| f.sync_all()).map_err(|e| io_error(path, e))
+}
+
+/// The folder holding `dir` (`.` for a bare name).
+fn parent_of(dir: &Path) -> &Path {
+    match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
 }
 
 /// Moves a finished temporary folder into place, keeping the old one until the new one is
 /// there.
+/// Every step is flushed to the disk, so that a crash leaves the old checkpoint, the new one,
+/// or (between the two renames) the old one under `{dir}.old-{pid}`, which
+/// [`recover_interrupted`] puts back.
 pub(crate) fn publish(tmp: &Path, dir: &Path) -> Result<()> {
-    let old = dir.with_extension(format!("old-{}", std::process::id()));
+    let parent = parent_of(dir);
+    sync(tmp)?;
+    let old = old_path(dir, std::process::id())?;
     let replaced = dir.exists();
     if replaced {
         std::fs::rename(dir, &old).map_err(|e| io_error(dir, e))?;
+        sync(parent)?;
     }
     std::fs::rename(tmp, dir).map_err(|e| io_error(dir, e))?;
+    sync(parent)?;
     if replaced {
         std::fs::remove_dir_all(&old).map_err(|e| io_error(&old, e))?;
+        sync(parent)?;
     }
     Ok(())
+}
+
+/// Where [`publish`] keeps the checkpoint it replaces: `{dir}.old-{pid}`.
+fn old_path(dir: &Path, pid: u32) -> Result<PathBuf> {
+    let name = dir.file_name().ok_or_else(|| bad(dir, "a checkpoint needs a folder name"))?;
+    Ok(dir.with_file_name(format!("{}.old-{pid}", name.to_string_lossy())))
+}
+
+/// Puts back a checkpoint whose replacement was interrupted between [`publish`]'s two
+/// renames (only `{dir}.old-{pid}` exists); returns what it did, for a warning.
+pub(crate) fn recover_interrupted(dir: &Path) -> Result<Option<String>> {
+    if dir.exists() {
+        return Ok(None);
+    }
+    let Some(name) = dir.file_name().map(|n| format!("{}.old-", n.to_string_lossy())) else {
+        return Ok(None);
+    };
+    let parent = parent_of(dir);
+    let Ok(entries) = std::fs::read_dir(parent) else { return Ok(None) };
+    let mut olds: Vec<(std::time::SystemTime, PathBuf)> = entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&name))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    olds.sort();
+    let Some((_, newest)) = olds.pop() else { return Ok(None) };
+    // Another process of the run may have done it first.
+    if std::fs::rename(&newest, dir).is_err() && !dir.exists() {
+        return Err(bad(dir, format!("cannot restore it from {}", newest.display())));
+    }
+    sync(parent)?;
+    Ok(Some(format!(
+        "{} was being replaced when a run stopped: restored the previous checkpoint from {}",
+        dir.display(),
+        newest.display()
+    )))
+}
+
+/// Held while a checkpoint folder is written: a second job writing the same folder gets an
+/// error instead of clobbering it. A lock left by a process that no longer runs is taken
+/// over. Removed when dropped.
+#[derive(Debug)]
+pub(crate) struct FolderLock {
+    path: PathBuf,
+}
+
+impl FolderLock {
+    pub(crate) fn acquire(dir: &Path) -> Result<Self> {
+        let name = dir.file_name().ok_or_else(|| bad(dir, "a checkpoint needs a folder name"))?;
+        let path = dir.with_file_name(format!(".{}.lock", name.to_string_lossy()));
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let me = format!("{} {}", std::process::id(), host.trim());
+        for _ in 0..2 {
+            match std::fs::OpenOptions::new().write(true).create_new(true).open(&path) {
+                Ok(mut file) => {
+                    use std::io::Write;
+                    file.write_all(me.as_bytes()).map_err(|e| io_error(&path, e))?;
+                    return Ok(Self { path });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                    let mut words = holder.split_whitespace();
+                    let pid = words.next().and_then(|p| p.parse::<u32>().ok());
+                    let same_host = words.next().unwrap_or("") == host.trim();
+                    let alive = pid.is_some_and(|p| Path::new(&format!("/proc/{p}")).exists());
+                    if same_host && !alive {
+                        // Its writer is gone (a crash): take the lock over.
+                        let _ = std::fs::remove_file(&path);
+                        continue;
+                    }
+                    return Err(bad(
+                        dir,
+                        format!(
+                            "another job (process {}) is writing this checkpoint folder (lock \
+                             file {}): two runs must not share a checkpoint folder; if no other \
+                             run is alive, delete the lock file",
+                            holder.trim(),
+                            path.display()
+                        ),
+                    ));
+                }
+                Err(e) => return Err(io_error(&path, e)),
+            }
+        }
+        Err(bad(dir, format!("cannot take the lock {}", path.display())))
+    }
+}
+
+impl Drop for FolderLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 /// Where a checkpoint is written before it is published: per process (`.{name}.tmp-{pid}`),

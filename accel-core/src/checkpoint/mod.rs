@@ -26,9 +26,9 @@ use crate::optim::OptimizerState;
 use crate::shim::{rng_state, set_rng_state};
 use crate::strategy::Placement;
 use format::{
-    FileRecord, Manifest, OptimizerRecord, SavedPiece, bad, device_name, io_error, model_file,
-    numbered_checkpoints, optimizer_file, publish, rng_devices, rng_file, shard_file,
-    temporary_dir, temporary_dir_path, write_tensors,
+    FileRecord, FolderLock, Manifest, OptimizerRecord, SavedPiece, bad, device_name, io_error,
+    model_file, numbered_checkpoints, optimizer_file, publish, recover_interrupted, rng_devices,
+    rng_file, shard_file, temporary_dir, temporary_dir_path, write_tensors,
 };
 pub use model::merge_weights;
 
@@ -186,6 +186,7 @@ impl Accelerator {
     pub fn save_state(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
         let Some(group) = self.process_group().cloned() else {
+            let _lock = FolderLock::acquire(dir)?;
             let tmp = temporary_dir(dir, true)?;
             let result = self.part().and_then(|part| {
                 let written = self.write_own(&tmp, &part)?;
@@ -209,7 +210,16 @@ impl Accelerator {
             }
         };
         let tmp = temporary_dir_path(dir, false)?;
-        agree(if self.is_main_process() { temporary_dir(dir, false).map(|_| ()) } else { Ok(()) })?;
+        // The main process holds the folder's lock until the checkpoint is published.
+        let mut lock = None;
+        agree(if self.is_main_process() {
+            FolderLock::acquire(dir).and_then(|l| {
+                lock = Some(l);
+                temporary_dir(dir, false).map(|_| ())
+            })
+        } else {
+            Ok(())
+        })?;
         let part = self.part();
         let mine = part
             .as_ref()
@@ -320,6 +330,9 @@ impl Accelerator {
     /// before anything changes.
     pub fn load_state(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
+        if let Some(message) = recover_interrupted(dir)? {
+            eprintln!("accel: {message}");
+        }
         let manifest = Manifest::read(dir)?;
         let registry = self.registry();
         let expect = |what: &str, saved: usize, here: usize| -> Result<()> {
@@ -466,6 +479,15 @@ impl Accelerator {
             ));
         }
 
+        // The optimizers' states are checked in full too, before any weight changes.
+        for (optimizer, (path, state)) in registry.optimizers.iter().zip(&optimizer_states) {
+            let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
+            slot.optimizer.check_state(state).map_err(|e| match e {
+                Error::Checkpoint { message, .. } => bad(path, message),
+                other => other,
+            })?;
+        }
+
         // Apply.
         let strategy = &self.inner.strategy;
         for (params, tensors) in registry.models.iter().zip(&models) {
@@ -536,15 +558,37 @@ impl Accelerator {
         Ok(dir)
     }
 
-    /// Loads the newest `checkpoint_{i}` of the checkpoint directory; returns it, or `None`
-    /// when there is none yet (a fresh run).
+    /// Loads the newest complete `checkpoint_{i}` of the checkpoint directory; returns it,
+    /// or `None` when there is none yet (a fresh run). A newer one that is incomplete or
+    /// corrupt (a run stopped while writing it, a damaged file) is skipped with a warning
+    /// naming it and why.
     pub fn load_latest_checkpoint(&self) -> Result<Option<PathBuf>> {
         let Some(root) = self.checkpoint_dir() else { return Ok(None) };
         if !root.exists() {
             return Ok(None);
         }
-        match numbered_checkpoints(root)?.pop() {
-            Some((_, dir)) => {
+        let candidates = numbered_checkpoints(root)?;
+        // The main process chooses, so that every process loads the same one.
+        let mut chosen = None;
+        if self.is_main_process() {
+            for (_, dir) in candidates.iter().rev() {
+                if let Some(message) = recover_interrupted(dir)? {
+                    eprintln!("accel: {message}");
+                }
+                match Manifest::read(dir).and_then(|m| m.verify(dir)) {
+                    Ok(()) => {
+                        chosen = Some(dir.clone());
+                        break;
+                    }
+                    Err(e) => eprintln!("accel: skipping checkpoint {}: {e}", dir.display()),
+                }
+            }
+        }
+        if let Some(group) = self.process_group() {
+            chosen = group.broadcast_object(self.is_main_process().then_some(&chosen), 0)?;
+        }
+        match chosen {
+            Some(dir) => {
                 self.load_state(&dir)?;
                 Ok(Some(dir))
             }

@@ -44,13 +44,27 @@ pub struct GroupOptions {
 }
 
 impl Default for GroupOptions {
+    /// The default timeout, direct copies unless `ACCEL_DISABLE_CMA` is set.
     fn default() -> Self {
-        let timeout = std::env::var("ACCEL_TIMEOUT_SECS")
-            .ok()
-            .and_then(|s| s.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
-        Self { timeout, direct_copy: std::env::var_os("ACCEL_DISABLE_CMA").is_none() }
+        Self {
+            timeout: DEFAULT_TIMEOUT,
+            direct_copy: std::env::var_os("ACCEL_DISABLE_CMA").is_none(),
+        }
+    }
+}
+
+impl GroupOptions {
+    /// The defaults with `ACCEL_TIMEOUT_SECS` applied; a value that is not a positive
+    /// number of seconds is an error naming it (not a silent default).
+    pub fn from_env() -> Result<Self> {
+        let mut options = Self::default();
+        if let Ok(value) = std::env::var("ACCEL_TIMEOUT_SECS") {
+            options.timeout = Duration::from_secs_f64(
+                crate::launch::parse_seconds(&value, false)
+                    .map_err(|e| Error::Config(format!("ACCEL_TIMEOUT_SECS: {e}")))?,
+            );
+        }
+        Ok(options)
     }
 }
 

@@ -124,8 +124,19 @@ impl LaunchConfig {
             let bad = |expected: &str| {
                 Error::Config(format!("`{key}`: expected {expected}, got {value:?}"))
             };
-            let as_usize =
-                || value.as_u64().map(|v| v as usize).ok_or_else(|| bad("a non-negative integer"));
+            let as_usize = || {
+                value
+                    .as_u64()
+                    .and_then(|v| usize::try_from(v).ok())
+                    .ok_or_else(|| bad("a non-negative integer"))
+            };
+            // Integers narrower than the YAML's are checked, never truncated.
+            let as_u32 = || {
+                value
+                    .as_u64()
+                    .and_then(|v| u32::try_from(v).ok())
+                    .ok_or_else(|| bad(&format!("an integer from 0 to {}", u32::MAX)))
+            };
             let as_str = || value.as_str().map(str::to_owned).ok_or_else(|| bad("a string"));
             match key {
                 "num_processes" => config.num_processes = Some(as_usize()?),
@@ -139,7 +150,7 @@ impl LaunchConfig {
                 "strategy" => config.training.strategy = Some(as_str()?.parse()?),
                 "precision" => config.training.precision = Some(as_str()?.parse()?),
                 "fp8_recipe" => config.training.fp8_recipe = Some(as_str()?.parse()?),
-                "accumulate" => config.training.accumulate = Some(as_usize()? as u32),
+                "accumulate" => config.training.accumulate = Some(as_u32()?),
                 "clip_grad_norm" => {
                     config.training.clip_grad_norm =
                         Some(value.as_f64().ok_or_else(|| bad("a number"))?)
@@ -154,14 +165,19 @@ impl LaunchConfig {
                 // Accelerate's Megatron-LM plugin: the degrees mean the same here.
                 "megatron_lm_config" => {
                     let get = |k: &str| value.get(k);
-                    if let Some(tp) = get("megatron_lm_tp_degree").and_then(|v| v.as_u64()) {
-                        config.training.tensor_parallel = Some(tp as usize);
+                    let degree = |k: &str| {
+                        get(k).and_then(|v| v.as_u64()).and_then(|v| usize::try_from(v).ok())
+                    };
+                    if let Some(tp) = degree("megatron_lm_tp_degree") {
+                        config.training.tensor_parallel = Some(tp);
                     }
-                    if let Some(pp) = get("megatron_lm_pp_degree").and_then(|v| v.as_u64()) {
-                        config.training.pipeline_parallel = Some(pp as usize);
+                    if let Some(pp) = degree("megatron_lm_pp_degree") {
+                        config.training.pipeline_parallel = Some(pp);
                     }
                     if let Some(m) = get("megatron_lm_num_micro_batches").and_then(|v| v.as_u64()) {
-                        accelerate_accumulate = Some(m as u32);
+                        accelerate_accumulate = Some(u32::try_from(m).map_err(|_| {
+                            bad("megatron_lm_num_micro_batches of at most 4294967295")
+                        })?);
                     }
                     if let Some(sp) =
                         get("megatron_lm_sequence_parallelism").and_then(|v| v.as_bool())
@@ -210,7 +226,7 @@ impl LaunchConfig {
                         }
                     }
                 }
-                "gradient_accumulation_steps" => accelerate_accumulate = Some(as_usize()? as u32),
+                "gradient_accumulation_steps" => accelerate_accumulate = Some(as_u32()?),
                 "deepspeed_config" => {
                     if let Some(stage) =
                         value.get("zero_stage").and_then(serde_yaml_ng::Value::as_u64)
@@ -226,7 +242,9 @@ impl LaunchConfig {
                         .get("gradient_accumulation_steps")
                         .and_then(serde_yaml_ng::Value::as_u64)
                     {
-                        accelerate_accumulate = Some(n as u32);
+                        accelerate_accumulate = Some(u32::try_from(n).map_err(|_| {
+                            bad("gradient_accumulation_steps of at most 4294967295")
+                        })?);
                     }
                 }
                 "fsdp_config" => {
@@ -365,6 +383,17 @@ mod tests {
             "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: _HYBRID_SHARD_ZERO2\n";
         let err = LaunchConfig::from_yaml(yaml).unwrap_err().to_string();
         assert!(err.contains("_HYBRID_SHARD_ZERO2") && err.contains("not implemented"), "{err}");
+    }
+
+    #[test]
+    fn integers_too_large_for_their_setting_are_named_errors_not_truncated() {
+        for yaml in ["accumulate: 4294967297\n", "gradient_accumulation_steps: 4294967296\n"] {
+            let err = LaunchConfig::from_yaml(yaml).unwrap_err().to_string();
+            assert!(err.contains("4294967295"), "{yaml}: {err}");
+        }
+        let yaml = "deepspeed_config:\n  gradient_accumulation_steps: 8589934593\n";
+        let err = LaunchConfig::from_yaml(yaml).unwrap_err().to_string();
+        assert!(err.contains("gradient_accumulation_steps"), "{err}");
     }
 
     #[test]

@@ -112,6 +112,25 @@ fn send_signal(child: &Child, signal: i32) {
     }
 }
 
+/// The longest wait accepted anywhere (a year): beyond it a number is a typo, and
+/// `Duration::from_secs_f64` would panic somewhat further on.
+const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// A number of seconds as typed on a command line or in a variable: finite, at most a year,
+/// and positive (or, with `zero_ok`, non-negative). The error says what was wrong.
+pub fn parse_seconds(text: &str, zero_ok: bool) -> std::result::Result<f64, String> {
+    let value: f64 =
+        text.trim().parse().map_err(|_| format!("`{text}` is not a number of seconds"))?;
+    let low_ok = if zero_ok { value >= 0.0 } else { value > 0.0 };
+    if !value.is_finite() || !low_ok || value > MAX_SECONDS {
+        let low = if zero_ok { "0" } else { "above 0" };
+        return Err(format!(
+            "{text} seconds: expected a number from {low} to {MAX_SECONDS} (a year)"
+        ));
+    }
+    Ok(value)
+}
+
 /// Runs the plan; returns the exit code for the launcher.
 pub fn run(plan: &LaunchPlan) -> Result<i32> {
     if plan.program.is_empty() {
@@ -435,6 +454,20 @@ fn report_failure(ranks: &[Rank], failed: usize) {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn seconds_are_finite_bounded_and_positive_where_they_must_be() {
+        use super::parse_seconds;
+        assert_eq!(parse_seconds("2.5", false), Ok(2.5));
+        assert_eq!(parse_seconds(" 0 ", true), Ok(0.0));
+        for (text, zero_ok) in
+            [("-1", true), ("nan", true), ("inf", false), ("0", false), ("1e300", true)]
+        {
+            let err = parse_seconds(text, zero_ok).unwrap_err();
+            assert!(err.contains(text) && err.contains("expected"), "{text}: {err}");
+        }
+        assert!(parse_seconds("soon", true).unwrap_err().contains("not a number"));
+    }
+
     use super::{Frame, is_backtrace_frame};
 
     #[test]

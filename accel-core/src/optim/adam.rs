@@ -169,32 +169,38 @@ impl AdamCore {
     }
 
     fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
-        let hypers: Vec<AdamConfig> =
-            groups_from_json(self.name, &state.groups, self.groups.len())?;
+        // Everything is read and checked before anything changes.
+        let (hypers, moments) = self.restored(state)?;
         for (group, hyper) in self.groups.iter_mut().zip(hypers) {
             group.hyper = hyper;
         }
-        let params: Vec<(Param, bool)> = self
-            .groups
-            .iter()
-            .flat_map(|g| g.params.iter().map(|p| (p.clone(), g.hyper.amsgrad)))
-            .collect();
-        for ((param, amsgrad), moments) in params.iter().zip(&mut self.moments) {
-            let key = |slot: &str| format!("{}/{slot}", param.name);
-            *moments = if state.tensors.contains_key(&key("step")) {
-                let m = Moments::zeros(&param.tensor, *amsgrad)?;
-                restore_slot(state, self.name, &key("step"), &m.step)?;
-                restore_slot(state, self.name, &key("exp_avg"), &m.exp_avg)?;
-                restore_slot(state, self.name, &key("exp_avg_sq"), &m.exp_avg_sq)?;
-                if let Some(max) = &m.max_exp_avg_sq {
-                    restore_slot(state, self.name, &key("max_exp_avg_sq"), max)?;
-                }
-                Some(m)
-            } else {
-                None
-            };
-        }
+        self.moments = moments;
         Ok(())
+    }
+
+    /// The hyper-parameters and moments `state` holds, checked against the parameters.
+    fn restored(&self, state: &OptimizerState) -> Result<(Vec<AdamConfig>, Vec<Option<Moments>>)> {
+        let hypers: Vec<AdamConfig> =
+            groups_from_json(self.name, &state.groups, self.groups.len())?;
+        let mut all = Vec::new();
+        for (group, hyper) in self.groups.iter().zip(&hypers) {
+            for param in &group.params {
+                let key = |slot: &str| format!("{}/{slot}", param.name);
+                all.push(if state.tensors.contains_key(&key("step")) {
+                    let m = Moments::zeros(&param.tensor, hyper.amsgrad)?;
+                    restore_slot(state, self.name, &key("step"), &m.step)?;
+                    restore_slot(state, self.name, &key("exp_avg"), &m.exp_avg)?;
+                    restore_slot(state, self.name, &key("exp_avg_sq"), &m.exp_avg_sq)?;
+                    if let Some(max) = &m.max_exp_avg_sq {
+                        restore_slot(state, self.name, &key("max_exp_avg_sq"), max)?;
+                    }
+                    Some(m)
+                } else {
+                    None
+                });
+            }
+        }
+        Ok((hypers, all))
     }
 }
 
@@ -331,6 +337,9 @@ macro_rules! adam_optimizer {
             }
             fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
                 self.0.load_state(state)
+            }
+            fn check_state(&self, state: &OptimizerState) -> Result<()> {
+                self.0.restored(state).map(|_| ())
             }
             fn retain(&mut self, keep: &dyn Fn(usize) -> bool) -> Result<()> {
                 super::retain_params(&mut self.0.groups, &mut self.0.moments, keep);

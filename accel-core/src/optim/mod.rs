@@ -115,6 +115,13 @@ pub trait Optimizer: Send {
     fn state(&self) -> Result<OptimizerState>;
     /// Restores a state from [`Optimizer::state`] of an optimizer over the same parameters.
     fn load_state(&mut self, state: &OptimizerState) -> Result<()>;
+    /// Checks that [`load_state`](Optimizer::load_state) would accept `state`, changing
+    /// nothing: `load_state` of a checkpoint calls it for every optimizer before it changes
+    /// any weight. The default accepts everything (the load itself still checks).
+    fn check_state(&self, state: &OptimizerState) -> Result<()> {
+        let _ = state;
+        Ok(())
+    }
     /// Keeps only the parameters whose index (in [`Optimizer::params`] order) `keep`
     /// accepts, with their state: how ZeRO stage 1 gives each process its share.
     fn retain(&mut self, keep: &dyn Fn(usize) -> bool) -> Result<()> {
@@ -427,6 +434,9 @@ impl Optimizer for TchOptimizer {
         ))
     }
     fn load_state(&mut self, _state: &OptimizerState) -> Result<()> {
+        self.state().map(|_| ())
+    }
+    fn check_state(&self, _state: &OptimizerState) -> Result<()> {
         self.state().map(|_| ())
     }
 }

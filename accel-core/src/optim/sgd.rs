@@ -80,6 +80,26 @@ impl Sgd {
     }
 }
 
+impl Sgd {
+    /// The hyper-parameters and momentum buffers `state` holds, checked against this
+    /// optimizer's parameters.
+    fn restored(&self, state: &OptimizerState) -> Result<(Vec<SgdConfig>, Vec<Option<Tensor>>)> {
+        let hypers: Vec<SgdConfig> = groups_from_json("SGD", &state.groups, self.groups.len())?;
+        let mut buffers = Vec::new();
+        for param in self.groups.iter().flat_map(|g| &g.params) {
+            let key = format!("{}/momentum_buffer", param.name);
+            buffers.push(if state.tensors.contains_key(&key) {
+                let fresh = param.tensor.f_detach_copy()?;
+                restore_slot(state, "SGD", &key, &fresh)?;
+                Some(fresh)
+            } else {
+                None
+            });
+        }
+        Ok((hypers, buffers))
+    }
+}
+
 impl Optimizer for Sgd {
     fn name(&self) -> &'static str {
         "SGD"
@@ -175,22 +195,15 @@ impl Optimizer for Sgd {
     }
 
     fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
-        let hypers: Vec<SgdConfig> = groups_from_json("SGD", &state.groups, self.groups.len())?;
+        // Everything is read and checked before anything changes.
+        let (hypers, buffers) = self.restored(state)?;
         for (group, hyper) in self.groups.iter_mut().zip(hypers) {
             group.hyper = hyper;
         }
-        let params: Vec<Param> =
-            self.groups.iter().flat_map(|g| g.params.iter().cloned()).collect();
-        for (param, buffer) in params.iter().zip(&mut self.momentum_buffers) {
-            let key = format!("{}/momentum_buffer", param.name);
-            *buffer = if state.tensors.contains_key(&key) {
-                let fresh = param.tensor.f_detach_copy()?;
-                restore_slot(state, "SGD", &key, &fresh)?;
-                Some(fresh)
-            } else {
-                None
-            };
-        }
+        self.momentum_buffers = buffers;
         Ok(())
+    }
+    fn check_state(&self, state: &OptimizerState) -> Result<()> {
+        self.restored(state).map(|_| ())
     }
 }

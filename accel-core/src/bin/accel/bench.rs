@@ -52,7 +52,7 @@ pub(crate) fn worker(sizes: &str, dtype: &str) -> accel_core::Result<bool> {
     let kind = parse_kind(dtype)?;
     let sizes: Vec<u64> = sizes.split(',').map(parse_size).collect::<accel_core::Result<_>>()?;
     let topology = Topology::from_env()?;
-    let group = ProcessGroup::new(&topology, GroupOptions::default())?;
+    let group = ProcessGroup::new(&topology, GroupOptions::from_env()?)?;
     let world = group.size() as f64;
     let mut results = Vec::new();
     if group.rank() == 0 {

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use accel_core::config::{Fp8Recipe, PartialConfig, Precision, Strategy};
 use accel_core::launch::config::{LaunchConfig, default_config_path};
-use accel_core::launch::{LaunchPlan, run};
+use accel_core::launch::{LaunchPlan, parse_seconds, run};
 use clap::{Args, Parser, Subcommand};
 use tch::Tensor;
 
@@ -155,7 +155,7 @@ struct LaunchArgs {
     #[arg(long)]
     sequence_parallel: bool,
     /// Timeout of rendezvous and collectives in seconds, passed as ACCEL_TIMEOUT_SECS.
-    #[arg(long)]
+    #[arg(long, value_parser = |s: &str| parse_seconds(s, false))]
     timeout: Option<f64>,
     /// Show only rank 0's output.
     #[arg(long)]
@@ -164,7 +164,7 @@ struct LaunchArgs {
     #[arg(long, default_value_t = 0)]
     max_restarts: usize,
     /// Seconds between SIGTERM and SIGKILL when stopping processes.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, value_parser = |s: &str| parse_seconds(s, true))]
     grace: f64,
     /// The program and its arguments.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]

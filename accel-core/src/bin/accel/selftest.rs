@@ -11,7 +11,7 @@ type Check = (&'static str, Box<dyn Fn(&ProcessGroup) -> accel_core::Result<bool
 
 pub(crate) fn run() -> accel_core::Result<bool> {
     let topology = Topology::from_env()?;
-    let group = ProcessGroup::new(&topology, GroupOptions::default())?;
+    let group = ProcessGroup::new(&topology, GroupOptions::from_env()?)?;
     if group.rank() == 0 {
         println!(
             "accel test: {} processes ({}), accel {}, libtorch {}",
@@ -194,7 +194,7 @@ fn parity(g: &ProcessGroup) -> accel_core::Result<bool> {
 /// all-reduces forever.
 pub(crate) fn spin() -> accel_core::Result<bool> {
     let topology = Topology::from_env()?;
-    let group = ProcessGroup::new(&topology, GroupOptions::default())?;
+    let group = ProcessGroup::new(&topology, GroupOptions::from_env()?)?;
     if let Some(dir) = std::env::var_os("ACCEL_PID_DIR") {
         let path = std::path::Path::new(&dir).join(topology.rank.to_string());
         let _ = std::fs::write(path, std::process::id().to_string());
@@ -375,7 +375,7 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
 pub(crate) fn nccl() -> accel_core::Result<bool> {
     use accel_core::comm::nccl::NcclComm;
     let topology = Topology::from_env()?;
-    let group = ProcessGroup::new(&topology, GroupOptions::default())?;
+    let group = ProcessGroup::new(&topology, GroupOptions::from_env()?)?;
     let device = Device::Cuda(topology.local_rank);
     let comm = NcclComm::new(&group, device)?;
     let (r, w) = (group.rank() as f64, group.size() as f64);
