@@ -71,12 +71,20 @@ impl ProcessGroup {
     /// address, everyone registers and connects to everyone.
     pub fn new(topology: &Topology, options: GroupOptions) -> Result<Self> {
         let server = if topology.rank == 0 {
-            Some(StoreServer::start(&topology.master_addr, topology.master_port)?)
+            Some(StoreServer::start_with(
+                &topology.master_addr,
+                topology.master_port,
+                options.token.clone(),
+            )?)
         } else {
             None
         };
-        let mut store =
-            StoreClient::connect(&topology.master_addr, topology.master_port, options.timeout)?;
+        let mut store = StoreClient::connect_with(
+            &topology.master_addr,
+            topology.master_port,
+            options.timeout,
+            &options.token,
+        )?;
         store.hello(topology.rank, topology.world_size)?;
         let shared = Arc::new(Shared {
             store: Arc::new(Mutex::new(store)),
@@ -127,7 +135,8 @@ impl ProcessGroup {
             let hosts = read("host")?;
             (listener, addrs, hosts)
         };
-        let mut links = Links::connect(rank, world, id, &listener, &addrs, options.timeout)?;
+        let mut links =
+            Links::connect(rank, world, id, &listener, &addrs, options.timeout, &options.token)?;
         // Everyone on this machine: peers read each other's memory directly.
         let parsed: Vec<(String, i32, u64)> = hosts
             .iter()

@@ -13,6 +13,7 @@
 //! timeout names the operation, its number, the tensor's shape and dtype, and the ranks
 //! that did not arrive.
 
+pub mod auth;
 mod cpu;
 mod group;
 pub mod nccl;
@@ -41,6 +42,8 @@ pub struct GroupOptions {
     /// (`process_vm_readv`) instead of through TCP. On by default; `ACCEL_DISABLE_CMA=1`
     /// turns it off. Falls back to TCP by itself where the kernel forbids it.
     pub direct_copy: bool,
+    /// The run's shared secret, proven on every store and mesh connection.
+    pub token: auth::Token,
 }
 
 impl Default for GroupOptions {
@@ -49,15 +52,17 @@ impl Default for GroupOptions {
         Self {
             timeout: DEFAULT_TIMEOUT,
             direct_copy: std::env::var_os("ACCEL_DISABLE_CMA").is_none(),
+            token: auth::Token::none(),
         }
     }
 }
 
 impl GroupOptions {
-    /// The defaults with `ACCEL_TIMEOUT_SECS` applied; a value that is not a positive
-    /// number of seconds is an error naming it (not a silent default).
+    /// The defaults with `ACCEL_TIMEOUT_SECS` and the run's token (`ACCEL_TOKEN`,
+    /// `ACCEL_TOKEN_FILE`) applied; a timeout that is not a positive number of seconds is an
+    /// error naming it (not a silent default).
     pub fn from_env() -> Result<Self> {
-        let mut options = Self::default();
+        let mut options = Self { token: auth::Token::from_env()?, ..Self::default() };
         if let Ok(value) = std::env::var("ACCEL_TIMEOUT_SECS") {
             options.timeout = Duration::from_secs_f64(
                 crate::launch::parse_seconds(&value, false)

@@ -16,8 +16,14 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use super::auth::{Token, authenticate_acceptor, authenticate_dialler};
 use crate::error::{Error, Result};
 
+/// How long a new connection may take to prove the run's token.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections served at once; more are closed at once (torch's TCPStore has no such cap,
+/// and a flood of idle connections would otherwise hold a thread each).
+const MAX_CONNECTIONS: usize = 1024;
 /// The largest message either side accepts.
 pub const MAX_MESSAGE: usize = 64 << 20;
 
@@ -40,6 +46,8 @@ struct Table {
 struct Shared {
     table: Mutex<Table>,
     changed: Condvar,
+    token: Token,
+    connections: std::sync::atomic::AtomicUsize,
 }
 
 /// A running store server; it serves until the process ends.
@@ -49,9 +57,15 @@ pub struct StoreServer {
 }
 
 impl StoreServer {
-    /// Listens on `addr:port` only (port 0 picks a free one). A port in use is an error that
-    /// says so.
+    /// Listens on `addr:port` only (port 0 picks a free one), without authentication. A
+    /// port in use is an error that says so.
     pub fn start(addr: &str, port: u16) -> Result<Self> {
+        Self::start_with(addr, port, Token::none())
+    }
+
+    /// [`StoreServer::start`] serving only clients that prove `token` (see
+    /// [`super::auth`]).
+    pub fn start_with(addr: &str, port: u16, token: Token) -> Result<Self> {
         let listener = TcpListener::bind((addr, port)).map_err(|e| {
             let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
                 format!(
@@ -64,16 +78,33 @@ impl StoreServer {
             Error::Rendezvous(hint)
         })?;
         let addr = listener.local_addr().map_err(|e| Error::Rendezvous(e.to_string()))?;
-        let shared =
-            Arc::new(Shared { table: Mutex::new(Table::default()), changed: Condvar::new() });
+        let shared = Arc::new(Shared {
+            table: Mutex::new(Table::default()),
+            changed: Condvar::new(),
+            token,
+            connections: Default::default(),
+        });
         std::thread::Builder::new()
             .name("accel-store".into())
             .spawn(move || {
+                use std::sync::atomic::Ordering;
                 for stream in listener.incoming().flatten() {
+                    if shared.connections.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+                        shared.connections.fetch_sub(1, Ordering::SeqCst);
+                        continue; // dropped: closed at once
+                    }
                     let shared = shared.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("accel-store-conn".into())
-                        .spawn(move || serve(stream, &shared));
+                    let spawned =
+                        std::thread::Builder::new().name("accel-store-conn".into()).spawn({
+                            let shared = shared.clone();
+                            move || {
+                                serve(stream, &shared);
+                                shared.connections.fetch_sub(1, Ordering::SeqCst);
+                            }
+                        });
+                    if spawned.is_err() {
+                        shared.connections.fetch_sub(1, Ordering::SeqCst);
+                    }
                 }
             })
             .map_err(|e| Error::Rendezvous(format!("cannot start the store thread: {e}")))?;
@@ -100,8 +131,15 @@ fn read_message(stream: &mut TcpStream) -> std::io::Result<Option<Vec<u8>>> {
             format!("message of {len} bytes is over the {MAX_MESSAGE}-byte limit"),
         ));
     }
-    let mut body = vec![0; len];
-    stream.read_exact(&mut body)?;
+    // Memory grows with the bytes that actually arrive, not with the length announced.
+    let mut body = Vec::with_capacity(len.min(1 << 16));
+    stream.take(len as u64).read_to_end(&mut body)?;
+    if body.len() != len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("message cut short: {} of {len} bytes", body.len()),
+        ));
+    }
     Ok(Some(body))
 }
 
@@ -157,32 +195,54 @@ fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
 fn serve(mut stream: TcpStream, shared: &Shared) {
     let _ = stream.set_nodelay(true);
     let peer = stream.peer_addr().ok();
+    // Nothing is served before the client proves the token, within a bounded time.
+    if stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).is_err()
+        || authenticate_acceptor(&mut stream, &shared.token, "store").is_err()
+        || stream.set_read_timeout(None).is_err()
+    {
+        return;
+    }
+    let mut claimed = None;
+    serve_requests(&mut stream, shared, peer, &mut claimed);
+    // A rank's claim ends with its connection, so that a restarted process can take it.
+    if let Some(rank) = claimed {
+        let mut table = shared.table.lock().unwrap_or_else(|e| e.into_inner());
+        table.ranks.remove(&rank);
+    }
+}
+
+fn serve_requests(
+    stream: &mut TcpStream,
+    shared: &Shared,
+    peer: Option<SocketAddr>,
+    claimed: &mut Option<u32>,
+) {
     loop {
-        let body = match read_message(&mut stream) {
+        let body = match read_message(stream) {
             Ok(Some(body)) => body,
             Ok(None) => return,
             Err(e) => {
-                let _ =
-                    write_message(&mut stream, &error_reply(&format!("malformed message: {e}")));
+                let _ = write_message(stream, &error_reply(&format!("malformed message: {e}")));
                 return;
             }
         };
         match handle(&body, shared, peer) {
             Ok(reply) => {
-                if write_message(&mut stream, &reply).is_err() {
+                if body.first() == Some(&OP_HELLO) {
+                    *claimed = body.get(1..5).map(|b| u32::from_le_bytes(b.try_into().expect("4")));
+                }
+                if write_message(stream, &reply).is_err() {
                     return;
                 }
             }
             Err(Handled::Refused(message)) => {
-                if write_message(&mut stream, &error_reply(&message)).is_err() {
+                if write_message(stream, &error_reply(&message)).is_err() {
                     return;
                 }
             }
             Err(Handled::Malformed(message)) => {
-                let _ = write_message(
-                    &mut stream,
-                    &error_reply(&format!("malformed message: {message}")),
-                );
+                let _ =
+                    write_message(stream, &error_reply(&format!("malformed message: {message}")));
                 return;
             }
         }
@@ -309,6 +369,25 @@ pub struct StoreClient {
 impl StoreClient {
     /// Connects to `addr:port`, retrying until `timeout` (rank 0 may still be starting).
     pub fn connect(addr: &str, port: u16, timeout: Duration) -> Result<Self> {
+        Self::connect_with(addr, port, timeout, &Token::none())
+    }
+
+    /// [`StoreClient::connect`], then proves `token` to the store (and checks the store's
+    /// proof) before anything else.
+    pub fn connect_with(addr: &str, port: u16, timeout: Duration, token: &Token) -> Result<Self> {
+        let mut client = Self::dial(addr, port, timeout)?;
+        client
+            .stream
+            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+            .map_err(|e| Error::Rendezvous(e.to_string()))?;
+        authenticate_dialler(&mut client.stream, token, "store").map_err(|e| match e {
+            Error::Rendezvous(m) => Error::Rendezvous(format!("{m} (store at {})", client.addr)),
+            other => other,
+        })?;
+        Ok(client)
+    }
+
+    fn dial(addr: &str, port: u16, timeout: Duration) -> Result<Self> {
         let deadline = Instant::now() + timeout;
         let target = format!("{addr}:{port}");
         loop {
@@ -485,6 +564,7 @@ mod tests {
         let addr = server.addr();
         let reply_to = |bytes: &[u8]| {
             let mut s = TcpStream::connect(addr).unwrap();
+            authenticate_dialler(&mut s, &Token::none(), "test").unwrap();
             s.write_all(bytes).unwrap();
             let mut out = Vec::new();
             let _ = s.read_to_end(&mut out);
@@ -497,6 +577,42 @@ mod tests {
             StoreClient::connect("127.0.0.1", addr.port(), Duration::from_secs(5)).unwrap();
         ok.set("alive", b"yes").unwrap();
         assert_eq!(ok.get("alive", Duration::ZERO).unwrap(), b"yes");
+    }
+
+    #[test]
+    fn only_clients_with_the_token_are_served_and_a_closed_claim_is_released() {
+        let token = Token::from_bytes(b"a shared secret of the run").unwrap();
+        let server = StoreServer::start_with("127.0.0.1", 0, token.clone()).unwrap();
+        let port = server.addr().port();
+        let wait = Duration::from_secs(5);
+        // Without the token, or with another one: refused before anything is served.
+        let err = StoreClient::connect("127.0.0.1", port, wait).unwrap_err().to_string();
+        assert!(err.contains("has no token") && err.contains("ACCEL_TOKEN"), "{err}");
+        let other = Token::from_bytes(b"another run's secret!").unwrap();
+        let err = StoreClient::connect_with("127.0.0.1", port, wait, &other).unwrap_err();
+        assert!(err.to_string().contains("does not hold this run's token"), "{err}");
+        // Raw requests without the handshake get nothing back.
+        let mut raw = TcpStream::connect(server.addr()).unwrap();
+        raw.write_all(&[1, 0, 0, 0, OP_CHECK]).unwrap();
+        let mut out = Vec::new();
+        let _ = raw.read_to_end(&mut out);
+        assert!(!String::from_utf8_lossy(&out).contains("malformed"), "served: {out:?}");
+        // With it: served; a rank claimed by a connection that closed can be claimed again.
+        let mut first = StoreClient::connect_with("127.0.0.1", port, wait, &token).unwrap();
+        first.hello(0, 2).unwrap();
+        drop(first);
+        let deadline = Instant::now() + wait;
+        loop {
+            let mut again = StoreClient::connect_with("127.0.0.1", port, wait, &token).unwrap();
+            match again.hello(0, 2) {
+                Ok(()) => break,
+                Err(e) if Instant::now() < deadline => {
+                    assert!(e.to_string().contains("already taken"), "{e}");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => panic!("the closed connection's claim was never released: {e}"),
+            }
+        }
     }
 
     #[test]

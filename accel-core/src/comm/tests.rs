@@ -26,7 +26,7 @@ pub(crate) fn on_ranks<T: Send + 'static>(
     timeout: Duration,
     body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    on_ranks_with(world, GroupOptions { timeout, direct_copy: true }, body)
+    on_ranks_with(world, GroupOptions { timeout, direct_copy: true, ..Default::default() }, body)
 }
 
 fn on_ranks_with<T: Send + 'static>(
@@ -57,7 +57,7 @@ const SECOND: Duration = Duration::from_secs(20);
 #[test]
 fn all_reduce_every_op_and_dtype_on_2_3_and_4_ranks_by_direct_copy_and_by_tcp() {
     for (world, direct_copy) in [(2, true), (3, true), (4, true), (2, false), (3, false)] {
-        let options = GroupOptions { timeout: SECOND, direct_copy };
+        let options = GroupOptions { timeout: SECOND, direct_copy, ..Default::default() };
         let results = on_ranks_with(world, options, move |g| {
             assert_eq!(g.direct_copy(), direct_copy, "the path under test is in use");
             let mut failures = Vec::new();
@@ -131,38 +131,42 @@ fn broadcast_all_gather_reduce_scatter_send_recv_and_objects() {
 }
 
 fn check_the_other_collectives(direct_copy: bool) {
-    let results = on_ranks_with(3, GroupOptions { timeout: SECOND, direct_copy }, |g| {
-        let r = g.rank() as i64;
-        let t = Tensor::full([5], r as f64, (Kind::Float, Device::Cpu));
-        g.broadcast(&t, 2).unwrap();
-        let broadcast = Vec::<f32>::try_from(&t).unwrap();
+    let results = on_ranks_with(
+        3,
+        GroupOptions { timeout: SECOND, direct_copy, ..Default::default() },
+        |g| {
+            let r = g.rank() as i64;
+            let t = Tensor::full([5], r as f64, (Kind::Float, Device::Cpu));
+            g.broadcast(&t, 2).unwrap();
+            let broadcast = Vec::<f32>::try_from(&t).unwrap();
 
-        let gathered = g.all_gather(&Tensor::from_slice(&[r, 10 * r]).view([1, 2])).unwrap();
-        let list = g.all_gather_list(&Tensor::from_slice(&[r])).unwrap();
+            let gathered = g.all_gather(&Tensor::from_slice(&[r, 10 * r]).view([1, 2])).unwrap();
+            let list = g.all_gather_list(&Tensor::from_slice(&[r])).unwrap();
 
-        let input = Tensor::arange(6, (Kind::Int64, Device::Cpu)) + r;
-        let scattered = g.reduce_scatter(&input, ReduceOp::Sum).unwrap();
+            let input = Tensor::arange(6, (Kind::Int64, Device::Cpu)) + r;
+            let scattered = g.reduce_scatter(&input, ReduceOp::Sum).unwrap();
 
-        let received = Tensor::zeros([2], (Kind::Float, Device::Cpu));
-        if g.rank() == 0 {
-            g.send(&Tensor::from_slice(&[7.0f32, 8.0]), 1).unwrap();
-        } else if g.rank() == 1 {
-            g.recv(&received, 0).unwrap();
-        }
-        let words = g.all_gather_objects(&format!("rank{r}")).unwrap();
-        let config: (u32, String) =
-            g.broadcast_object((g.rank() == 1).then_some(&(5u32, "x".to_owned())), 1).unwrap();
-        g.barrier().unwrap();
-        (
-            broadcast,
-            gathered,
-            list.len(),
-            scattered,
-            Vec::<f32>::try_from(&received).unwrap(),
-            words,
-            config,
-        )
-    });
+            let received = Tensor::zeros([2], (Kind::Float, Device::Cpu));
+            if g.rank() == 0 {
+                g.send(&Tensor::from_slice(&[7.0f32, 8.0]), 1).unwrap();
+            } else if g.rank() == 1 {
+                g.recv(&received, 0).unwrap();
+            }
+            let words = g.all_gather_objects(&format!("rank{r}")).unwrap();
+            let config: (u32, String) =
+                g.broadcast_object((g.rank() == 1).then_some(&(5u32, "x".to_owned())), 1).unwrap();
+            g.barrier().unwrap();
+            (
+                broadcast,
+                gathered,
+                list.len(),
+                scattered,
+                Vec::<f32>::try_from(&received).unwrap(),
+                words,
+                config,
+            )
+        },
+    );
     for (rank, (broadcast, gathered, list, scattered, received, words, config)) in
         results.into_iter().enumerate()
     {
@@ -255,7 +259,23 @@ fn a_rank_that_never_arrives_times_out_with_its_name() {
 #[test]
 fn a_rank_that_never_starts_is_named_at_rendezvous() {
     let port = free_port("127.0.0.1").unwrap();
-    let options = GroupOptions { timeout: Duration::from_millis(800), direct_copy: true };
+    let options = GroupOptions {
+        timeout: Duration::from_millis(800),
+        direct_copy: true,
+        ..Default::default()
+    };
     let err = ProcessGroup::new(&topology(0, 2, port), options).unwrap_err().to_string();
     assert!(err.contains("rank(s) [1] of 2 never arrived"), "{err}");
+}
+
+#[test]
+fn a_run_with_a_token_forms_its_mesh_and_subgroups_and_reduces() {
+    let token = auth::Token::from_bytes(b"0123456789abcdef0123").unwrap();
+    let options = GroupOptions { timeout: SECOND, direct_copy: false, token };
+    let sums = on_ranks_with(3, options, |g| {
+        let t = Tensor::from_slice(&[g.rank() as f64 + 1.0]);
+        g.all_reduce(&t, ReduceOp::Sum).unwrap();
+        t.double_value(&[0])
+    });
+    assert_eq!(sums, [6.0, 6.0, 6.0]);
 }

@@ -209,6 +209,7 @@ fn spawn(
     local_rank: usize,
     port: u16,
     attempt: usize,
+    token: Option<&str>,
     out: &Arc<Mutex<()>>,
 ) -> Result<Rank> {
     let world = plan.num_processes * plan.num_machines;
@@ -225,6 +226,7 @@ fn spawn(
         .env("MASTER_PORT", port.to_string())
         .env("ACCEL_LAUNCHED", "1")
         .env("ACCEL_RESTART_COUNT", attempt.to_string())
+        .envs(token.map(|t| (crate::comm::auth::TOKEN_ENV, t)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -329,6 +331,31 @@ fn is_backtrace_frame(line: &str) -> Frame {
     }
 }
 
+/// The token this attempt's processes prove to each other: the one the environment or the
+/// plan gives (`ACCEL_TOKEN`, `ACCEL_TOKEN_FILE`), else a fresh one per attempt on one
+/// machine (so a restarted group never meets the old one), else — several machines, each
+/// with its own launcher — none, said once: they cannot agree on a secret by themselves.
+fn run_token(plan: &LaunchPlan) -> Result<Option<String>> {
+    use crate::comm::auth::{TOKEN_ENV, TOKEN_FILE_ENV, Token};
+    let given = |k: &str| {
+        plan.env.iter().any(|(key, _)| key == k)
+            || std::env::var_os(k).is_some_and(|v| !v.is_empty())
+    };
+    if given(TOKEN_ENV) || given(TOKEN_FILE_ENV) {
+        return Ok(None);
+    }
+    if plan.num_machines > 1 {
+        if plan.machine_rank == 0 {
+            eprintln!(
+                "accel launch: connections between the machines are not authenticated; give every \
+                 machine the same secret in {TOKEN_ENV} or {TOKEN_FILE_ENV} (README: Security)"
+            );
+        }
+        return Ok(None);
+    }
+    Token::generate().map(Some)
+}
+
 fn run_once(
     plan: &LaunchPlan,
     port: u16,
@@ -336,9 +363,10 @@ fn run_once(
     interrupted: &AtomicBool,
 ) -> Result<Outcome> {
     let out = Arc::new(Mutex::new(()));
+    let token = run_token(plan)?;
     let mut ranks = Vec::new();
     for local in 0..plan.num_processes {
-        match spawn(plan, local, port, attempt, &out) {
+        match spawn(plan, local, port, attempt, token.as_deref(), &out) {
             Ok(r) => ranks.push(r),
             Err(e) => {
                 stop(&mut ranks, plan.grace);

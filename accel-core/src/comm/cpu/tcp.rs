@@ -8,7 +8,11 @@ use std::time::{Duration, Instant};
 
 use super::diagnosis::{Fault, FaultResult, io_fault};
 use super::wire::{HEADER, Tag, decode, encode};
+use crate::comm::auth::{Token, authenticate_acceptor, authenticate_dialler};
 use crate::error::{Error, Result};
+
+/// How long an accepted connection may take to prove the token and name itself.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Bytes handed to the consumer at a time while the rest of a transfer is in flight.
 pub(crate) const SEGMENT: usize = 1 << 20;
@@ -55,6 +59,7 @@ impl Links {
         listener: &TcpListener,
         addrs: &[String],
         timeout: Duration,
+        token: &Token,
     ) -> Result<Self> {
         let mut readers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         let deadline = Instant::now() + timeout;
@@ -72,6 +77,12 @@ impl Links {
                 }
             };
             tune(&stream, timeout).map_err(|e| fail(e.to_string()))?;
+            authenticate_dialler(&mut &stream, token, "mesh").map_err(|e| match e {
+                Error::Rendezvous(m) => {
+                    Error::Rendezvous(format!("{m} (rank {rank} dialling rank {peer} at {addr})"))
+                }
+                other => other,
+            })?;
             let mut hello = [0u8; 16];
             hello[0..8].copy_from_slice(&group.to_le_bytes());
             hello[8..16].copy_from_slice(&(rank as u64).to_le_bytes());
@@ -86,11 +97,20 @@ impl Links {
             match listener.accept() {
                 Ok((stream, from)) => {
                     stream.set_nonblocking(false).map_err(|e| fail(e.to_string()))?;
-                    tune(&stream, timeout).map_err(|e| fail(e.to_string()))?;
+                    // A peer proves the token and names itself at once; a silent or
+                    // unauthenticated connection is dropped within seconds.
+                    let handshake = HANDSHAKE_TIMEOUT.min(timeout);
+                    stream.set_nodelay(true).map_err(|e| fail(e.to_string()))?;
+                    stream.set_read_timeout(Some(handshake)).map_err(|e| fail(e.to_string()))?;
+                    if let Err(e) = authenticate_acceptor(&mut &stream, token, "mesh") {
+                        eprintln!("accel: rank {rank} refused a connection from {from}: {e}");
+                        continue;
+                    }
                     let mut hello = [0u8; 16];
                     if (&stream).read_exact(&mut hello).is_err() {
                         continue;
                     }
+                    tune(&stream, timeout).map_err(|e| fail(e.to_string()))?;
                     let their_group = u64::from_le_bytes(hello[0..8].try_into().expect("8"));
                     let peer = u64::from_le_bytes(hello[8..16].try_into().expect("8")) as usize;
                     if their_group != group
