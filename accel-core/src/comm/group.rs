@@ -59,6 +59,21 @@ impl std::fmt::Debug for ProcessGroup {
     }
 }
 
+/// Lets the process that started this one, and its other children (the run's other ranks,
+/// under `accel launch` or torchrun), read this process's memory: Yama's default
+/// `ptrace_scope = 1` (Ubuntu, Debian) otherwise forbids it between siblings, which would
+/// push the single-copy path back to TCP. Nothing changes where Yama is absent.
+fn allow_siblings_to_read() {
+    // SAFETY: prctl(PR_SET_PTRACER, pid) only names which process (and its descendants) may
+    // ptrace this one; it touches no memory. An error (no Yama) is harmless.
+    unsafe {
+        let parent = libc::getppid();
+        if parent > 1 {
+            libc::prctl(libc::PR_SET_PTRACER, parent as libc::c_ulong, 0, 0, 0);
+        }
+    }
+}
+
 /// Identifies this machine (boot id and host name): members with equal ids share memory.
 fn host_id() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
@@ -152,6 +167,9 @@ impl ProcessGroup {
         let pids =
             (same_host && options.direct_copy).then(|| parsed.iter().map(|(_, p, _)| *p).collect());
         let probes: Vec<u64> = parsed.iter().map(|(_, _, a)| *a).collect();
+        if pids.is_some() {
+            allow_siblings_to_read();
+        }
         let direct = links.enable_direct(pids, &probes)?;
         let sockets = Arc::new(links.shutdown_handles());
         let who = Identity { group: id, rank, members: members.clone(), timeout: options.timeout };

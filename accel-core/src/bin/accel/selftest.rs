@@ -20,6 +20,18 @@ pub(crate) fn run() -> accel_core::Result<bool> {
             accel_core::VERSION,
             accel_core::shim::torch_version()
         );
+        let token = GroupOptions::from_env()?.token.is_set();
+        println!(
+            "accel test: transport {}; connections {}",
+            if group.direct_copy() {
+                "direct copies between the processes' memory (process_vm_readv)"
+            } else if group.size() > 1 {
+                "TCP (direct copies are off, or the processes cannot read each other's memory)"
+            } else {
+                "none (one process)"
+            },
+            if token { "authenticated (ACCEL_TOKEN)" } else { "not authenticated (no token)" }
+        );
     }
     let checks: Vec<Check> = vec![
         ("all_reduce sum/avg/min/max × f32, f64, f16, bf16, i64", Box::new(all_reduce)),

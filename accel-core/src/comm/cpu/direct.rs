@@ -57,13 +57,20 @@ impl Links {
     /// process can read every peer's probe (`probes`); all ranks agree on the outcome.
     pub fn enable_direct(&mut self, pids: Option<Vec<i32>>, probes: &[u64]) -> Result<bool> {
         let mut ok = pids.is_some();
+        let mut why = None;
         if let Some(pids) = &pids {
             for (peer, (&pid, &address)) in pids.iter().zip(probes).enumerate() {
                 if peer == self.rank || !ok {
                     continue;
                 }
                 let mut bytes = [0u8; 8];
-                ok = read_peer(pid, address, &mut bytes).is_ok() && bytes == PROBE;
+                match read_peer(pid, address, &mut bytes) {
+                    Ok(()) if bytes == PROBE => {}
+                    Ok(()) => {
+                        (ok, why) = (false, Some(format!("rank {peer}'s memory held other bytes")))
+                    }
+                    Err(e) => (ok, why) = (false, Some(format!("reading rank {peer}: {e}"))),
+                }
             }
         }
         let tag = Tag { seq: 0, op: Op::Objects, kind: WireKind::Bytes, numel: 0 };
@@ -71,6 +78,19 @@ impl Links {
             Error::Rendezvous("the members could not agree on the shared-memory path".into())
         })?;
         let all = ok && votes.iter().all(|v| v.first() == Some(&1));
+        if pids.is_some() && !all && self.rank == 0 {
+            // Said once per group, on rank 0: the run goes on, slower, over TCP.
+            let why = why.unwrap_or_else(|| "another rank could not read its peers".into());
+            let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+                .map(|s| format!("; kernel.yama.ptrace_scope = {}", s.trim()))
+                .unwrap_or_default();
+            eprintln!(
+                "accel: the processes on this machine cannot read each other's memory ({why}{scope}); \
+                 collectives go through TCP, slower (README: Performance). Allow it with \
+                 `sysctl kernel.yama.ptrace_scope=1` or CAP_SYS_PTRACE, or silence this with \
+                 ACCEL_DISABLE_CMA=1"
+            );
+        }
         self.pids = if all { pids } else { None };
         Ok(all)
     }
