@@ -8,6 +8,7 @@
 //!     cargo xtask train                 (2 processes on CPU; installs libtorch on first use)
 //!     cargo run -p accel-examples --example train -- --precision bf16 --accumulate 2
 //!     accel launch --num-processes 2 target/debug/examples/train --resume
+//!     accel launch --num-processes 2 --max-restarts 3 target/debug/examples/train   # resumes itself
 
 use std::path::PathBuf;
 
@@ -52,9 +53,18 @@ struct Args {
     /// Where metrics and checkpoints go.
     #[arg(long, default_value = "target/train-digits")]
     out: PathBuf,
-    /// Continue from the newest checkpoint in OUT/checkpoints.
+    /// Continue from the newest checkpoint in OUT/checkpoints. A run restarted by `accel
+    /// launch --max-restarts` does so by itself.
     #[arg(long)]
     resume: bool,
+    /// Save a checkpoint every N epochs (and at the end; 0: at the end only), so that a
+    /// restarted run loses at most N epochs.
+    #[arg(long, default_value_t = 5)]
+    checkpoint_every: u64,
+    /// Fault injection for the restart test: rank 1 fails after this epoch, on the first
+    /// attempt only.
+    #[arg(long, hide = true)]
+    fail_after_epoch: Option<u64>,
     /// Accuracy on the held-out images that the run must reach.
     #[arg(long, default_value_t = 0.95)]
     target: f64,
@@ -124,12 +134,18 @@ fn main() -> Result<()> {
         acc.params(&vs),
         AdamConfig { lr: args.lr, ..AdamConfig::adamw() },
     )?);
+    // As in Accelerate, the schedule advances once per process at each optimizer step (it
+    // counts the samples of every replica), so its length is counted the same way.
+    let schedule_steps = optimizer_steps * acc.num_processes() as u64;
     opt.set_schedule(Schedule::CosineWarmup {
-        warmup_steps: optimizer_steps / 20,
-        total_steps: optimizer_steps,
+        warmup_steps: schedule_steps / 20,
+        total_steps: schedule_steps,
         num_cycles: 0.5,
     })?;
-    if args.resume {
+    // `accel launch --max-restarts` counts the attempts: a restarted run picks up where the
+    // last checkpoint left off instead of starting over.
+    let restarted = std::env::var("ACCEL_RESTART_COUNT").is_ok_and(|n| n.trim() != "0");
+    if args.resume || restarted {
         match acc.load_latest_checkpoint()? {
             Some(dir) => acc.print(format!("resumed from {}", dir.display())),
             None => acc.print("no checkpoint to resume from; starting afresh"),
@@ -148,7 +164,7 @@ fn main() -> Result<()> {
         h = args.hidden,
     ));
 
-    let mut tracker = Tracker::new(&acc, &args.out, args.resume)?;
+    let mut tracker = Tracker::new(&acc, &args.out, args.resume || restarted)?;
     let bar = acc.progress_bar(micro_steps);
     let (mut losses, mut accuracies) = (Vec::new(), Vec::new());
     bar.set_position(acc.counters().micro_steps_total);
@@ -176,6 +192,15 @@ fn main() -> Result<()> {
             epoch + 1,
             &[("loss", mean_loss), ("test_accuracy", test_accuracy), ("lr", opt.lr())],
         )?;
+        if args.checkpoint_every > 0
+            && (epoch + 1) % args.checkpoint_every == 0
+            && epoch + 1 < args.epochs
+        {
+            bar.suspend(|| acc.save_checkpoint()).map(|_| ())?;
+        }
+        if args.fail_after_epoch == Some(epoch + 1) && !restarted && acc.process_index() == 1 {
+            bail!("injected failure after epoch {} (--fail-after-epoch)", epoch + 1);
+        }
         if (epoch + 1) % 5 == 0 || epoch == 0 || epoch + 1 == args.epochs {
             bar.suspend(|| {
                 acc.print(format!(

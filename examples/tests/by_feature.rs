@@ -162,3 +162,42 @@ fn the_transformer_trains_alike_split_by_tensor_sequence_and_pipeline() {
         }
     }
 }
+
+/// The main job under `accel launch --max-restarts 1` with a rank that fails after epoch 5
+/// (checkpoints every 3 epochs): the restarted group resumes from epoch 3 and ends with
+/// exactly the weights of a run that never failed.
+#[test]
+fn the_main_job_restarted_after_a_failure_ends_as_an_uninterrupted_run() {
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("restarts");
+    let _ = std::fs::remove_dir_all(&root);
+    let final_weights = |tag: &str, extra: &[&str], max_restarts: usize| {
+        let out = root.join(tag);
+        let mut program = vec![example("train")];
+        let args = ["--cpu", "--epochs", "8", "--checkpoint-every", "3", "--target", "0.5"];
+        program.extend(args.iter().chain(extra).map(|s| s.to_string()));
+        program.extend(["--out".into(), out.display().to_string()]);
+        let plan = LaunchPlan { rank0_only: true, max_restarts, ..LaunchPlan::local(2, program) };
+        assert_eq!(run(&plan).unwrap(), 0, "train ({tag}) failed");
+        let newest = std::fs::read_dir(out.join("checkpoints"))
+            .unwrap()
+            .filter_map(|e| {
+                let name = e.unwrap().file_name().into_string().unwrap();
+                name.strip_prefix("checkpoint_").and_then(|i| i.parse::<u64>().ok())
+            })
+            .max()
+            .unwrap();
+        let file = out.join(format!("checkpoints/checkpoint_{newest}/model.safetensors"));
+        tch::Tensor::read_safetensors(file)
+            .unwrap()
+            .into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let straight = final_weights("straight", &[], 0);
+    let restarted = final_weights("restarted", &["--fail-after-epoch", "5"], 1);
+    assert_eq!(straight.len(), restarted.len());
+    for (name, a) in &straight {
+        let b = &restarted[name];
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(diff <= 1e-6, "{name}: the restarted run differs by {diff}");
+    }
+}
