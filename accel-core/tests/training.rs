@@ -250,6 +250,46 @@ fn checkpoints_survive_interruptions_and_a_second_writer_is_refused() {
     assert!(err.contains("world_size 1000000000000000000"), "{err}");
 }
 
+/// Property: a manifest with random bytes changed loads or is a named error — never a panic —
+/// and a failed load changes no weight.
+#[test]
+fn mutated_manifests_never_panic_and_failed_loads_change_nothing() {
+    use rand::{Rng, SeedableRng};
+    let _serial = serial();
+    let dir = scratch("mutated");
+    let r = run(0, 16);
+    r.acc.save_state(&dir).unwrap();
+    let before = params(&r.vs);
+    let manifest = dir.join("manifest.json");
+    let original = std::fs::read(&manifest).unwrap();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let digits = b"0123456789";
+    for _ in 0..300 {
+        let mut bytes = original.clone();
+        for _ in 0..rng.random_range(1..4) {
+            let at = rng.random_range(0..bytes.len());
+            // Digits mostly, so that many mutants still parse and reach the checks.
+            bytes[at] = if rng.random_bool(0.7) && bytes[at].is_ascii_digit() {
+                digits[rng.random_range(0..10)]
+            } else {
+                rng.random()
+            };
+        }
+        std::fs::write(&manifest, &bytes).unwrap();
+        let loaded =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| r.acc.load_state(&dir)));
+        let loaded = loaded.unwrap_or_else(|_| {
+            panic!("load_state panicked on manifest {}", String::from_utf8_lossy(&bytes))
+        });
+        if loaded.is_err() {
+            for ((name, a), (_, b)) in before.iter().zip(params(&r.vs)) {
+                assert_eq!(max_abs_diff(a, &b), 0.0, "{name} changed by a failed load");
+            }
+        }
+    }
+    std::fs::write(&manifest, &original).unwrap();
+}
+
 #[test]
 fn save_model_shards_with_an_index() {
     let _serial = serial();

@@ -385,6 +385,35 @@ mod tests {
         assert!(err.contains("_HYBRID_SHARD_ZERO2") && err.contains("not implemented"), "{err}");
     }
 
+    /// Property: any text (random bytes, and mutations of a valid file) parses or is a named
+    /// error — never a panic.
+    #[test]
+    fn arbitrary_yaml_never_panics() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let valid = "mixed_precision: fp8\nfp8_config:\n  backend: AO\nnum_processes: 4\n\
+                     accumulate: 2\nmegatron_lm_config:\n  megatron_lm_tp_degree: 2\n\
+                     deepspeed_config:\n  zero_stage: 2\n  gradient_accumulation_steps: 3\n";
+        let alphabet = b"abcdefghijklmnopqrstuvwxyz_:-0123456789 \n\t{}[],.'\"!&*#|>%@`";
+        for _ in 0..3000 {
+            let mut bytes = valid.as_bytes().to_vec();
+            for _ in 0..rng.random_range(1..8) {
+                let at = rng.random_range(0..bytes.len());
+                match rng.random_range(0..3) {
+                    0 => bytes[at] = alphabet[rng.random_range(0..alphabet.len())],
+                    1 => bytes.insert(at, alphabet[rng.random_range(0..alphabet.len())]),
+                    _ => {
+                        bytes.remove(at);
+                    }
+                }
+            }
+            let text = String::from_utf8_lossy(&bytes);
+            let _ = LaunchConfig::from_yaml(&text);
+            let random: Vec<u8> = (0..rng.random_range(0..64)).map(|_| rng.random()).collect();
+            let _ = LaunchConfig::from_yaml(&String::from_utf8_lossy(&random));
+        }
+    }
+
     #[test]
     fn integers_too_large_for_their_setting_are_named_errors_not_truncated() {
         for yaml in ["accumulate: 4294967297\n", "gradient_accumulation_steps: 4294967296\n"] {
