@@ -227,6 +227,10 @@ fn checkpoints_survive_interruptions_and_a_second_writer_is_refused() {
     acc.load_state(&first).unwrap();
     assert!(first.join("manifest.json").exists());
 
+    // A checkpoint folder whose parents do not exist yet is made whole.
+    acc.save_state(dir.join("not/yet/there")).unwrap();
+    assert!(dir.join("not/yet/there/manifest.json").exists());
+
     // A folder another live process is writing is refused, naming the lock...
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
     let lock = dir.join(".checkpoint_0.lock");

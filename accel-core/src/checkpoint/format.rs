@@ -329,6 +329,8 @@ impl FolderLock {
     pub(crate) fn acquire(dir: &Path) -> Result<Self> {
         let name = dir.file_name().ok_or_else(|| bad(dir, "a checkpoint needs a folder name"))?;
         let path = dir.with_file_name(format!(".{}.lock", name.to_string_lossy()));
+        let parent = parent_of(dir);
+        std::fs::create_dir_all(parent).map_err(|e| io_error(parent, e))?;
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let me = format!("{} {}", std::process::id(), host.trim());
         for _ in 0..2 {
