@@ -145,6 +145,16 @@ fn io(context: &str, e: std::io::Error) -> Error {
     Error::Rendezvous(format!("{context}: authentication failed: {e}"))
 }
 
+/// Why a dialler's handshake did not complete.
+#[derive(Debug)]
+pub enum DialFailure {
+    /// The connection closed or failed before the exchange ended (a server at its connection
+    /// limit, a restart): worth dialling again.
+    Dropped(Error),
+    /// The other side answered and the answer is wrong: dialling again cannot help.
+    Refused(Error),
+}
+
 /// The dialling side's half: proves the token to the acceptor and checks the acceptor's
 /// proof. Nothing else may be sent on `stream` before it returns.
 pub fn authenticate_dialler(
@@ -152,29 +162,41 @@ pub fn authenticate_dialler(
     token: &Token,
     context: &str,
 ) -> Result<()> {
-    let a = nonce()?;
+    try_authenticate_dialler(stream, token, context).map_err(|f| match f {
+        DialFailure::Dropped(e) | DialFailure::Refused(e) => e,
+    })
+}
+
+/// [`authenticate_dialler`], telling a dropped connection from a refusal.
+pub fn try_authenticate_dialler(
+    stream: &mut (impl Read + Write),
+    token: &Token,
+    context: &str,
+) -> std::result::Result<(), DialFailure> {
+    let dropped = |e| DialFailure::Dropped(io(context, e));
+    let a = nonce().map_err(DialFailure::Refused)?;
     let mut hello = vec![token.mode()];
     hello.extend_from_slice(&a);
-    stream.write_all(&hello).map_err(|e| io(context, e))?;
+    stream.write_all(&hello).map_err(dropped)?;
     let mut mode = [0u8; 1];
-    stream.read_exact(&mut mode).map_err(|e| io(context, e))?;
+    stream.read_exact(&mut mode).map_err(dropped)?;
     if mode[0] != token.mode() {
-        return Err(mode_mismatch(context, token.mode()));
+        return Err(DialFailure::Refused(mode_mismatch(context, token.mode())));
     }
     if !token.is_set() {
         return Ok(());
     }
     let mut reply = [0u8; NONCE + PROOF];
-    stream.read_exact(&mut reply).map_err(|e| io(context, e))?;
+    stream.read_exact(&mut reply).map_err(dropped)?;
     let (b, theirs) = reply.split_at(NONCE);
     if !token.check("accel-acceptor", context, &a, b, theirs) {
-        return Err(Error::Rendezvous(format!(
+        return Err(DialFailure::Refused(Error::Rendezvous(format!(
             "{context}: the other side does not hold this run's token (a process of another run, \
              or not accel at all, answered at this address)"
-        )));
+        ))));
     }
     let proof = token.proof("accel-dialler", context, &a, b);
-    stream.write_all(&proof).map_err(|e| io(context, e))
+    stream.write_all(&proof).map_err(dropped)
 }
 
 /// The accepting side's half: checks the dialler's proof and proves the token in turn.

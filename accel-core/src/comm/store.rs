@@ -16,7 +16,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::auth::{Token, authenticate_acceptor, authenticate_dialler};
+use super::auth::{DialFailure, Token, authenticate_acceptor, try_authenticate_dialler};
 use crate::error::{Error, Result};
 
 /// How long a new connection may take to prove the run's token.
@@ -48,6 +48,7 @@ struct Shared {
     changed: Condvar,
     token: Token,
     connections: std::sync::atomic::AtomicUsize,
+    max_connections: usize,
 }
 
 /// A running store server; it serves until the process ends.
@@ -66,6 +67,16 @@ impl StoreServer {
     /// [`StoreServer::start`] serving only clients that prove `token` (see
     /// [`super::auth`]).
     pub fn start_with(addr: &str, port: u16, token: Token) -> Result<Self> {
+        Self::start_limited(addr, port, token, MAX_CONNECTIONS)
+    }
+
+    /// [`StoreServer::start_with`] serving at most `max_connections` at once.
+    pub(crate) fn start_limited(
+        addr: &str,
+        port: u16,
+        token: Token,
+        max_connections: usize,
+    ) -> Result<Self> {
         let listener = TcpListener::bind((addr, port)).map_err(|e| {
             let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
                 format!(
@@ -83,13 +94,14 @@ impl StoreServer {
             changed: Condvar::new(),
             token,
             connections: Default::default(),
+            max_connections,
         });
         std::thread::Builder::new()
             .name("accel-store".into())
             .spawn(move || {
                 use std::sync::atomic::Ordering;
                 for stream in listener.incoming().flatten() {
-                    if shared.connections.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+                    if shared.connections.fetch_add(1, Ordering::SeqCst) >= shared.max_connections {
                         shared.connections.fetch_sub(1, Ordering::SeqCst);
                         continue; // dropped: closed at once
                     }
@@ -375,16 +387,30 @@ impl StoreClient {
     /// [`StoreClient::connect`], then proves `token` to the store (and checks the store's
     /// proof) before anything else.
     pub fn connect_with(addr: &str, port: u16, timeout: Duration, token: &Token) -> Result<Self> {
-        let mut client = Self::dial(addr, port, timeout)?;
-        client
-            .stream
-            .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-            .map_err(|e| Error::Rendezvous(e.to_string()))?;
-        authenticate_dialler(&mut client.stream, token, "store").map_err(|e| match e {
-            Error::Rendezvous(m) => Error::Rendezvous(format!("{m} (store at {})", client.addr)),
-            other => other,
-        })?;
-        Ok(client)
+        let deadline = Instant::now() + timeout;
+        loop {
+            let mut client =
+                Self::dial(addr, port, deadline.saturating_duration_since(Instant::now()))?;
+            client
+                .stream
+                .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
+                .map_err(|e| Error::Rendezvous(e.to_string()))?;
+            let where_ = |e: Error| match e {
+                Error::Rendezvous(m) => {
+                    Error::Rendezvous(format!("{m} (store at {})", client.addr))
+                }
+                other => other,
+            };
+            match try_authenticate_dialler(&mut client.stream, token, "store") {
+                Ok(()) => return Ok(client),
+                // Closed before the exchange ended (the store at its connection limit, say):
+                // dial again until the timeout.
+                Err(DialFailure::Dropped(_)) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Err(DialFailure::Dropped(e) | DialFailure::Refused(e)) => return Err(where_(e)),
+            }
+        }
     }
 
     fn dial(addr: &str, port: u16, timeout: Duration) -> Result<Self> {
@@ -519,6 +545,7 @@ impl StoreClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::auth::authenticate_dialler;
 
     #[test]
     fn set_get_add_check_and_waiting() {
@@ -613,6 +640,26 @@ mod tests {
                 Err(e) => panic!("the closed connection's claim was never released: {e}"),
             }
         }
+    }
+
+    /// A flood of idle connections that never authenticate: the store holds at most its
+    /// limit of them, each for at most the handshake timeout, and a real client that
+    /// arrives during the flood is served once they time out.
+    #[test]
+    fn idle_connection_floods_are_bounded_in_count_and_time() {
+        let token = Token::from_bytes(b"a shared secret of the run").unwrap();
+        let server = StoreServer::start_limited("127.0.0.1", 0, token.clone(), 32).unwrap();
+        let idle: Vec<TcpStream> =
+            (0..300).filter_map(|_| TcpStream::connect(server.addr()).ok()).collect();
+        assert!(idle.len() >= 200, "could open only {} connections", idle.len());
+        std::thread::sleep(Duration::from_millis(300));
+        let started = Instant::now();
+        let wait = HANDSHAKE_TIMEOUT + Duration::from_secs(10);
+        let mut client =
+            StoreClient::connect_with("127.0.0.1", server.addr().port(), wait, &token).unwrap();
+        client.set("alive", b"yes").unwrap();
+        assert!(started.elapsed() < wait, "served after {:?}", started.elapsed());
+        drop(idle);
     }
 
     #[test]
