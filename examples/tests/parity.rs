@@ -203,12 +203,16 @@ fn compare_with_accelerate_as(
             .unwrap()
     };
     let mut output = reference();
-    // The reference side's own flake: torch's gloo processes now and then abort on exit
-    // ("terminate called without an active exception"); one more try, said out loud.
-    if !output.status.success()
-        && String::from_utf8_lossy(&output.stderr).contains("terminate called without")
-    {
-        eprintln!("{tag}: the PyTorch reference aborted (torch's own exit race); running it again");
+    // The reference side's own flake: with torch 2.11's gloo, a rank of the Local SGD run
+    // aborts in about one run in ten ("terminate called without an active exception"; the
+    // pre-fp8 script does too). Up to two more tries, said out loud.
+    for _ in 0..2 {
+        if output.status.success()
+            || !String::from_utf8_lossy(&output.stderr).contains("terminate called without")
+        {
+            break;
+        }
+        eprintln!("{tag}: the PyTorch reference aborted inside torch; running it again");
         output = reference();
     }
     assert!(

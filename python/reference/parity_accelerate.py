@@ -69,7 +69,7 @@ def train(args):
         cpu=True,
         mixed_precision=args.precision,
         dataloader_config=DataLoaderConfiguration(split_batches=args.split_batches),
-        kwargs_handlers=handlers,
+        **({"kwargs_handlers": handlers} if handlers else {}),
     )
     init = load_file(args.init)
     layers = sum(1 for k in init if k.endswith(".weight"))
