@@ -14,6 +14,7 @@ use std::path::PathBuf;
 
 use accel_core::comm::ReduceOp;
 use accel_core::data::{DataLoader, LoaderOptions, Sampler, TensorDataset};
+use accel_core::mesh::Dim;
 use accel_core::optim::{AdamConfig, AdamW, Schedule};
 use accel_core::tracking::Tracker;
 use accel_core::{Accelerator, Precision};
@@ -134,9 +135,10 @@ fn main() -> Result<()> {
         acc.params(&vs),
         AdamConfig { lr: args.lr, ..AdamConfig::adamw() },
     )?);
-    // As in Accelerate, the schedule advances once per process at each optimizer step (it
-    // counts the samples of every replica), so its length is counted the same way.
-    let schedule_steps = optimizer_steps * acc.num_processes() as u64;
+    // As in Accelerate, the schedule advances once per data-parallel replica at each
+    // optimizer step (it counts the samples of every replica), so its length counts the same
+    // way.
+    let schedule_steps = optimizer_steps * acc.mesh().dims().size(Dim::Data) as u64;
     opt.set_schedule(Schedule::CosineWarmup {
         warmup_steps: schedule_steps / 20,
         total_steps: schedule_steps,
