@@ -132,8 +132,7 @@ pub fn scaled_mm(
     emulate: bool,
 ) -> Result<Tensor> {
     if emulate {
-        let a = a.bits.f_to_kind(Kind::Float)?.f_div(&a.scale)?;
-        let b = b.bits.f_to_kind(Kind::Float)?.f_div(&b.scale)?;
+        let (a, b) = (a.dequantize(Kind::Float)?, b.dequantize(Kind::Float)?);
         return Ok(a.f_mm(&b)?.f_to_kind(out)?);
     }
     let a_bits =
@@ -419,6 +418,28 @@ impl Fp8Layers {
     }
 }
 
+/// A layer's fp8 recipe and the switch the module filter may turn off (`None`: the layer is
+/// never fp8).
+pub(crate) type Fp8Switch = Option<(Fp8Recipe, Arc<AtomicBool>)>;
+
+/// The recipe a switch runs with now, if it is on.
+fn active(fp8: &Fp8Switch) -> Option<Fp8Recipe> {
+    fp8.as_ref().filter(|(_, on)| on.load(Ordering::Relaxed)).map(|(recipe, _)| *recipe)
+}
+
+/// `x @ wᵀ (+ b)`: in fp8 while the layer's switch is on, else exactly as `nn::Linear`.
+pub(crate) fn switched_linear(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    fp8: &Fp8Switch,
+) -> Result<Tensor> {
+    match active(fp8) {
+        Some(recipe) => linear(x, w, bias, recipe),
+        None => Ok(x.f_linear(w, bias)?),
+    }
+}
+
 /// Whether `_scaled_mm` takes a layer of these features: both multiples of 16 (torchao's
 /// and Accelerate's module filter).
 pub fn shapes_suit(features_in: i64, features_out: i64) -> bool {
@@ -436,19 +457,13 @@ pub struct Float8Linear {
     pub ws: Tensor,
     /// Bias, as `nn::Linear::bs`.
     pub bs: Option<Tensor>,
-    recipe: Option<Fp8Recipe>,
-    enabled: Arc<AtomicBool>,
+    fp8: Fp8Switch,
 }
 
 impl Float8Linear {
     /// A layer over existing variables, in high precision throughout (as `nn::Linear`).
     pub fn plain(linear: tch::nn::Linear) -> Self {
-        Self {
-            ws: linear.ws,
-            bs: linear.bs,
-            recipe: None,
-            enabled: Arc::new(AtomicBool::new(false)),
-        }
+        Self { ws: linear.ws, bs: linear.bs, fp8: None }
     }
 
     /// A layer over existing variables whose matmuls run with `recipe` while `enabled` is on.
@@ -457,20 +472,17 @@ impl Float8Linear {
         recipe: Fp8Recipe,
         enabled: Arc<AtomicBool>,
     ) -> Self {
-        Self { ws: linear.ws, bs: linear.bs, recipe: Some(recipe), enabled }
+        Self { ws: linear.ws, bs: linear.bs, fp8: Some((recipe, enabled)) }
     }
 
     /// The recipe its matmuls run with now, `None` when they run in high precision.
     pub fn fp8_recipe(&self) -> Option<Fp8Recipe> {
-        self.recipe.filter(|_| self.enabled.load(Ordering::Relaxed))
+        active(&self.fp8)
     }
 
     /// The forward pass, with libtorch errors as `Err`.
     pub fn try_forward(&self, xs: &Tensor) -> Result<Tensor> {
-        match self.fp8_recipe() {
-            Some(recipe) => linear(xs, &self.ws, self.bs.as_ref(), recipe),
-            None => Ok(xs.f_linear(&self.ws, self.bs.as_ref())?),
-        }
+        switched_linear(xs, &self.ws, self.bs.as_ref(), &self.fp8)
     }
 }
 

@@ -3,9 +3,6 @@
 //! weight, as `tch::nn::linear`), and keeps its slice: a model built with the same seed holds
 //! exactly the slices of the single-process model.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use tch::nn::{self, Init, Module};
 use tch::{Kind, Tensor};
 
@@ -14,20 +11,8 @@ use super::mappings::{
     copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
     reduce_scatter_to_sequence_region, scatter_to_region,
 };
-use crate::config::Fp8Recipe;
 use crate::error::{Error, Result};
-use crate::precision::fp8;
-
-/// Under fp8, a layer's recipe and the switch the module filter may turn off.
-type Fp8Switch = Option<(Fp8Recipe, Arc<AtomicBool>)>;
-
-/// `x @ Wᵀ (+ b)`, in fp8 while the layer's switch is on (each rank scales its own slices).
-fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, fp8: &Fp8Switch) -> Result<Tensor> {
-    match fp8 {
-        Some((recipe, on)) if on.load(Ordering::Relaxed) => fp8::linear(x, weight, bias, *recipe),
-        _ => Ok(x.f_linear(weight, bias)?),
-    }
-}
+use crate::precision::fp8::{Fp8Switch, switched_linear};
 
 /// What a tensor-parallel linear layer does with its input and output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,7 +123,7 @@ impl ColumnParallelLinear {
         } else {
             copy_to_region(&self.tp, x)?
         };
-        let y = linear(&input, &self.weight, self.bias.as_ref(), &self.fp8)?;
+        let y = switched_linear(&input, &self.weight, self.bias.as_ref(), &self.fp8)?;
         if self.options.gather_output { gather_from_region(&self.tp, &y) } else { Ok(y) }
     }
 }
@@ -203,7 +188,7 @@ impl RowParallelLinear {
         } else {
             scatter_to_region(&self.tp, x)?
         };
-        let partial = linear(&input, &self.weight, None, &self.fp8)?;
+        let partial = switched_linear(&input, &self.weight, None, &self.fp8)?;
         let y = if self.tp.sequence_parallel() {
             reduce_scatter_to_sequence_region(&self.tp, &partial, self.options.sequence_dim)?
         } else {

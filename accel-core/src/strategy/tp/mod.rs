@@ -15,13 +15,11 @@ mod mappings;
 mod tests;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::Tensor;
 
 use crate::comm::{Communicator, LocalComm};
-use crate::config::Fp8Recipe;
 use crate::error::Result;
 pub use layers::{
     ColumnParallelLinear, LinearOptions, RowParallelLinear, VocabParallelEmbedding,
@@ -90,7 +88,7 @@ impl TensorParallel {
         &self,
         path: &tch::nn::Path,
         weight: &Tensor,
-    ) -> Result<Option<(Fp8Recipe, Arc<AtomicBool>)>> {
+    ) -> Result<crate::precision::fp8::Fp8Switch> {
         match &self.fp8 {
             Some(fp8) => Ok(Some((fp8.recipe, fp8.register(path, weight)?))),
             None => Ok(None),
