@@ -12,7 +12,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     // ---- libtorch -------------------------------------------------------------------
     /// A libtorch call made through tch failed.
-    #[error("libtorch: {0}")]
+    #[error("libtorch: {}", torch_text(.0))]
     Torch(#[from] tch::TchError),
 
     /// A call into accel's libtorch shim (csrc/shim.cpp) failed.
@@ -124,6 +124,39 @@ impl From<Error> for tch::TchError {
         match e {
             Error::Torch(inner) => inner,
             other => tch::TchError::Torch(other.to_string()),
+        }
+    }
+}
+
+/// libtorch's message without the C++ backtrace that follows it (~25 `frame #N` lines),
+/// unless asked for as PyTorch does (`TORCH_SHOW_CPP_STACKTRACES=1`) or with
+/// `RUST_BACKTRACE`.
+pub(crate) fn torch_text(error: &tch::TchError) -> String {
+    let text = match error {
+        tch::TchError::Torch(message) => message.clone(),
+        other => other.to_string(),
+    };
+    let wanted = |key: &str| std::env::var(key).is_ok_and(|v| !v.is_empty() && v != "0");
+    if wanted("TORCH_SHOW_CPP_STACKTRACES") || wanted("RUST_BACKTRACE") {
+        return text;
+    }
+    match text.find("\nException raised from ") {
+        Some(end) => text[..end].to_owned(),
+        None => text,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn libtorch_errors_come_without_their_cpp_backtrace() {
+        let a = tch::Tensor::zeros([2, 3], (tch::Kind::Float, tch::Device::Cpu));
+        let text = super::Error::from(a.f_matmul(&a).unwrap_err()).to_string();
+        assert!(text.contains("shapes cannot be multiplied (2x3 and 2x3)"), "{text}");
+        if std::env::var_os("RUST_BACKTRACE").is_none()
+            && std::env::var_os("TORCH_SHOW_CPP_STACKTRACES").is_none()
+        {
+            assert_eq!(text.lines().count(), 1, "{text}");
         }
     }
 }

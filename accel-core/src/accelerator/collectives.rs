@@ -12,6 +12,7 @@ impl Accelerator {
     /// Every process's `tensor` (same shape on all) concatenated along dim 0; a scalar
     /// becomes one element per process.
     pub fn gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        self.inner.strategy.take_error()?;
         match self.process_group() {
             Some(group) => group.all_gather(tensor),
             None => {
@@ -24,6 +25,8 @@ impl Accelerator {
     /// prepared loader (Accelerate's `gather_for_metrics`): over an epoch, exactly the
     /// data set's samples come back.
     pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor> {
+        // A sharded forward that failed where it could not say so (evaluation under zero3).
+        self.inner.strategy.take_error()?;
         // Over the data-parallel replicas: their tensor ranks and stages hold the same samples.
         let gathered = match self.inner.mesh.dims().size(crate::mesh::Dim::Data) {
             replicas if replicas == self.num_processes() => self.gather(tensor)?,
@@ -44,6 +47,7 @@ impl Accelerator {
 
     /// The reduction of `tensor` over processes (a new tensor).
     pub fn reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.inner.strategy.take_error()?;
         let out = tensor.f_detach_copy()?;
         if let Some(group) = self.process_group() {
             group.all_reduce(&out, op)?;
@@ -53,6 +57,7 @@ impl Accelerator {
 
     /// Rank `from`'s `tensor` on every process (a new tensor).
     pub fn broadcast(&self, tensor: &Tensor, from: usize) -> Result<Tensor> {
+        self.inner.strategy.take_error()?;
         let out = tensor.f_detach_copy()?;
         if let Some(group) = self.process_group() {
             group.broadcast(&out, from)?;

@@ -430,6 +430,8 @@ impl Accelerator {
                 self.process_index()
             )));
         }
+        // A collective that failed inside the forward (zero3's gathers in `Module::forward`).
+        self.inner.strategy.take_error()?;
         self.inner.state.begin_micro_step();
         let n = self.inner.state.accumulate();
         let loss = if n > 1 { loss.f_div_scalar(n as f64)? } else { loss.shallow_clone() };
@@ -437,7 +439,13 @@ impl Accelerator {
             Some(scaler) => scaler.lock().unwrap_or_else(|e| e.into_inner()).scale_loss(&loss)?,
             None => loss,
         };
-        loss.f_backward().map_err(|e| Error::Training(format!("backward failed: {e}")))?;
+        if let Err(e) = loss.f_backward() {
+            self.inner.strategy.take_error()?;
+            return Err(Error::Training(format!(
+                "backward failed: {}",
+                crate::error::torch_text(&e)
+            )));
+        }
         let sync = self.inner.state.sync_gradients();
         self.inner.strategy.after_backward(&self.strategy_context(), sync)
     }
@@ -450,7 +458,9 @@ impl Accelerator {
     pub(crate) fn backward_with_grad(&self, output: &Tensor, grad: &Tensor) -> Result<()> {
         self.inner.state.begin_micro_step();
         let surrogate = output.f_mul(grad)?.f_sum(tch::Kind::Float)?;
-        surrogate.f_backward().map_err(|e| Error::Training(format!("backward failed: {e}")))?;
+        surrogate.f_backward().map_err(|e| {
+            Error::Training(format!("backward failed: {}", crate::error::torch_text(&e)))
+        })?;
         let sync = self.inner.state.sync_gradients();
         self.inner.strategy.after_backward(&self.strategy_context(), sync)
     }

@@ -213,6 +213,12 @@ pub trait Strategy: Send + Sync + 'static {
         Ok(())
     }
 
+    /// A failure kept where it could not be returned (a collective inside `Module::forward`
+    /// or an autograd hook), for the accelerator's next call to return.
+    fn take_error(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// Whether `zero_grad` must zero gradients in place instead of dropping them (DDP's
     /// gradients are views of its buckets).
     fn zero_grad_in_place(&self) -> bool {

@@ -134,6 +134,7 @@ impl ShardedModel {
             shards,
             units,
             error: None,
+            failed: false,
             in_flight: Default::default(),
             order: Vec::new(),
             order_known: false,
@@ -169,9 +170,9 @@ impl ShardedModel {
                     unit.fired[i] = true;
                     unit.ready += 1;
                 }
-                if unit.ready == unit.members.len() {
+                if unit.ready == unit.members.len() && !guard.failed {
                     if let Err(e) = guard.reduce(u) {
-                        guard.error.get_or_insert(e.to_string());
+                        guard.record(e);
                     }
                 }
             };
@@ -224,6 +225,9 @@ impl ShardedModel {
                 engine.order.push(unit);
             }
         }
+        if engine.failed {
+            return engine.fill_locally(unit);
+        }
         if !engine.units[unit].gathered {
             engine.gather(unit)?;
         }
@@ -240,6 +244,9 @@ impl ShardedModel {
     /// next (the unit before it in the forward pass).
     fn before_backward(&self, unit: usize) -> Result<()> {
         let mut engine = lock(&self.engine);
+        if engine.failed {
+            return engine.fill_locally(unit);
+        }
         if !engine.units[unit].gathered {
             engine.gather(unit)?;
         }
@@ -261,15 +268,32 @@ impl ShardedModel {
         drop(engine);
         if output.requires_grad() {
             let model = self.clone();
-            let prefix = lock(&self.engine).units[unit].prefix.clone();
+            // Inside autograd an error cannot be returned: it is kept for `finish`.
             add_grad_hook(output, move |_| {
                 if let Err(e) = model.before_backward(unit) {
-                    panic!("zero3: gathering unit `{prefix}` for its backward failed: {e}");
+                    model.record(unit, e);
                 }
                 None
             })?;
         }
         Ok(())
+    }
+
+    /// Keeps `error`, raised around unit `unit` where it could not be returned (inside
+    /// autograd, or `Module::forward`), for the next accelerator call, and gives the unit
+    /// zero-filled parameters so that the pass under way completes without collectives.
+    pub(crate) fn record(&self, unit: usize, error: Error) {
+        let mut engine = lock(&self.engine);
+        engine.record(error);
+        if let Err(e) = engine.fill_locally(unit) {
+            engine.record(e); // behind the first error, which is the one returned
+        }
+    }
+
+    /// The error kept by [`record`](Self::record) or a gradient hook, if any (once; then an
+    /// error saying that the model failed earlier).
+    pub(crate) fn take_error(&self) -> Result<()> {
+        lock(&self.engine).take_error()
     }
 
     /// After each backward: launches the reductions no hook launched (units some of whose
@@ -278,9 +302,7 @@ impl ShardedModel {
     pub(crate) fn finish(&self) -> Result<()> {
         let mut guard = lock(&self.engine);
         let engine = &mut *guard;
-        if let Some(e) = engine.error.take() {
-            return Err(Error::Training(format!("sharded gradient hook failed: {e}")));
-        }
+        engine.take_error()?;
         if engine.units.iter().all(|u| u.ready == 0 && !u.reduced) {
             return Ok(());
         }

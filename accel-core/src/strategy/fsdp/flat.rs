@@ -53,7 +53,13 @@ pub(super) struct Engine {
     pub(super) options: ShardOptions,
     pub(super) shards: Vec<Shard>,
     pub(super) units: Vec<UnitState>,
-    pub(super) error: Option<String>,
+    /// The first failure inside a hook or an infallible forward, until the next accelerator
+    /// call returns it.
+    pub(super) error: Option<Error>,
+    /// A collective of this model failed: the rest of the pass runs without any (on
+    /// zeros), so that the error reaches the caller now instead of after one timeout per
+    /// unit.
+    pub(super) failed: bool,
     /// Units whose reduce-scatter is in flight, oldest first.
     pub(super) in_flight: std::collections::VecDeque<usize>,
     /// Zero3 units in the order of the first forward pass, once complete: what to
@@ -222,8 +228,59 @@ impl Engine {
         Ok(())
     }
 
+    /// Keeps the first failure and stops this model's collectives (see `failed`).
+    pub(super) fn record(&mut self, error: Error) {
+        self.failed = true;
+        self.error.get_or_insert(error);
+    }
+
+    /// The kept failure, once; after it, an error saying that the model is unusable (its
+    /// parameters hold zeros, not the shards' values).
+    pub(super) fn take_error(&mut self) -> Result<()> {
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        if self.failed {
+            return Err(Error::Training(
+                "a collective of this sharded model failed earlier (its error was returned \
+                 then); the model cannot be used after it: stop and restart from the last \
+                 checkpoint"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// After a failure: gives a released unit's parameters memory again, zero-filled,
+    /// without a collective, so that the forward or backward under way can finish (on
+    /// values nobody uses) and the error reach the caller at the next accelerator call.
+    pub(super) fn fill_locally(&mut self, u: usize) -> Result<()> {
+        // Not waited for: the peers it needs may be gone.
+        self.units[u].prefetched = None;
+        let unit = &self.units[u];
+        if unit.gathered {
+            return Ok(());
+        }
+        tch::no_grad(|| -> Result<()> {
+            for &s in &unit.members {
+                let param = &self.shards[s].param;
+                let bytes = param.numel() * param.kind().elt_size_in_bytes();
+                shim::allocate_storage(param, bytes as u64)?;
+                let _ = param.f_data()?.f_zero_()?;
+            }
+            Ok(())
+        })?;
+        self.units[u].gathered = true;
+        Ok(())
+    }
+
     /// Releases the memory of a zero3 unit's full parameters.
     pub(super) fn release(&mut self, u: usize) -> Result<()> {
+        if self.failed {
+            // Nothing more is computed that matters; waiting on a prefetch could hang.
+            self.units[u].prefetched = None;
+            return Ok(());
+        }
         if let Some((work, _)) = self.units[u].prefetched.take() {
             // Gathered ahead but not used: finish the collective (every rank launched it).
             work.wait()?;

@@ -161,6 +161,13 @@ impl Strategy for Sharded {
         Ok(())
     }
 
+    fn take_error(&self) -> Result<()> {
+        for model in self.models().iter() {
+            model.take_error()?;
+        }
+        Ok(())
+    }
+
     fn parameter(&self, param: &Param) -> Result<(Tensor, Placement)> {
         match self.master_of(&param.tensor)? {
             Some((model, master)) => {

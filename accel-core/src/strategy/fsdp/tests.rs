@@ -206,3 +206,41 @@ fn zero3_prefetches_the_next_unit_in_forward_and_the_previous_in_backward() {
         assert!((a - b).abs() < 1e-6, "{a} vs {b}");
     }
 }
+
+#[test]
+fn a_gather_that_fails_inside_module_forward_comes_back_as_an_error_not_a_panic() {
+    let results = on_ranks(2, Duration::from_secs(5), |group| {
+        let rank = group.rank();
+        let params = vec![
+            Param {
+                name: "stack.0.w".into(),
+                tensor: values(&[4, 3], 1.0).set_requires_grad(true),
+            },
+            Param {
+                name: "stack.1.w".into(),
+                tensor: values(&[2, 4], 2.0).set_requires_grad(true),
+            },
+        ];
+        let vs = nn::VarStore::new(Device::Cpu);
+        let units = [0, 1].map(|i| Unit::new(&(vs.root() / "stack" / i), ()));
+        let model = sharded(&params, &group, ShardOptions::default());
+        if rank == 1 {
+            // Leaves the run: rank 0's next all-gather has no partner.
+            return None;
+        }
+        let (x, _) = batch(rank);
+        let started = std::time::Instant::now();
+        // `Unit::run` is what `Module::forward` calls: it cannot return the error.
+        let hidden = units[0].run(|()| x.matmul(&params[0].tensor.tr()));
+        let out = units[1].run(|()| hidden.matmul(&params[1].tensor.tr()));
+        let first = model.take_error().unwrap_err().to_string();
+        let later = model.take_error().unwrap_err().to_string();
+        Some((out.size(), first, later, started.elapsed()))
+    });
+    let (shape, first, later, took) = results[0].clone().expect("rank 0 reports");
+    assert_eq!(shape, [4, 2], "the forward completed");
+    assert!(first.contains("all_gather") && first.contains("rank 0"), "{first}");
+    assert!(later.contains("failed earlier"), "the model stays unusable: {later}");
+    // One failed collective, not one timeout per unit.
+    assert!(took < Duration::from_secs(9), "{took:?}");
+}

@@ -109,14 +109,20 @@ impl<M> Unit<M> {
         Ok(out)
     }
 
-    /// [`try_run`](Self::try_run) for `Module::forward`, which cannot return an error.
-    ///
-    /// # Panics
-    /// If gathering fails (a peer died or timed out), with the collective's message.
+    /// [`try_run`](Self::try_run) for `Module::forward`, which cannot return an error: a
+    /// failure (a peer died or timed out) is kept, and returned by the next accelerator call
+    /// (`backward`, the optimizer step, a gather); the forward still completes, on zeros
+    /// instead of the parameters, with no further collective.
     pub fn run(&self, forward: impl FnOnce(&M) -> Tensor) -> Tensor {
-        self.try_run(forward).unwrap_or_else(|e| {
-            panic!("zero3: the parameters of unit `{}`: {e}", self.handle.prefix)
-        })
+        let Some((model, unit)) = self.handle.model() else { return forward(&self.inner) };
+        if let Err(e) = model.before_forward(unit) {
+            model.record(unit, e);
+        }
+        let out = forward(&self.inner);
+        if let Err(e) = model.after_forward(unit, &out) {
+            model.record(unit, e);
+        }
+        out
     }
 }
 
