@@ -62,6 +62,27 @@ fn a_failing_rank_is_named_with_its_exit_code_and_last_lines() {
 }
 
 #[test]
+fn the_report_names_the_rank_that_caused_a_failure_not_the_one_that_lost_it_first() {
+    // Rank 0 is seen failing first, with the collectives' words for a vanished peer; the
+    // cause is rank 1, which fails a moment later with an error of its own.
+    let script = "if [ $RANK = 0 ]; then echo 'Error: collective #3 all_reduce [4] Float on rank 0: \
+                  lost the connection to rank 1 (reset); it has probably exited' >&2; exit 1; fi; \
+                  sleep 0.5; echo 'Error: cannot read shard data/part-1.bin' >&2; exit 4";
+    let output = accel()
+        .args(["launch", "--num-processes", "2", "--main-process-port", "0", "sh", "-c", script])
+        .output()
+        .unwrap();
+    let out = text(&output);
+    assert_eq!(output.status.code(), Some(4), "{out}");
+    assert!(
+        out.contains("accel launch: rank 1 (pid") && out.contains("exited with code 4"),
+        "{out}"
+    );
+    assert!(out.contains("    | Error: cannot read shard data/part-1.bin"), "{out}");
+    assert!(out.contains("rank(s) 0 then failed because they lost their connection"), "{out}");
+}
+
+#[test]
 fn kill_9_in_a_collective_stops_the_run_within_30_s_and_leaves_no_process() {
     let pids = scratch("kill9");
     let launcher = accel()

@@ -159,15 +159,30 @@ pub fn run(plan: &LaunchPlan) -> Result<i32> {
             Outcome::Interrupted(code) => return Ok(code),
             Outcome::Failed(_) if attempt < plan.max_restarts => {
                 attempt += 1;
+                let pause = restart_backoff(attempt);
                 eprintln!(
-                    "accel launch: restarting all processes (restart {attempt} of {}); programs that \
-                     call load_latest_checkpoint continue from their last checkpoint",
+                    "accel launch: restarting all processes in {} s (restart {attempt} of {}); \
+                     programs that call load_latest_checkpoint continue from their last checkpoint",
+                    pause.as_secs(),
                     plan.max_restarts
                 );
+                let until = Instant::now() + pause;
+                while Instant::now() < until {
+                    if interrupted.load(Ordering::SeqCst) {
+                        return Ok(130);
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
             }
             Outcome::Failed(code) => return Ok(code),
         }
     }
+}
+
+/// The pause before restart `n` (1, 2, 4 ... seconds, at most 30): a fault that comes back
+/// at once (a full disk, a port still held) is not hammered, and a passing one costs little.
+fn restart_backoff(n: usize) -> Duration {
+    Duration::from_secs(1u64 << (n.saturating_sub(1)).min(5)).min(Duration::from_secs(30))
 }
 
 fn resolve_port(plan: &LaunchPlan) -> Result<u16> {
@@ -374,34 +389,33 @@ fn run_once(
             }
         }
     }
-    let mut failed: Option<usize> = None;
+    // Failed ranks in the order they were seen to fail; the cause is chosen among them.
+    let mut failures: Vec<usize> = Vec::new();
+    let mut choose_by: Option<Instant> = None;
     loop {
-        let mut newly_failed = Vec::new();
         for (i, r) in ranks.iter_mut().enumerate() {
             if r.status.is_none() {
                 if let Ok(Some(status)) = r.child.try_wait() {
                     r.status = Some(status);
                     if !status.success() {
-                        newly_failed.push(i);
+                        drain_output(r);
+                        failures.push(i);
                     }
                 }
             }
         }
-        // When several fail at once, the one killed by a signal is the likely cause; the
-        // others usually exit because they lost it.
-        if failed.is_none() {
-            failed = newly_failed
-                .iter()
-                .copied()
-                .find(|&i| ranks[i].status.is_some_and(|s| s.signal().is_some()))
-                .or(newly_failed.first().copied());
-        }
-        if let Some(i) = failed {
-            stop(&mut ranks, plan.grace);
-            report_failure(&ranks, i);
-            return Ok(Outcome::Failed(exit_code(
-                ranks[i].status.expect("failed rank has a status"),
-            )));
+        if !failures.is_empty() {
+            let deadline = *choose_by.get_or_insert_with(|| Instant::now() + CAUSE_WINDOW);
+            let cause = failures.iter().copied().find(|&i| !lost_a_peer(&ranks[i]));
+            let all_ended = ranks.iter().all(|r| r.status.is_some());
+            if cause.is_some() || all_ended || Instant::now() >= deadline {
+                let i = first_failure(&ranks, &failures);
+                stop(&mut ranks, plan.grace);
+                report_failure(&ranks, i, &failures);
+                return Ok(Outcome::Failed(exit_code(
+                    ranks[i].status.expect("failed rank has a status"),
+                )));
+            }
         }
         if interrupted.load(Ordering::SeqCst) {
             eprintln!("accel launch: interrupted; stopping {} process(es)", ranks.len());
@@ -458,7 +472,41 @@ fn join_readers(ranks: &mut [Rank]) {
     }
 }
 
-fn report_failure(ranks: &[Rank], failed: usize) {
+/// How long the launcher waits, after a rank failed only because it lost a peer, for the
+/// rank that caused it to fail too (it is usually the one that exited first, but not always
+/// the first one seen).
+const CAUSE_WINDOW: Duration = Duration::from_secs(2);
+
+/// Whether a failed rank's last words say that it failed because another one went away
+/// (the collectives' and the store's messages for a lost connection).
+fn lost_a_peer(rank: &Rank) -> bool {
+    let tail = rank.tail.lock().unwrap_or_else(|e| e.into_inner());
+    tail.iter().any(|line| is_peer_loss(line))
+}
+
+fn is_peer_loss(line: &str) -> bool {
+    line.contains("lost the connection to rank") || line.contains("lost the store at")
+}
+
+/// The failure to report as the run's cause: a rank killed by a signal (nobody else sent
+/// one yet), else the first whose own error is not a lost peer, else the first.
+fn first_failure(ranks: &[Rank], failures: &[usize]) -> usize {
+    let by_signal =
+        failures.iter().copied().find(|&i| ranks[i].status.is_some_and(|s| s.signal().is_some()));
+    by_signal
+        .or_else(|| failures.iter().copied().find(|&i| !lost_a_peer(&ranks[i])))
+        .unwrap_or(failures[0])
+}
+
+/// Lets a rank that has exited finish handing over its last lines (a bounded wait).
+fn drain_output(rank: &mut Rank) {
+    let deadline = Instant::now() + Duration::from_millis(300);
+    while rank.readers.iter().any(|h| !h.is_finished()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn report_failure(ranks: &[Rank], failed: usize, failures: &[usize]) {
     let r = &ranks[failed];
     let status = r.status.expect("reaped");
     let mut report = format!(
@@ -477,11 +525,28 @@ fn report_failure(ranks: &[Rank], failed: usize) {
             report.push_str(&format!("    | {line}\n"));
         }
     }
+    let followers: Vec<String> = failures
+        .iter()
+        .filter(|&&i| i != failed && lost_a_peer(&ranks[i]))
+        .map(|&i| ranks[i].rank.to_string())
+        .collect();
+    if !followers.is_empty() {
+        report.push_str(&format!(
+            "  rank(s) {} then failed because they lost their connection to it\n",
+            followers.join(", ")
+        ));
+    }
     let _ = std::io::stderr().write_all(report.as_bytes());
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn restarts_back_off_exponentially_up_to_30_s() {
+        let pauses: Vec<u64> = (1..=8).map(|n| super::restart_backoff(n).as_secs()).collect();
+        assert_eq!(pauses, [1, 2, 4, 8, 16, 30, 30, 30]);
+    }
+
     #[test]
     fn seconds_are_finite_bounded_and_positive_where_they_must_be() {
         use super::parse_seconds;
