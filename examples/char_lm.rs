@@ -17,6 +17,9 @@
 //!     accel launch --num-processes 2 --cpu --strategy zero3 target/release/examples/char_lm --steps 300
 //!     accel launch --num-processes 4 --cpu target/release/examples/char_lm \
 //!         --tensor-parallel 2 --pipeline-parallel 2 --accumulate 4
+//!
+//! With `--checkpoint-every N` it saves every N steps and, restarted by `accel launch
+//! --max-restarts`, continues from the newest complete checkpoint (`--resume` by hand).
 
 use std::path::PathBuf;
 
@@ -91,6 +94,39 @@ struct Args {
     /// The final weights, whole (rank 0).
     #[arg(long)]
     weights: Option<PathBuf>,
+    /// Save a checkpoint every N optimizer steps (0: never), so that a restarted run loses
+    /// at most N steps.
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Where the checkpoints go (the newest two are kept).
+    #[arg(long, default_value = "target/char-lm/checkpoints")]
+    checkpoint_dir: PathBuf,
+    /// Continue from the newest complete checkpoint in CHECKPOINT_DIR. A run restarted by
+    /// `accel launch --max-restarts` does so by itself.
+    #[arg(long)]
+    resume: bool,
+    /// Fault injection for the restart tests: rank 1 dies (abort) after this step, on the
+    /// first attempt only.
+    #[arg(long, hide = true)]
+    kill_after_step: Option<u64>,
+}
+
+/// The per-step loss log, keeping the lines of steps up to `step` (those a resumed run
+/// does not repeat).
+fn loss_log_from(path: &std::path::Path, step: u64) -> Result<std::fs::File> {
+    let kept: Vec<String> = match std::fs::read_to_string(path) {
+        Ok(old) if step > 0 => old
+            .lines()
+            .filter(|line| {
+                serde_json::from_str::<serde_json::Value>(line)
+                    .is_ok_and(|v| v["step"].as_u64().is_some_and(|s| s <= step))
+            })
+            .map(|line| format!("{line}\n"))
+            .collect(),
+        _ => Vec::new(),
+    };
+    std::fs::write(path, kept.concat()).with_context(|| format!("writing {}", path.display()))?;
+    Ok(std::fs::OpenOptions::new().append(true).open(path)?)
 }
 
 /// Windows of `context + 1` characters starting every `stride`: inputs and next characters.
@@ -112,6 +148,7 @@ fn main() -> Result<()> {
         .tensor_parallel(args.tensor_parallel)
         .sequence_parallel(args.sequence_parallel)
         .pipeline_parallel(args.pipeline_parallel)
+        .checkpoints(&args.checkpoint_dir, Some(2))
         .build()?;
     let schedule = match args.schedule.as_str() {
         "1f1b" => pp::Schedule::OneForwardOneBackward,
@@ -218,15 +255,27 @@ fn main() -> Result<()> {
         Ok(total / count as f64)
     };
 
-    let mut loss_log = args
-        .losses
-        .as_ref()
-        .filter(|_| acc.is_main_process())
-        .map(std::fs::File::create)
-        .transpose()?;
-    let bar = acc.progress_bar(args.steps);
-    let started = std::time::Instant::now();
+    // `accel launch --max-restarts` counts the attempts: a restarted run continues from
+    // the newest complete checkpoint instead of starting over.
+    let restarted = std::env::var("ACCEL_RESTART_COUNT").is_ok_and(|n| n.trim() != "0");
     let mut step = 0;
+    if args.resume || restarted {
+        match acc.load_latest_checkpoint()? {
+            Some(dir) => {
+                let counters = acc.counters();
+                step = counters.optimizer_steps + counters.skipped_steps;
+                acc.print(format!("resumed from {} at step {step}", dir.display()));
+            }
+            None => acc.print("no checkpoint to resume from; starting afresh"),
+        }
+    }
+    let mut loss_log = match (&args.losses, acc.is_main_process()) {
+        (Some(path), true) => Some(loss_log_from(path, step)?),
+        _ => None,
+    };
+    let bar = acc.progress_bar(args.steps);
+    bar.set_position(step);
+    let started = std::time::Instant::now();
     // A pipeline takes its step's micro-batches at once; otherwise each batch runs its
     // backward as it comes and the optimizer steps when the accumulation window closes.
     let mut micro: Vec<(Tensor, Tensor)> = Vec::new();
@@ -274,7 +323,14 @@ fn main() -> Result<()> {
                     ))
                 });
             }
-            if step == args.steps {
+            if args.checkpoint_every > 0 && step % args.checkpoint_every == 0 && step < args.steps {
+                bar.suspend(|| acc.save_checkpoint())?;
+            }
+            if args.kill_after_step == Some(step) && !restarted && acc.process_index() == 1 {
+                eprintln!("rank 1 aborts after step {step} (--kill-after-step)");
+                std::process::abort();
+            }
+            if step >= args.steps {
                 break 'train;
             }
         }

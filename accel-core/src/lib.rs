@@ -19,6 +19,7 @@ pub mod cuda;
 pub mod data;
 pub mod device;
 mod error;
+mod fault;
 pub mod launch;
 pub mod mesh;
 pub mod optim;

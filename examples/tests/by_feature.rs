@@ -201,3 +201,68 @@ fn the_main_job_restarted_after_a_failure_ends_as_an_uninterrupted_run() {
         assert!(diff <= 1e-6, "{name}: the restarted run differs by {diff}");
     }
 }
+
+/// char_lm under zero2 on 2 processes, checkpointing every 2 of its 12 steps, killed once —
+/// after a step picked at random, in the middle of a save on the rank writing its shard, and
+/// on the main process between writing a checkpoint and publishing it — and restarted by
+/// `accel launch --max-restarts 1`: each ends with the weights of the run that was never
+/// interrupted.
+#[test]
+fn char_lm_killed_anywhere_under_zero2_resumes_to_the_uninterrupted_weights() {
+    let root = Path::new(env!("CARGO_TARGET_TMPDIR")).join("char-lm-kills");
+    let _ = std::fs::remove_dir_all(&root);
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/kjv-genesis-exodus.txt");
+    let final_weights = |tag: &str, extra: &[String], fault: Option<&str>| {
+        let dir = root.join(tag);
+        std::fs::create_dir_all(&dir).unwrap();
+        let small = "--steps 12 --width 32 --blocks 2 --heads 2 --context 16 --batch-size 8 \
+                     --target 10 --checkpoint-every 2";
+        let mut program = vec![example("char_lm")];
+        program.extend(small.split(' ').map(String::from).chain(extra.iter().cloned()));
+        let weights = dir.join("weights.safetensors");
+        for (flag, path) in [
+            ("--text", text.clone()),
+            ("--checkpoint-dir", dir.join("checkpoints")),
+            ("--weights", weights.clone()),
+        ] {
+            program.extend([flag.to_string(), path.display().to_string()]);
+        }
+        let mut plan =
+            LaunchPlan { rank0_only: true, max_restarts: 1, ..LaunchPlan::local(2, program) };
+        plan.env.push(("ACCEL_STRATEGY".into(), "zero2".into()));
+        plan.env.extend(fault.map(|f| ("ACCEL_TEST_FAULT".to_string(), f.to_string())));
+        assert_eq!(run(&plan).unwrap(), 0, "char_lm ({tag}) failed");
+        let mut weights = tch::Tensor::read_safetensors(&weights).unwrap();
+        weights.sort_by(|a, b| a.0.cmp(&b.0));
+        weights
+    };
+    let straight = final_weights("straight", &[], None);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let kill_step = 1 + nanos.subsec_nanos() as u64 % 11;
+    let runs = [
+        (
+            format!("killed after step {kill_step}"),
+            vec!["--kill-after-step".into(), kill_step.to_string()],
+            None,
+        ),
+        (
+            "killed writing its shard (rank 1, 3rd save)".into(),
+            vec![],
+            Some("save-own-files-written:1:3"),
+        ),
+        (
+            "killed before publishing (rank 0, 2nd save)".into(),
+            vec![],
+            Some("save-before-publish:0:2"),
+        ),
+    ];
+    for (i, (tag, extra, fault)) in runs.iter().enumerate() {
+        let restarted = final_weights(&format!("run{i}"), extra, *fault);
+        assert_eq!(straight.len(), restarted.len());
+        for ((name, a), (other, b)) in straight.iter().zip(&restarted) {
+            assert_eq!(name, other);
+            let diff = (a - b).abs().max().double_value(&[]);
+            assert!(diff <= 1e-6, "{tag}: {name} differs from the uninterrupted run by {diff}");
+        }
+    }
+}

@@ -225,6 +225,7 @@ impl Accelerator {
             .as_ref()
             .map_err(ToString::to_string)
             .and_then(|part| self.write_own(&tmp, part).map_err(|e| e.to_string()));
+        crate::fault::point("save-own-files-written", self.process_index());
         let all = group.gather_objects(&mine, 0)?;
         let outcome = match (all, part) {
             (Some(all), Ok(part)) => (|| {
@@ -233,6 +234,7 @@ impl Accelerator {
                     bad(dir, format!("a process could not write its RNG state or shard: {e}"))
                 })?;
                 self.write_main(&tmp, part, written)?;
+                crate::fault::point("save-before-publish", self.process_index());
                 publish(&tmp, dir)
             })(),
             (Some(_), Err(e)) => Err(e),

@@ -58,7 +58,9 @@ impl Scene<'_> {
     fn behind(&self, seq: u64) -> String {
         let Ok(mut store) = self.store.lock() else { return String::new() };
         let mut late = Vec::new();
-        for (r, member) in self.members.iter().enumerate() {
+        // Progress is posted every half second: a rank without a post may have done a few
+        // collectives already, but not many. This rank's own is known without asking.
+        for (r, member) in self.members.iter().enumerate().filter(|&(r, _)| r != self.rank) {
             match store.get(&progress_key(self.group, r), Duration::ZERO) {
                 Ok(bytes) => {
                     let theirs = bytes.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0);
@@ -70,7 +72,7 @@ impl Scene<'_> {
                     return "; the store of rank 0 is unreachable: rank 0 has probably exited"
                         .into();
                 }
-                Err(_) => late.push(format!("rank {member} (never reached a collective)")),
+                Err(_) => late.push(format!("rank {member} (no progress posted yet)")),
             }
         }
         if late.is_empty() { String::new() } else { format!("; not arrived: {}", late.join(", ")) }
