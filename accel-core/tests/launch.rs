@@ -321,3 +321,39 @@ fn the_nccl_check_fails_clearly_without_a_gpu() {
         assert!(out.contains("CUDA was requested (device cuda:"), "{out}");
     }
 }
+
+/// Each fallback of the single-copy path, forced: the kernel refusing the ranks each other's
+/// memory (no CAP_SYS_PTRACE, not dumpable: a hardened container), and the path switched off
+/// by hand. The collectives' values are checked by `accel test` itself under TCP; the run
+/// says which transport it used and why.
+#[test]
+fn accel_test_passes_over_tcp_when_memory_reads_are_denied_or_disabled_and_says_why() {
+    let run = |key: &str, value: &str| {
+        let output = accel()
+            .args(["test", "--main-process-port", "0", "--num-processes", "2"])
+            .env(key, value)
+            .output()
+            .unwrap();
+        let out = text(&output);
+        assert!(output.status.success(), "{out}");
+        assert_eq!(out.matches("PASS").count(), 7, "{out}");
+        out
+    };
+    let denied = run("ACCEL_TEST_FAULT", "deny-memory-reads");
+    assert!(
+        denied.contains("transport TCP (the processes on this machine cannot read each other's memory (reading rank"),
+        "{denied}"
+    );
+    assert!(denied.contains("Operation not permitted"), "{denied}");
+    assert!(
+        denied.contains("accel: the processes on this machine cannot read"),
+        "the warning: {denied}"
+    );
+    let disabled = run("ACCEL_DISABLE_CMA", "1");
+    assert!(
+        disabled.contains("transport TCP (direct copies are off: ACCEL_DISABLE_CMA is set)"),
+        "{disabled}"
+    );
+    let normal = run("ACCEL_UNUSED", "");
+    assert!(normal.contains("transport direct copies"), "{normal}");
+}

@@ -12,10 +12,11 @@ use tch::Tensor;
 
 use super::cpu::buffer::Buffer;
 use super::cpu::diagnosis::FaultResult;
+use super::cpu::direct::{self, Transport};
 use super::cpu::tcp::Links;
 use super::cpu::wire::{Tag, WireKind};
 use super::cpu::worker::{Identity, Worker, describe};
-use super::cpu::{OBJECT_LIMIT, direct, ring};
+use super::cpu::{OBJECT_LIMIT, ring};
 use super::store::{StoreClient, StoreServer};
 use super::{Backend, Communicator, GroupOptions, Op, ReduceOp, Work, check_rank};
 use crate::error::{Error, Result};
@@ -41,6 +42,7 @@ pub struct ProcessGroup {
     seq: Arc<AtomicU64>,
     worker: Arc<Worker>,
     direct: bool,
+    transport: Transport,
     sockets: Arc<Vec<std::net::TcpStream>>,
     /// Point-to-point messages are numbered per peer and direction, apart from the
     /// collectives (which not every rank takes part in).
@@ -64,6 +66,9 @@ impl std::fmt::Debug for ProcessGroup {
 /// `ptrace_scope = 1` (Ubuntu, Debian) otherwise forbids it between siblings, which would
 /// push the single-copy path back to TCP. Nothing changes where Yama is absent.
 fn allow_siblings_to_read() {
+    if crate::fault::deny_memory_reads() {
+        return;
+    }
     // SAFETY: prctl(PR_SET_PTRACER, pid) only names which process (and its descendants) may
     // ptrace this one; it touches no memory. An error (no Yama) is harmless.
     unsafe {
@@ -85,6 +90,11 @@ impl ProcessGroup {
     /// Joins the run described by `topology`: rank 0 starts the store on the master
     /// address, everyone registers and connects to everyone.
     pub fn new(topology: &Topology, options: GroupOptions) -> Result<Self> {
+        if options.direct_copy {
+            // Before registering: a peer may try to read this process as soon as every rank
+            // has registered.
+            allow_siblings_to_read();
+        }
         let server = if topology.rank == 0 {
             Some(StoreServer::start_with(
                 &topology.master_addr,
@@ -164,13 +174,18 @@ impl ProcessGroup {
             })
             .collect();
         let same_host = parsed.iter().all(|(h, _, _)| *h == parsed[0].0);
-        let pids =
-            (same_host && options.direct_copy).then(|| parsed.iter().map(|(_, p, _)| *p).collect());
+        let pids = if world == 1 {
+            Err("one process".to_string())
+        } else if !same_host {
+            Err("the members are on several machines".to_string())
+        } else if !options.direct_copy {
+            Err("direct copies are off: ACCEL_DISABLE_CMA is set".to_string())
+        } else {
+            Ok(parsed.iter().map(|(_, p, _)| *p).collect())
+        };
         let probes: Vec<u64> = parsed.iter().map(|(_, _, a)| *a).collect();
-        if pids.is_some() {
-            allow_siblings_to_read();
-        }
-        let direct = links.enable_direct(pids, &probes)?;
+        let transport = links.enable_direct(pids, &probes)?;
+        let direct = transport == Transport::Direct;
         let sockets = Arc::new(links.shutdown_handles());
         let who = Identity { group: id, rank, members: members.clone(), timeout: options.timeout };
         let worker = Arc::new(Worker::start(links, who, shared.store.clone())?);
@@ -183,6 +198,7 @@ impl ProcessGroup {
             worker,
             p2p: Arc::new(Mutex::new(std::collections::HashMap::new())),
             direct,
+            transport,
             sockets,
             shared,
             options,
@@ -364,6 +380,11 @@ impl ProcessGroup {
     /// Whether this group copies directly between processes (all members on one machine).
     pub fn direct_copy(&self) -> bool {
         self.direct
+    }
+
+    /// How this group's members exchange data, and why not directly if they do not.
+    pub fn transport(&self) -> &Transport {
+        &self.transport
     }
 
     /// Collectives issued on this group so far (point-to-point messages not counted).

@@ -19,6 +19,8 @@ mod group;
 pub mod nccl;
 pub mod store;
 
+pub use cpu::direct::Transport;
+
 use std::fmt;
 use std::net::TcpListener;
 use std::sync::mpsc::Receiver;

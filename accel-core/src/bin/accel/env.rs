@@ -72,6 +72,7 @@ pub(crate) fn report() -> String {
         format!("{} intra-op, {} inter-op", tch::get_num_threads(), tch::get_num_interop_threads()),
     );
     line("OS", format!("{} {}", std::env::consts::OS, std::env::consts::ARCH));
+    line("CPU transport", cpu_transport());
 
     let mut vars: Vec<(String, String)> = std::env::vars()
         .filter(|(k, _)| {
@@ -101,4 +102,36 @@ fn cpu_model() -> String {
                 .map(|(_, v)| v.trim().to_owned())
         })
         .unwrap_or_else(|| "unknown CPU".to_owned())
+}
+
+/// What the cpu backend's processes on this machine will most likely use between each
+/// other, and why (`accel test` shows what a run really got).
+fn cpu_transport() -> String {
+    const DIRECT: &str = "direct copies (process_vm_readv)";
+    if std::env::var_os("ACCEL_DISABLE_CMA").is_some() {
+        return "TCP (ACCEL_DISABLE_CMA is set)".into();
+    }
+    let cap_sys_ptrace = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let hex = s.lines().find_map(|l| l.strip_prefix("CapEff:"))?.trim().to_owned();
+            u64::from_str_radix(&hex, 16).ok()
+        })
+        .is_some_and(|caps| caps & (1 << 19) != 0);
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|s| s.trim().parse::<u8>().ok());
+    match (scope, cap_sys_ptrace) {
+        (None, _) => format!("{DIRECT}; no Yama: processes of one user read each other"),
+        (Some(0 | 1), _) => format!(
+            "{DIRECT}; kernel.yama.ptrace_scope = {}: accel's processes allow their launcher's \
+             other children",
+            scope.unwrap_or(0)
+        ),
+        (Some(2), true) => format!("{DIRECT}; kernel.yama.ptrace_scope = 2, CAP_SYS_PTRACE held"),
+        (Some(n), _) => format!(
+            "TCP (kernel.yama.ptrace_scope = {n}{} forbids reading another process's memory)",
+            if n == 2 { " without CAP_SYS_PTRACE" } else { "" }
+        ),
+    }
 }

@@ -23,12 +23,10 @@ pub(crate) fn run() -> accel_core::Result<bool> {
         let token = GroupOptions::from_env()?.token.is_set();
         println!(
             "accel test: transport {}; connections {}",
-            if group.direct_copy() {
-                "direct copies between the processes' memory (process_vm_readv)"
-            } else if group.size() > 1 {
-                "TCP (direct copies are off, or the processes cannot read each other's memory)"
+            if group.size() > 1 {
+                group.transport().to_string()
             } else {
-                "none (one process)"
+                "none (one process)".into()
             },
             if token { "authenticated (ACCEL_TOKEN)" } else { "not authenticated (no token)" }
         );

@@ -49,50 +49,79 @@ fn read_peer(pid: i32, remote: u64, local: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// How a group's members move data between each other.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transport {
+    /// Reading each other's memory (`process_vm_readv`): one copy, no sockets for the data.
+    Direct,
+    /// TCP between every pair, and why not directly.
+    Tcp(String),
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Transport::Direct => {
+                write!(f, "direct copies between the processes' memory (process_vm_readv)")
+            }
+            Transport::Tcp(why) => write!(f, "TCP ({why})"),
+        }
+    }
+}
+
 /// Bytes in an address or a vote.
 const SMALL: u64 = 64;
 
 impl Links {
-    /// Turns on the single-copy path if every member is on this machine (`pids`) and this
-    /// process can read every peer's probe (`probes`); all ranks agree on the outcome.
-    pub fn enable_direct(&mut self, pids: Option<Vec<i32>>, probes: &[u64]) -> Result<bool> {
-        let mut ok = pids.is_some();
-        let mut why = None;
-        if let Some(pids) = &pids {
+    /// Turns on the single-copy path if every member is on this machine (`pids`: their
+    /// process ids, or why the path cannot be used) and this process can read every peer's
+    /// probe (`probes`); all ranks agree on the outcome.
+    pub fn enable_direct(
+        &mut self,
+        pids: std::result::Result<Vec<i32>, String>,
+        probes: &[u64],
+    ) -> Result<Transport> {
+        let mut why = pids.as_ref().err().cloned();
+        if let Ok(pids) = &pids {
             for (peer, (&pid, &address)) in pids.iter().zip(probes).enumerate() {
-                if peer == self.rank || !ok {
+                if peer == self.rank || why.is_some() {
                     continue;
                 }
                 let mut bytes = [0u8; 8];
                 match read_peer(pid, address, &mut bytes) {
                     Ok(()) if bytes == PROBE => {}
-                    Ok(()) => {
-                        (ok, why) = (false, Some(format!("rank {peer}'s memory held other bytes")))
-                    }
-                    Err(e) => (ok, why) = (false, Some(format!("reading rank {peer}: {e}"))),
+                    Ok(()) => why = Some(format!("rank {peer}'s memory held other bytes")),
+                    Err(e) => why = Some(format!("reading rank {peer}'s memory: {e}")),
                 }
             }
         }
         let tag = Tag { seq: 0, op: Op::Objects, kind: WireKind::Bytes, numel: 0 };
-        let votes = self.all_to_all(tag, &[u8::from(ok)], SMALL).map_err(|_| {
+        let votes = self.all_to_all(tag, &[u8::from(why.is_none())], SMALL).map_err(|_| {
             Error::Rendezvous("the members could not agree on the shared-memory path".into())
         })?;
-        let all = ok && votes.iter().all(|v| v.first() == Some(&1));
-        if pids.is_some() && !all && self.rank == 0 {
+        if why.is_none() && votes.iter().all(|v| v.first() == Some(&1)) {
+            self.pids = pids.ok();
+            return Ok(Transport::Direct);
+        }
+        self.pids = None;
+        let Ok(_) = pids else {
+            return Ok(Transport::Tcp(why.unwrap_or_default()));
+        };
+        let why = why.unwrap_or_else(|| "another rank could not read its peers' memory".into());
+        let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+            .map(|s| format!("; kernel.yama.ptrace_scope = {}", s.trim()))
+            .unwrap_or_default();
+        let why =
+            format!("the processes on this machine cannot read each other's memory ({why}{scope})");
+        if self.rank == 0 {
             // Said once per group, on rank 0: the run goes on, slower, over TCP.
-            let why = why.unwrap_or_else(|| "another rank could not read its peers".into());
-            let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
-                .map(|s| format!("; kernel.yama.ptrace_scope = {}", s.trim()))
-                .unwrap_or_default();
             eprintln!(
-                "accel: the processes on this machine cannot read each other's memory ({why}{scope}); \
-                 collectives go through TCP, slower (README: Performance). Allow it with \
-                 `sysctl kernel.yama.ptrace_scope=1` or CAP_SYS_PTRACE, or silence this with \
-                 ACCEL_DISABLE_CMA=1"
+                "accel: {why}; collectives go through TCP, slower (README: Performance). Allow \
+                 it with `sysctl kernel.yama.ptrace_scope=1` or CAP_SYS_PTRACE, or silence this \
+                 with ACCEL_DISABLE_CMA=1"
             );
         }
-        self.pids = if all { pids } else { None };
-        Ok(all)
+        Ok(Transport::Tcp(why))
     }
 
     /// Addresses of every member's buffer (for reading it), exchanged over TCP.
