@@ -57,12 +57,13 @@ pub(crate) fn worker(sizes: &str, dtype: &str) -> accel_core::Result<bool> {
     let mut results = Vec::new();
     if group.rank() == 0 {
         println!(
-            "{:>10} {:>10} {:>12} {:>12}   ({} processes, {dtype})",
+            "{:>10} {:>10} {:>12} {:>12}   ({} processes, {dtype}; transport: {})",
             "size",
             "time ms",
             "algbw GB/s",
             "busbw GB/s",
-            group.size()
+            group.size(),
+            group.transport()
         );
     }
     for bytes in sizes {
