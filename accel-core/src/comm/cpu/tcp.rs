@@ -14,6 +14,33 @@ use crate::error::{Error, Result};
 /// How long an accepted connection may take to prove the token and name itself.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Accepted connections proving themselves at once; more are dropped until some finish.
+const MAX_HANDSHAKES: usize = 64;
+
+/// An accepted connection's proof of the token and its hello (group id, dialling rank);
+/// `None` (said on stderr if it failed the proof) when it does not give them in `limit`.
+fn accept_handshake(
+    stream: &TcpStream,
+    token: &Token,
+    limit: Duration,
+    rank: usize,
+    from: std::net::SocketAddr,
+) -> Option<(u64, usize)> {
+    stream.set_nonblocking(false).ok()?;
+    stream.set_nodelay(true).ok()?;
+    stream.set_read_timeout(Some(limit)).ok()?;
+    stream.set_write_timeout(Some(limit)).ok()?;
+    if let Err(e) = authenticate_acceptor(&mut &*stream, token, "mesh") {
+        eprintln!("accel: rank {rank} refused a connection from {from}: {e}");
+        return None;
+    }
+    let mut hello = [0u8; 16];
+    (&*stream).read_exact(&mut hello).ok()?;
+    let group = u64::from_le_bytes(hello[0..8].try_into().expect("8 bytes"));
+    let peer = u64::from_le_bytes(hello[8..16].try_into().expect("8 bytes"));
+    Some((group, usize::try_from(peer).unwrap_or(usize::MAX)))
+}
+
 /// Bytes handed to the consumer at a time while the rest of a transfer is in flight.
 pub(crate) const SEGMENT: usize = 1 << 20;
 const SOCKET_BUFFER: i32 = 4 << 20;
@@ -92,37 +119,49 @@ impl Links {
             readers[peer] = Some(stream);
         }
         listener.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
+        // Each accepted connection proves the token and names itself on a thread of its
+        // own, so that a silent or hostile one delays nobody (each is dropped within
+        // HANDSHAKE_TIMEOUT, and at most MAX_HANDSHAKES are under way at once).
+        let (done, arrived) = std::sync::mpsc::channel::<(TcpStream, u64, usize)>();
+        let in_progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let handshake = HANDSHAKE_TIMEOUT.min(timeout);
         let mut waiting = world - rank - 1;
         while waiting > 0 {
+            while let Ok((stream, their_group, peer)) = arrived.try_recv() {
+                if their_group != group || peer <= rank || peer >= world || readers[peer].is_some()
+                {
+                    let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                    eprintln!("accel: rank {rank} ignored a stray connection from {from}");
+                    continue;
+                }
+                tune(&stream, timeout).map_err(|e| fail(e.to_string()))?;
+                readers[peer] = Some(stream);
+                waiting -= 1;
+            }
+            if waiting == 0 {
+                break;
+            }
             match listener.accept() {
                 Ok((stream, from)) => {
-                    stream.set_nonblocking(false).map_err(|e| fail(e.to_string()))?;
-                    // A peer proves the token and names itself at once; a silent or
-                    // unauthenticated connection is dropped within seconds.
-                    let handshake = HANDSHAKE_TIMEOUT.min(timeout);
-                    stream.set_nodelay(true).map_err(|e| fail(e.to_string()))?;
-                    stream.set_read_timeout(Some(handshake)).map_err(|e| fail(e.to_string()))?;
-                    if let Err(e) = authenticate_acceptor(&mut &stream, token, "mesh") {
-                        eprintln!("accel: rank {rank} refused a connection from {from}: {e}");
-                        continue;
+                    use std::sync::atomic::Ordering;
+                    if in_progress.load(Ordering::SeqCst) >= MAX_HANDSHAKES {
+                        continue; // dropped: its peer sees the connection close
                     }
-                    let mut hello = [0u8; 16];
-                    if (&stream).read_exact(&mut hello).is_err() {
-                        continue;
+                    in_progress.fetch_add(1, Ordering::SeqCst);
+                    let (done, count, token) = (done.clone(), in_progress.clone(), token.clone());
+                    let started = std::thread::Builder::new()
+                        .name("accel-mesh-handshake".into())
+                        .spawn(move || {
+                            if let Some((g, peer)) =
+                                accept_handshake(&stream, &token, handshake, rank, from)
+                            {
+                                let _ = done.send((stream, g, peer));
+                            }
+                            count.fetch_sub(1, Ordering::SeqCst);
+                        });
+                    if started.is_err() {
+                        in_progress.fetch_sub(1, Ordering::SeqCst);
                     }
-                    tune(&stream, timeout).map_err(|e| fail(e.to_string()))?;
-                    let their_group = u64::from_le_bytes(hello[0..8].try_into().expect("8"));
-                    let peer = u64::from_le_bytes(hello[8..16].try_into().expect("8")) as usize;
-                    if their_group != group
-                        || peer <= rank
-                        || peer >= world
-                        || readers[peer].is_some()
-                    {
-                        eprintln!("accel: rank {rank} ignored a stray connection from {from}");
-                        continue;
-                    }
-                    readers[peer] = Some(stream);
-                    waiting -= 1;
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
@@ -285,5 +324,46 @@ impl Links {
 
     pub fn prev(&self) -> usize {
         (self.rank + self.world - 1) % self.world
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::net::{TcpListener, TcpStream};
+    use std::time::{Duration, Instant};
+
+    use super::Links;
+    use crate::comm::auth::Token;
+
+    /// 20 silent connections and 5 that send garbage reach rank 0's listener before the real
+    /// peer dials: their handshakes run beside it, so the mesh forms at once instead of after
+    /// 10 s per silent connection.
+    #[test]
+    fn silent_and_unauthenticated_connections_do_not_delay_the_mesh() {
+        let token = Token::from_bytes(b"a shared secret of the run").unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let silent: Vec<TcpStream> = (0..20).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+        let garbage: Vec<TcpStream> = (0..5)
+            .map(|_| {
+                let mut s = TcpStream::connect(&addr).unwrap();
+                let _ = s.write_all(&[0xAB; 4096]);
+                s
+            })
+            .collect();
+        let started = Instant::now();
+        let timeout = Duration::from_secs(30);
+        let peer = {
+            let (addrs, token) = (vec![addr.clone()], token.clone());
+            std::thread::spawn(move || {
+                let own = TcpListener::bind("127.0.0.1:0").unwrap();
+                Links::connect(1, 2, 7, &own, &addrs, timeout, &token).map(|l| l.rank)
+            })
+        };
+        let links = Links::connect(0, 2, 7, &listener, &[addr], timeout, &token).unwrap();
+        assert_eq!((links.rank, peer.join().unwrap().unwrap()), (0, 1));
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+        drop((silent, garbage));
     }
 }
