@@ -222,9 +222,42 @@ pub(crate) fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result
 pub(crate) fn read_tensors(path: &Path, record: &FileRecord) -> Result<BTreeMap<String, Tensor>> {
     let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
     check_bytes(path, &bytes, record)?;
-    let tensors = Tensor::read_safetensors(path)
-        .map_err(|e| bad(path, format!("not a safetensors file: {e}")))?;
-    Ok(tensors.into_iter().collect())
+    parse_tensors(path, &bytes)
+}
+
+/// The largest safetensors header accepted: a checkpoint's lists each tensor's name, dtype,
+/// shape and offsets (~100 bytes), so this allows well over 100,000 tensors.
+const MAX_HEADER_BYTES: u64 = 16 << 20;
+
+/// The tensors of a safetensors file's bytes (those whose CRC was checked, not a second
+/// read of the file). The header's length is checked before anything is sized by it; the
+/// safetensors crate checks the rest (JSON, dtypes, shapes against offsets, overflow).
+pub(crate) fn parse_tensors(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, Tensor>> {
+    let Some(prefix) = bytes.first_chunk::<8>() else {
+        return Err(bad(path, "not a safetensors file: shorter than its 8-byte header length"));
+    };
+    let header = u64::from_le_bytes(*prefix);
+    let available = bytes.len() as u64 - 8;
+    if header > MAX_HEADER_BYTES || header > available {
+        return Err(bad(
+            path,
+            format!(
+                "not a safetensors file: its header claims {header} bytes ({available} follow; \
+                 at most {MAX_HEADER_BYTES} accepted)"
+            ),
+        ));
+    }
+    let file = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| bad(path, format!("not a safetensors file: {e:?}")))?;
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let tensor = Tensor::try_from(view).map_err(|e| {
+                bad(path, format!("tensor `{name}`: {}", crate::error::torch_text(&e)))
+            })?;
+            Ok((name, tensor))
+        })
+        .collect()
 }
 
 /// A file's bytes against its manifest record.
@@ -421,4 +454,75 @@ pub(crate) fn numbered_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     }
     found.sort();
     Ok(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use rand::{Rng, SeedableRng};
+    use tch::{Device, Kind, Tensor};
+
+    use super::parse_tensors;
+
+    /// Property: a safetensors file with its header length, its JSON header (digits mostly:
+    /// shapes and offsets) or its length mutated parses or is a named error — never a panic,
+    /// never an allocation sized by a claim the bytes do not back.
+    #[test]
+    fn mutated_safetensors_headers_never_panic_or_overallocate() {
+        let dir = std::env::temp_dir().join(format!("accel-st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.safetensors");
+        let tensors = [
+            ("a.weight".to_string(), Tensor::arange(12, (Kind::Float, Device::Cpu)).view([3, 4])),
+            ("b.bias".to_string(), Tensor::arange(5, (Kind::Int64, Device::Cpu))),
+        ];
+        Tensor::write_safetensors(&tensors, &path).unwrap();
+        let original = std::fs::read(&path).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let header = u64::from_le_bytes(*original.first_chunk::<8>().unwrap()) as usize + 8;
+        assert_eq!(parse_tensors(Path::new("t"), &original).unwrap().len(), 2);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let (mut parsed, mut refused) = (0, 0);
+        for round in 0..3000 {
+            let mut bytes = original.clone();
+            match round % 4 {
+                0 => bytes[..8].copy_from_slice(&rng.random::<u64>().to_le_bytes()),
+                1 => bytes.truncate(rng.random_range(0..bytes.len())),
+                _ => {
+                    for _ in 0..rng.random_range(1..4) {
+                        let at = rng.random_range(8..header);
+                        bytes[at] = if bytes[at].is_ascii_digit() && rng.random_bool(0.8) {
+                            b"0123456789"[rng.random_range(0..10)]
+                        } else {
+                            rng.random()
+                        };
+                    }
+                }
+            }
+            let outcome = std::panic::catch_unwind(|| parse_tensors(Path::new("t"), &bytes));
+            match outcome
+                .unwrap_or_else(|_| panic!("panicked on {:?}", String::from_utf8_lossy(&bytes)))
+            {
+                Ok(tensors) => {
+                    parsed += 1;
+                    let data: usize =
+                        tensors.values().map(|t| t.numel() * t.kind().elt_size_in_bytes()).sum();
+                    assert!(
+                        data <= bytes.len(),
+                        "{data} bytes of tensors from a {}-byte file",
+                        bytes.len()
+                    );
+                }
+                Err(e) => {
+                    refused += 1;
+                    assert!(
+                        e.to_string().contains("safetensors") || e.to_string().contains("tensor `"),
+                        "{e}"
+                    );
+                }
+            }
+        }
+        assert!(parsed > 0 && refused > 1000, "parsed {parsed}, refused {refused}");
+    }
 }
