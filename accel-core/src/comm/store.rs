@@ -35,12 +35,24 @@ const OP_CHECK: u8 = 4;
 const REPLY_OK: u8 = 0;
 const REPLY_ERR: u8 = 1;
 
+/// Which attempt of the run this process belongs to: the launcher's restart count
+/// (`ACCEL_RESTART_COUNT`, or torchrun's `TORCHELASTIC_RESTART_COUNT`), 0 without one. A
+/// store refuses ranks of another attempt, so a restarted group never meets the old one.
+pub(crate) fn run_generation() -> u32 {
+    ["ACCEL_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 #[derive(Default)]
 struct Table {
     values: HashMap<String, Vec<u8>>,
     /// rank -> the peer address that claimed it.
     ranks: HashMap<u32, SocketAddr>,
     world_size: Option<u32>,
+    /// The attempt of the run this store belongs to (see [`run_generation`]).
+    generation: u32,
 }
 
 struct Shared {
@@ -67,16 +79,6 @@ impl StoreServer {
     /// [`StoreServer::start`] serving only clients that prove `token` (see
     /// [`super::auth`]).
     pub fn start_with(addr: &str, port: u16, token: Token) -> Result<Self> {
-        Self::start_limited(addr, port, token, MAX_CONNECTIONS)
-    }
-
-    /// [`StoreServer::start_with`] serving at most `max_connections` at once.
-    pub(crate) fn start_limited(
-        addr: &str,
-        port: u16,
-        token: Token,
-        max_connections: usize,
-    ) -> Result<Self> {
         let listener = TcpListener::bind((addr, port)).map_err(|e| {
             let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
                 format!(
@@ -90,11 +92,11 @@ impl StoreServer {
         })?;
         let addr = listener.local_addr().map_err(|e| Error::Rendezvous(e.to_string()))?;
         let shared = Arc::new(Shared {
-            table: Mutex::new(Table::default()),
+            table: Mutex::new(Table { generation: run_generation(), ..Table::default() }),
             changed: Condvar::new(),
             token,
             connections: Default::default(),
-            max_connections,
+            max_connections: MAX_CONNECTIONS,
         });
         std::thread::Builder::new()
             .name("accel-store".into())
@@ -288,12 +290,22 @@ fn handle(
             let (rank, world) =
                 (f.u32().map_err(Handled::Malformed)?, f.u32().map_err(Handled::Malformed)?);
             let version = f.string().map_err(Handled::Malformed)?;
+            let generation = f.u32().map_err(Handled::Malformed)?;
             f.end().map_err(Handled::Malformed)?;
             if version != crate::VERSION {
                 return Err(Handled::Refused(format!(
                     "rank {rank} runs accel {version}, the store (rank 0) runs {}; every process \
                      must run the same build",
                     crate::VERSION
+                )));
+            }
+            if generation != table.generation {
+                return Err(Handled::Refused(format!(
+                    "rank {rank} belongs to attempt {generation} of the run, the store (rank 0) to \
+                     attempt {} (ACCEL_RESTART_COUNT / TORCHELASTIC_RESTART_COUNT): a process of \
+                     another attempt is still running, or the machines restarted apart; stop it \
+                     and start every machine's launcher again",
+                    table.generation
                 )));
             }
             match table.world_size {
@@ -469,10 +481,15 @@ impl StoreClient {
     /// Claims `rank` in a run of `world_size` (refused if taken, or if the world size or
     /// accel version differ from the others').
     pub fn hello(&mut self, rank: usize, world_size: usize) -> Result<()> {
+        self.hello_in(rank, world_size, run_generation())
+    }
+
+    fn hello_in(&mut self, rank: usize, world_size: usize, generation: u32) -> Result<()> {
         let mut body = vec![OP_HELLO];
         body.extend_from_slice(&(rank as u32).to_le_bytes());
         body.extend_from_slice(&(world_size as u32).to_le_bytes());
         put_bytes(&mut body, crate::VERSION.as_bytes());
+        body.extend_from_slice(&generation.to_le_bytes());
         self.request(&body, Duration::ZERO).map(|_| ())
     }
 
@@ -583,6 +600,10 @@ mod tests {
         r1.set("ready/1", b"").unwrap();
         let err = r0.wait_all("ready", 3, Duration::from_millis(300)).unwrap_err().to_string();
         assert!(err.contains("rank(s) [2] of 3 never arrived"), "{err}");
+        // A rank of another attempt of the run (a leftover of a restarted group) is refused.
+        let err = connect().hello_in(2, 3, 7).unwrap_err().to_string();
+        assert!(err.contains("rank 2 belongs to attempt 7 of the run"), "{err}");
+        connect().hello_in(2, 3, run_generation()).unwrap();
     }
 
     #[test]
@@ -648,10 +669,11 @@ mod tests {
     #[test]
     fn idle_connection_floods_are_bounded_in_count_and_time() {
         let token = Token::from_bytes(b"a shared secret of the run").unwrap();
-        let server = StoreServer::start_limited("127.0.0.1", 0, token.clone(), 32).unwrap();
+        // 2,000 silent connections against the default cap of 1024 (loopback only).
+        let server = StoreServer::start_with("127.0.0.1", 0, token.clone()).unwrap();
         let idle: Vec<TcpStream> =
-            (0..300).filter_map(|_| TcpStream::connect(server.addr()).ok()).collect();
-        assert!(idle.len() >= 200, "could open only {} connections", idle.len());
+            (0..2000).filter_map(|_| TcpStream::connect(server.addr()).ok()).collect();
+        assert!(idle.len() >= 1500, "could open only {} connections", idle.len());
         std::thread::sleep(Duration::from_millis(300));
         let started = Instant::now();
         let wait = HANDSHAKE_TIMEOUT + Duration::from_secs(10);
