@@ -8,6 +8,10 @@
 //!             target/release/examples/memory_bench
 //! (the fixed mmap threshold makes freed tensors go back to the system at once, so that
 //! resident memory measures what is alive; glibc's default would keep some).
+//!
+//! With `--device cuda` (scripts/gpu-check.sh) each process trains on its GPU and also
+//! reports the GPU's peak of allocated tensor bytes during those steps
+//! (`torch.cuda.max_memory_allocated`), beside python/reference/torch_memory.py's.
 
 use std::time::Instant;
 
@@ -23,13 +27,22 @@ const LAYERS: i64 = 8;
 const STEPS: usize = 4;
 
 fn main() -> Result<()> {
-    let acc = Accelerator::builder().seed(0).cpu(true).build()?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let cuda = match args.as_slice() {
+        [] => false,
+        [flag, device] if flag == "--device" && (device == "cuda" || device == "cpu") => {
+            device == "cuda"
+        }
+        other => anyhow::bail!("usage: memory_bench [--device cpu|cuda], not {other:?}"),
+    };
+    let acc = Accelerator::builder().seed(0).cpu(!cuda).build()?;
     tch::set_num_threads(1);
-    let x = Tensor::randn([8, WIDTH], (Kind::Float, Device::Cpu));
-    let y = Tensor::randn([8, WIDTH], (Kind::Float, Device::Cpu));
+    let device = acc.device();
+    let x = Tensor::randn([8, WIDTH], (Kind::Float, device));
+    let y = Tensor::randn([8, WIDTH], (Kind::Float, device));
     let before = proc_status_bytes("VmRSS:")?;
 
-    let vs = nn::VarStore::new(Device::Cpu);
+    let vs = nn::VarStore::new(device);
     let root = vs.root();
     let mut net = nn::seq();
     for i in 0..LAYERS {
@@ -50,16 +63,30 @@ fn main() -> Result<()> {
     };
     // The first step creates the optimizer state; the peak is measured over the next ones,
     // from a reset high-water mark (Linux: writing 5 to clear_refs resets VmHWM).
+    let synchronize = || {
+        if let Device::Cuda(index) = device {
+            tch::Cuda::synchronize(index as i64);
+        }
+    };
     step()?;
+    synchronize();
     acc.wait_for_everyone()?;
     std::fs::write("/proc/self/clear_refs", "5").context("resetting the peak RSS")?;
+    if let Device::Cuda(index) = device {
+        accel_core::shim::cuda::reset_peak_memory(index)?;
+    }
     let start = Instant::now();
     for _ in 1..STEPS {
         step()?;
     }
+    synchronize();
     acc.wait_for_everyone()?;
     let step_s = start.elapsed().as_secs_f64() / (STEPS - 1) as f64;
     let peak = proc_status_bytes("VmHWM:")? - before;
+    let gpu_peak = match device {
+        Device::Cuda(index) => Some(accel_core::shim::cuda::max_memory_allocated(index)?),
+        _ => None,
+    };
     println!(
         "{}",
         serde_json::json!({
@@ -68,6 +95,7 @@ fn main() -> Result<()> {
             "strategy": acc.config().strategy.as_str(),
             "params": params,
             "peak_bytes": peak,
+            "gpu_peak_bytes": gpu_peak,
             "step_s": step_s,
         })
     );

@@ -108,6 +108,9 @@ struct Args {
     /// Loss log (rank 0).
     #[arg(long)]
     losses: PathBuf,
+    /// `cpu`, or `cuda` (each process on its own GPU; scripts/gpu-check.sh).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn main() -> Result<()> {
@@ -119,7 +122,7 @@ fn main() -> Result<()> {
         .accumulate(args.accumulate)
         .tensor_parallel(args.tensor_parallel)
         .pipeline_parallel(args.pipeline_parallel)
-        .cpu(true);
+        .cpu(args.device != "cuda");
     if args.clip_grad_norm > 0.0 {
         builder = builder.clip_grad_norm(args.clip_grad_norm);
     }
@@ -131,6 +134,12 @@ fn main() -> Result<()> {
         builder = builder.sharding(ShardOptions { reduce_dtype, ..Default::default() });
     }
     let acc = builder.build()?;
+    acc.print(format!(
+        "parity: {} on {} process(es), collectives over {:?}",
+        acc.strategy().name(),
+        acc.num_processes(),
+        acc.mesh().everyone().backend()
+    ));
 
     let init: Vec<(String, Tensor)> = Tensor::read_safetensors(&args.init)
         .with_context(|| format!("reading {}", args.init.display()))?;
@@ -151,7 +160,10 @@ fn main() -> Result<()> {
         bail!("--hidden {hidden:?} does not match the weights' hidden widths {widths:?}");
     }
 
-    let vs = nn::VarStore::new(Device::Cpu);
+    if !["cpu", "cuda"].contains(&args.device.as_str()) {
+        bail!("unknown --device `{}`; use cpu or cuda", args.device);
+    }
+    let vs = nn::VarStore::new(acc.device());
     let net = build(&acc, &vs, &init, layers)?;
     acc.prepare_model(&vs)?;
     let params = named_params(&vs);
@@ -266,7 +278,11 @@ fn finish(acc: &Accelerator, vs: &nn::VarStore, args: &Args) -> Result<()> {
     // The strategy's last word (Local SGD averages the replicas once more).
     acc.end_training()?;
     // Under zero2/zero3 every rank holds a shard: all take part in gathering them.
-    let named = acc.full_state_dict(vs)?;
+    let named: Vec<(String, Tensor)> = acc
+        .full_state_dict(vs)?
+        .into_iter()
+        .map(|(name, t)| (name, t.to_device(Device::Cpu)))
+        .collect();
     if acc.is_main_process() {
         Tensor::write_safetensors(&named, &args.out)?;
     }

@@ -1,32 +1,201 @@
 #!/usr/bin/env bash
-# The CUDA-side checks, in one go, for a machine with NVIDIA GPUs and torch 2.11.0 (+cu130)
-# in its python3 (binaries built elsewhere and carried over: LD_LIBRARY_PATH points at that
-# torch/lib). Prints what a GPU session reports in its notes.
-#   bash scripts/gpu-check.sh [path/to/target/debug]
-set -u
-bin=${1:-target/debug}
-torch_lib=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+# Every CUDA-side check at once, for a machine with 1+ NVIDIA GPUs and torch 2.11.0 (+cu130)
+# in its python3. It stops at the first failure and ends with a summary: what passed, what
+# failed, what was skipped and why, and the figures measured beside PyTorch.
+#
+# The binaries and fixtures come from this repository's development machine:
+#     bash scripts/gpu-check-prepare.sh      # release build, stripped, into target/gpu-check
+# then, on the GPU machine, from the repository root:
+#     bash scripts/gpu-check.sh [target/gpu-check]
+#
+# One GPU runs: the CUDA unit tests, the main job in bf16 and fp16, the NCCL self-check,
+# every strategy at world size 1 through the real NCCL communicator (ACCEL_GROUP_OF_ONE)
+# against the CPU run on the same weights and data, step time and peak memory per strategy
+# beside PyTorch, fp8 and bf16 speed beside PyTorch (+ Accelerate where installed). Two or
+# more GPUs add: every strategy and hybrid sharding across the GPUs against CPU DDP, the
+# all-reduce bandwidth beside torch's NCCL, and a kill -9 of one rank. NCCL refuses two ranks
+# on one GPU, so those print "skipped: needs 2+ GPUs" on a machine with one.
+set -u -o pipefail
+dir=${1:-target/gpu-check}
+bin=$dir/bin
+out=$(mktemp -d /tmp/accel-gpu-check.XXXXXX)
+torch_lib=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))') || {
+  echo "python3 cannot import torch: this script needs torch 2.11.0 in python3"; exit 1; }
 export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-echo "== accel env"; "$bin/accel" env
-echo "== one process on cuda:0: the main job (bf16) and the CNN"
-"$bin/examples/train" --precision bf16 --epochs 10 --out /tmp/accel-gpu-train
-"$bin/examples/train" --precision fp16 --epochs 10 --out /tmp/accel-gpu-train-fp16
-echo "== NCCL between $(( gpus < 2 ? gpus : 2 )) processes"
-if [ "$gpus" -ge 2 ]; then
-  "$bin/accel" launch --num-processes 2 --main-process-port 0 --timeout 120 "$bin/accel" worker nccl
-else
-  echo "fewer than 2 GPUs: NCCL check with 1 process"
-  "$bin/accel" launch --num-processes 1 --main-process-port 0 --timeout 120 "$bin/accel" worker nccl
+if [ -z "${NCCL_LIBRARY:-}" ]; then
+  nccl=$(python3 -c 'import os, nvidia.nccl as n; print(os.path.join(list(n.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
+  [ -n "$nccl" ] && export NCCL_LIBRARY=$nccl
 fi
-echo "== fp8 on cuda:0 (needs compute capability 8.9+): char_lm, then fp8 vs bf16 step time of a"
-echo "   GPT of width 2048 beside Accelerate + torchao on the same GPU"
-"$bin/examples/char_lm" --precision fp8 --steps 200 --target 10
-for precision in bf16 fp8; do
-  "$bin/examples/lm_bench" --device cuda --precision $precision --width 2048 --heads 16 \
-    --blocks 4 --context 512 --batch 8 --steps 20
-  python3 python/reference/accelerate_lm.py --device cuda --fused --precision $precision \
-    --width 2048 --heads 16 --blocks 4 --context 512 --batch 8 --steps 20
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+launch() { "$bin/accel" launch --main-process-port 0 --timeout 120 "$@"; }
+
+summary=()
+finish() {
+  echo
+  echo "== summary ($gpus GPU(s); outputs in $out)"
+  printf '%s\n' "${summary[@]}"
+}
+trap finish EXIT
+# check NAME COMMAND...: runs it; a failure ends the script.
+check() {
+  local name=$1 start=$SECONDS
+  shift
+  echo
+  echo "== $name"
+  if "$@"; then
+    summary+=("PASS  $name ($(( SECONDS - start )) s)")
+  else
+    summary+=("FAIL  $name")
+    exit 1
+  fi
+}
+skip() { echo; echo "== $1: skipped: $2"; summary+=("skip  $1: skipped: $2"); }
+figure() { summary+=("      $*"); echo "   -> $*"; }
+value() { sed -n "s/.*$1=\([0-9.]*\).*/\1/p" | tail -n 1; }
+
+W=$dir/W.safetensors D=$dir/D.safetensors
+parity() {  # parity NAME [accel launch flags...] -- [parity flags...]
+  local name=$1 flags=()
+  shift
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do flags+=("$1"); shift; done
+  shift
+  launch "${flags[@]}" "$bin/parity" --init "$W" --data "$D" --hidden 16,16 --epochs 3 \
+    --batch-size 4 --accumulate 2 --clip-grad-norm 1.0 --out "$out/$name.safetensors" \
+    --losses "$out/$name.jsonl" "$@"
+}
+same() { "$bin/accel" compare-weights "$out/$1.safetensors" "$out/$2.safetensors" --tolerance 1e-4; }
+
+check "accel env" "$bin/accel" env
+[ "$gpus" -ge 1 ] || { echo "no GPU visible (nvidia-smi -L)"; exit 1; }
+check "cargo test cases for CUDA (accel-core's unit tests named cuda)" \
+  "$bin/accel_core_tests" cuda --test-threads 1
+check "the main job on cuda:0 in bf16" \
+  "$bin/train" --precision bf16 --epochs 10 --out "$out/train-bf16"
+check "the main job on cuda:0 in fp16" \
+  "$bin/train" --precision fp16 --epochs 10 --out "$out/train-fp16"
+check "NCCL self-check on $gpus GPU(s): every collective's values" \
+  launch --num-processes "$gpus" "$bin/accel" worker nccl
+
+# Every strategy through the real NCCL communicator at world size 1, against the CPU run.
+at_one() {
+  ACCEL_GROUP_OF_ONE=1 parity "gpu1-$1" --num-processes 1 -- --device cuda --strategy "$1" &&
+    same "gpu1-$1" cpu-1
+}
+across() {
+  parity "gpu$gpus-$1" --num-processes "$gpus" -- --device cuda --strategy "$1" &&
+    same "gpu$gpus-$1" "cpu-$gpus"
+}
+check "parity on CPU, one process (the reference)" parity cpu-1 --num-processes 1 --cpu --
+for s in ddp zero1 zero2 zero3; do
+  check "$s at world size 1 through NCCL on cuda:0 = CPU (1e-4)" at_one "$s"
 done
-echo "== CPU reference timing"
-"$bin/examples/mlp_bench"
+
+if [ "$gpus" -ge 2 ]; then
+  check "parity on CPU, DDP on $gpus processes (the reference)" \
+    parity "cpu-$gpus" --num-processes "$gpus" --cpu --
+  for s in ddp zero1 zero2 zero3; do
+    check "$s on $gpus GPUs over NCCL = CPU DDP (1e-4)" across "$s"
+  done
+  half=$(( gpus / 2 ))
+  hybrid() {
+    local port
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    local common=(--num-machines 2 --main-process-ip 127.0.0.1 --main-process-port "$port"
+      --timeout 120 --strategy hybrid_shard "$bin/parity" --init "$W" --data "$D" --hidden 16,16
+      --epochs 3 --batch-size 4 --accumulate 2 --clip-grad-norm 1.0 --device cuda
+      --out "$out/hybrid.safetensors" --losses "$out/hybrid.jsonl")
+    CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(( half - 1 ))) \
+      "$bin/accel" launch --num-processes "$half" --machine-rank 0 "${common[@]}" &
+    local first=$!
+    CUDA_VISIBLE_DEVICES=$(seq -s, "$half" $(( 2 * half - 1 ))) \
+      "$bin/accel" launch --num-processes "$half" --machine-rank 1 "${common[@]}" || return 1
+    wait "$first" || return 1
+    [ "$(( 2 * half ))" -eq "$gpus" ] || { echo "odd GPU count: hybrid uses $(( 2 * half ))"; return 0; }
+    same hybrid "cpu-$gpus"
+  }
+  check "hybrid sharding: 2 launchers x $half GPU(s) = CPU DDP (1e-4)" hybrid
+  kill_one() {
+    mkdir -p "$out/pids"
+    ACCEL_PID_DIR=$out/pids launch --num-processes "$gpus" "$bin/accel" worker spin-nccl &
+    local launcher=$! start
+    sleep 10
+    [ -f "$out/pids/1" ] || { echo "rank 1 never started"; return 1; }
+    start=$SECONDS
+    kill -9 "$(cat "$out/pids/1")"
+    while kill -0 "$launcher" 2>/dev/null && [ $(( SECONDS - start )) -le 60 ]; do sleep 1; done
+    local took=$(( SECONDS - start )) left=0
+    for f in "$out"/pids/*; do kill -0 "$(cat "$f")" 2>/dev/null && left=$(( left + 1 )); done
+    figure "kill -9 of rank 1 mid-collective: launch ended after ${took} s, $left process(es) left"
+    [ "$took" -le 30 ] && [ "$left" -eq 0 ]
+  }
+  check "kill -9 of one GPU rank mid-collective ends the launch within 30 s, no survivors" kill_one
+  check "all-reduce bus bandwidth beside torch's NCCL (target >= 0.95x)" \
+    "$bin/accel" bench allreduce --num-processes "$gpus" --main-process-port 0 --backend nccl \
+      --sizes 4MiB,64MiB,256MiB,1GiB --compare
+else
+  for what in "every strategy across GPUs against CPU DDP" "hybrid sharding" \
+      "kill -9 of one GPU rank" "all-reduce bandwidth beside torch's NCCL"; do
+    skip "$what" "needs 2+ GPUs"
+  done
+fi
+
+# Step time and peak GPU memory per strategy, accel beside PyTorch on the same model (8
+# Linear 2560x2560 units, 52.4M parameters, AdamW, fp32; DDP / ZeRO-1 / FSDP2).
+memory() {
+  local s=$1 ours theirs prefix=(env)
+  [ "$gpus" -eq 1 ] && prefix+=(ACCEL_GROUP_OF_ONE=1)
+  ours=$("${prefix[@]}" "$bin/accel" launch --num-processes "$gpus" --main-process-port 0 \
+    --strategy "$s" "$bin/memory_bench" --device cuda) || return 1
+  theirs=$(python3 -m torch.distributed.run --nproc-per-node "$gpus" \
+    python/reference/torch_memory.py "$s" cuda) || return 1
+  local line
+  line=$(python3 - "$s" "$gpus" "$ours" "$theirs" <<'EOF'
+import json, re, sys
+s, n = sys.argv[1], int(sys.argv[2])
+def rank0(text):
+    for line in text.splitlines():
+        m = re.search(r"\{.*\}", line)
+        if m and json.loads(m.group(0)).get("rank") == 0:
+            return json.loads(m.group(0))
+    sys.exit(f"no result of rank 0 in:\n{text}")
+ours, theirs = rank0(sys.argv[3]), rank0(sys.argv[4])
+psi = ours["params"]
+# The ZeRO paper's model state in fp32 with Adam: parameters 4, gradients 4, state 8 bytes
+# per parameter, the sharded parts divided by N.
+model_state = {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi / n,
+               "zero2": 4 * psi + 12 * psi / n, "zero3": 16 * psi / n}[s]
+mib = lambda b: b / 2**20
+print(f"{s} on {n} GPU(s): step {1e3 * ours['step_s']:.1f} ms vs torch {1e3 * theirs['step_s']:.1f} ms "
+      f"({theirs['step_s'] / ours['step_s']:.2f}x); peak GPU {mib(ours['gpu_peak_bytes']):.0f} MiB vs torch "
+      f"{mib(theirs['gpu_peak_bytes']):.0f} MiB; ZeRO model state {mib(model_state):.0f} MiB")
+EOF
+  ) || return 1
+  figure "$line"
+}
+for s in ddp zero1 zero2 zero3; do
+  check "$s: step time and peak GPU memory beside PyTorch" memory "$s"
+done
+
+capability=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1)
+lm() {  # lm PRECISION WIDTH HEADS BLOCKS CONTEXT BATCH: accel and the reference, one line
+  local ours theirs
+  ours=$("$bin/lm_bench" --device cuda --precision "$1" --width "$2" --heads "$3" --blocks "$4" \
+    --context "$5" --batch "$6" --steps 20) || return 1
+  theirs=$(python3 python/reference/accelerate_lm.py --device cuda --fused --precision "$1" \
+    --width "$2" --heads "$3" --blocks "$4" --context "$5" --batch "$6" --steps 20) || return 1
+  echo "$ours"; echo "$theirs"
+  local a t
+  a=$(echo "$ours" | value samples_per_s) t=$(echo "$theirs" | value samples_per_s)
+  figure "GPT width $2, $1, 1 GPU: accel $a samples/s, $(echo "$theirs" | sed -n 's/.*reference=\([a-z]*\).*/\1/p') $t samples/s ($(python3 -c "print(f'{$a / $t:.2f}')")x)"
+}
+check "bf16 transformer on 1 GPU beside PyTorch (+ Accelerate where installed)" \
+  lm bf16 512 8 6 256 16
+if python3 -c "import sys; sys.exit(0 if float('${capability:-0}') >= 8.9 else 1)"; then
+  check "fp8 char_lm on cuda:0 (held-out loss printed)" \
+    "$bin/char_lm" --precision fp8 --steps 200 --target 10
+  for precision in bf16 fp8; do
+    check "GPT width 2048 in $precision beside torchao" lm "$precision" 2048 16 4 512 8
+  done
+else
+  skip "fp8 on the GPU" "compute capability ${capability:-unknown} < 8.9"
+fi

@@ -15,6 +15,10 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/_fused_adamw.h>
 #include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/version.h>
 
@@ -234,10 +238,13 @@ char* accel_storage_free(at::Tensor* tensor) {
   })
 }
 
-// Gives the storage fresh, uninitialised memory of `nbytes` from its own allocator.
+// Gives the storage fresh, uninitialised memory of `nbytes` from its own allocator, on
+// the storage's own device (CUDA's allocator serves the current device, which may be
+// another one on this thread).
 char* accel_storage_allocate(at::Tensor* tensor, uint64_t nbytes) {
   ACCEL_TRY({
     c10::StorageImpl* storage = tensor->storage().unsafeGetStorageImpl();
+    c10::OptionalDeviceGuard guard(storage->device());
     at::Allocator* allocator = storage->allocator();
     if (allocator == nullptr) allocator = c10::GetAllocator(storage->device_type());
     storage->set_data_ptr_noswap(allocator->allocate(nbytes));
@@ -251,20 +258,127 @@ char* accel_tensor_impl(at::Tensor* tensor, uintptr_t* id) {
   ACCEL_TRY(*id = reinterpret_cast<uintptr_t>(tensor->unsafeGetTensorImpl()))
 }
 
-// ---- CUDA stream ---------------------------------------------------------------
+// ---- CUDA streams and events ------------------------------------------------------
+// Through c10's device-generic interfaces (VirtualGuardImpl, c10::Stream, c10::Event), so
+// the shim needs no CUDA headers and builds against CPU-only libtorch; on a machine or a
+// build without CUDA every call returns libtorch's own error. A stream crosses the boundary
+// as c10's packed triple (accel_stream), the form c10::Stream::unpack3 takes back.
 
-char* accel_current_cuda_stream(int device_index, void** stream) {
-  ACCEL_TRY({
-    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
-    c10::Stream current = impl.getStream(c10::Device(c10::DeviceType::CUDA, device_index));
-    *stream = current.native_handle();
-  })
+struct accel_stream {
+  int64_t id;
+  int64_t device_index;
+  int64_t device_type;
+  void* native;  // the cudaStream_t, for NCCL
+};
+
+namespace {
+
+c10::Stream unpack_stream(const accel_stream* s) {
+  return c10::Stream::unpack3(s->id, static_cast<c10::DeviceIndex>(s->device_index),
+                              static_cast<c10::DeviceType>(s->device_type));
 }
+
+void pack_stream(const c10::Stream& stream, accel_stream* out) {
+  c10::StreamData3 data = stream.pack3();
+  out->id = data.stream_id;
+  out->device_index = data.device_index;
+  out->device_type = static_cast<int64_t>(data.device_type);
+  out->native = stream.native_handle();
+}
+
+c10::Device cuda_device(int device_index) {
+  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
+}
+
+}  // namespace
 
 char* accel_set_cuda_device(int device_index) {
   ACCEL_TRY({
     c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
-    impl.setDevice(c10::Device(c10::DeviceType::CUDA, device_index));
+    impl.setDevice(cuda_device(device_index));
+  })
+}
+
+// torch.cuda.current_stream(device).
+char* accel_stream_current(int device_index, accel_stream* out) {
+  ACCEL_TRY({
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    pack_stream(impl.getStream(cuda_device(device_index)), out);
+  })
+}
+
+// A stream of torch's pool (what ProcessGroupNCCL takes for its communication streams).
+char* accel_stream_from_pool(int device_index, bool high_priority, accel_stream* out) {
+  ACCEL_TRY({
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    pack_stream(impl.getStreamFromGlobalPool(cuda_device(device_index), high_priority), out);
+  })
+}
+
+// Makes `stream` current on its device; `previous` receives the one it replaces.
+char* accel_stream_exchange(const accel_stream* stream, accel_stream* previous) {
+  ACCEL_TRY({
+    c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+    pack_stream(impl.exchangeStream(unpack_stream(stream)), previous);
+  })
+}
+
+char* accel_stream_synchronize(const accel_stream* stream) {
+  ACCEL_TRY(unpack_stream(stream).synchronize())
+}
+
+char* accel_event_new(void** event) {
+  ACCEL_TRY(*event = new c10::Event(c10::DeviceType::CUDA))
+}
+
+void accel_event_free(void* event) { delete static_cast<c10::Event*>(event); }
+
+char* accel_event_record(void* event, const accel_stream* stream) {
+  ACCEL_TRY(static_cast<c10::Event*>(event)->record(unpack_stream(stream)))
+}
+
+// Work queued on `stream` after this waits for the event (no host wait).
+char* accel_event_block(void* event, const accel_stream* stream) {
+  ACCEL_TRY(static_cast<c10::Event*>(event)->block(unpack_stream(stream)))
+}
+
+char* accel_event_query(void* event, bool* done) {
+  ACCEL_TRY(*done = static_cast<c10::Event*>(event)->query())
+}
+
+char* accel_event_synchronize(void* event) {
+  ACCEL_TRY(static_cast<c10::Event*>(event)->synchronize())
+}
+
+// Tells the caching allocator that `tensor`'s memory is in use on `stream` too, so it is
+// not handed out again before the work queued there is done (tensor.record_stream()).
+char* accel_record_stream(at::Tensor* tensor, const accel_stream* stream) {
+  ACCEL_TRY(tensor->record_stream(unpack_stream(stream)))
+}
+
+// The most bytes of tensors the caching allocator of a device held at once since the last
+// reset (torch.cuda.max_memory_allocated), for the memory checks of scripts/gpu-check.sh.
+char* accel_cuda_max_memory_allocated(int device_index, uint64_t* bytes) {
+  ACCEL_TRY({
+    auto stats = c10::getDeviceAllocator(c10::DeviceType::CUDA)
+                     ->getDeviceStats(static_cast<c10::DeviceIndex>(device_index));
+    *bytes = stats.allocated_bytes[0].peak;
+  })
+}
+
+char* accel_cuda_reset_peak_memory(int device_index) {
+  ACCEL_TRY(c10::getDeviceAllocator(c10::DeviceType::CUDA)
+                ->resetPeakStats(static_cast<c10::DeviceIndex>(device_index)))
+}
+
+// ---- oneDNN ----------------------------------------------------------------------
+
+// Turns libtorch's use of oneDNN on or off (torch.backends.mkldnn.enabled); `previous`
+// receives the setting it replaces.
+char* accel_set_onednn_enabled(bool enabled, bool* previous) {
+  ACCEL_TRY({
+    *previous = at::globalContext().userEnabledMkldnn();
+    at::globalContext().setUserEnabledMkldnn(enabled);
   })
 }
 

@@ -63,6 +63,11 @@ pub enum Error {
         detail: String,
     },
 
+    /// The ranks issued different collectives between two optimizer steps (the sequence
+    /// check of `comm::ledger`): names each side's diverging call and its source line.
+    #[error("{0}")]
+    Diverged(String),
+
     /// A collective operation failed: timed out, mismatched between ranks, or a peer left.
     #[error("collective #{seq} {op} of {what} on rank {rank}: {message}")]
     Collective {
@@ -79,14 +84,17 @@ pub enum Error {
     },
 
     /// An NCCL call failed.
-    #[error("NCCL {call} failed on rank {rank} with error {code}: {message}")]
+    #[error("{call} failed on rank {rank}{during}: {message}")]
     Nccl {
-        /// The NCCL function, e.g. `ncclCommInitRank`.
+        /// The NCCL function, e.g. `ncclCommInitRankConfig`.
         call: String,
         /// NCCL's result code.
         code: i32,
-        /// This process's rank in the communicator.
+        /// This process's rank in the run.
         rank: usize,
+        /// The operation it was part of (" in collective #12 all_reduce(sum) of [4] Float"),
+        /// or empty.
+        during: String,
         /// NCCL's text for the code, and `ncclGetLastError`'s where there is one.
         message: String,
     },

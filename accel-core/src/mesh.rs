@@ -10,7 +10,12 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
+use tch::Device;
+
+use crate::comm::ledger::{self, SequenceChecker};
+use crate::comm::nccl::NcclComm;
 use crate::comm::{Communicator, LocalComm, ProcessGroup};
 use crate::config::{Config, Strategy};
 use crate::error::{Error, Result};
@@ -203,6 +208,12 @@ pub struct DeviceMesh {
     rank: usize,
     world: Option<ProcessGroup>,
     comms: BTreeMap<Dim, Arc<dyn Communicator>>,
+    /// Every process, on the run's tensors (NCCL's on GPUs; the world's group on CPU).
+    everyone: Arc<dyn Communicator>,
+    /// Compares the ranks' collectives at every optimizer step (several processes, unless
+    /// `ACCEL_CHECK_COLLECTIVES=0`).
+    checker: Option<Arc<SequenceChecker>>,
+    steps: Arc<AtomicU64>,
 }
 
 impl fmt::Debug for DeviceMesh {
@@ -213,18 +224,35 @@ impl fmt::Debug for DeviceMesh {
 
 const DIMS: [Dim; 5] = [Dim::Data, Dim::DataReplicate, Dim::DataShard, Dim::Tensor, Dim::Pipeline];
 
+/// `ACCEL_GROUP_OF_ONE=1`: a run of one process still makes its process group, and its
+/// strategy runs over real communicators of one rank (NCCL's on a GPU) instead of none —
+/// how `scripts/gpu-check.sh` puts every strategy through NCCL on a machine with one GPU.
+pub fn group_of_one() -> bool {
+    std::env::var("ACCEL_GROUP_OF_ONE").is_ok_and(|v| v.trim() == "1")
+}
+
 impl DeviceMesh {
     /// One process: every dimension of size 1.
     pub fn single() -> Self {
         let dims = ParallelDims::new(1, 1, 1, 1, 1).expect("1 = 1");
         let comms = DIMS.iter().map(|&d| (d, Arc::new(LocalComm) as Arc<dyn Communicator>));
-        Self { dims, rank: 0, world: None, comms: comms.collect() }
+        Self {
+            dims,
+            rank: 0,
+            world: None,
+            comms: comms.collect(),
+            everyone: Arc::new(LocalComm),
+            checker: None,
+            steps: Arc::default(),
+        }
     }
 
     /// Makes the communicator of every dimension from the world's group (a collective:
     /// every process makes every group, in the same order, and keeps its own). A dimension
-    /// of size 1 needs no traffic; one spanning the world is the world's group.
-    pub fn new(dims: ParallelDims, world: &ProcessGroup) -> Result<Self> {
+    /// of size 1 needs no traffic; one spanning the world is the world's group. On a CUDA
+    /// `device` the dimensions' communicators are NCCL's (the world's, split per
+    /// dimension); the cpu groups stay as their control plane.
+    pub fn new(dims: ParallelDims, world: &ProcessGroup, device: Device) -> Result<Self> {
         if dims.world() != world.size() {
             return Err(Error::Config(format!(
                 "the mesh {dims} has {} ranks, the run {}",
@@ -233,14 +261,23 @@ impl DeviceMesh {
             )));
         }
         let rank = world.rank();
+        let nccl_world = match device {
+            Device::Cuda(_) => Some(Arc::new(NcclComm::new(world, device)?)),
+            _ => None,
+        };
         let mut comms: BTreeMap<Dim, Arc<dyn Communicator>> = BTreeMap::new();
         let mut made: BTreeMap<Vec<Vec<usize>>, Arc<dyn Communicator>> = BTreeMap::new();
+        // A group of one (see `group_of_one`) uses its one real communicator everywhere.
+        let one = dims.world() == 1;
         for dim in DIMS {
             let groups = dims.groups(dim);
-            let comm: Arc<dyn Communicator> = if dims.size(dim) == 1 {
+            let comm: Arc<dyn Communicator> = if dims.size(dim) == 1 && !one {
                 Arc::new(LocalComm)
             } else if dims.size(dim) == dims.world() {
-                Arc::new(world.clone())
+                match &nccl_world {
+                    Some(nccl) => nccl.clone(),
+                    None => Arc::new(world.clone()),
+                }
             } else if let Some(same) = made.get(&groups) {
                 same.clone()
             } else {
@@ -249,13 +286,53 @@ impl DeviceMesh {
                     mine = world.new_subgroup(ranks)?.or(mine);
                 }
                 let group = mine.expect("every rank is in one group of each dimension");
-                let group: Arc<dyn Communicator> = Arc::new(group);
+                let group: Arc<dyn Communicator> = match &nccl_world {
+                    Some(nccl) => {
+                        let color =
+                            groups.iter().position(|g| g.contains(&rank)).expect("a member");
+                        Arc::new(nccl.split(Some(&group), color)?.expect("a member gets one"))
+                    }
+                    None => Arc::new(group),
+                };
                 made.insert(groups, group.clone());
                 group
             };
             comms.insert(dim, comm);
         }
-        Ok(Self { dims, rank, world: Some(world.clone()), comms })
+        let checker = if ledger::enabled() {
+            let rank = world.members()[world.rank()];
+            Some(Arc::new(SequenceChecker::start(
+                world.new_store_connection()?,
+                world.timeout(),
+                crate::comm::exit_after_grace(rank),
+            )?))
+        } else {
+            None
+        };
+        let everyone: Arc<dyn Communicator> = match nccl_world {
+            Some(nccl) => nccl,
+            None => Arc::new(world.clone()),
+        };
+        Ok(Self {
+            dims,
+            rank,
+            world: Some(world.clone()),
+            comms,
+            everyone,
+            checker,
+            steps: Arc::default(),
+        })
+    }
+
+    /// The sequence check of an optimizer step: hands this rank's ledgers over to be
+    /// compared with the other ranks' (see [`crate::comm::ledger`]); returns a divergence
+    /// found at an earlier step.
+    pub fn check_collectives(&self) -> Result<()> {
+        let Some(checker) = &self.checker else { return Ok(()) };
+        let step = self.steps.fetch_add(1, Ordering::SeqCst) + 1;
+        let world = self.world.iter().map(|w| Arc::new(w.clone()) as Arc<dyn Communicator>);
+        let all = self.comms.values().cloned().chain([self.everyone.clone()]).chain(world);
+        checker.submit(step, ledger::distinct(all))
     }
 
     /// A mesh over communicators made elsewhere (tests driving ranks as threads).
@@ -269,7 +346,18 @@ impl DeviceMesh {
         for dim in DIMS {
             all.entry(dim).or_insert_with(|| Arc::new(LocalComm));
         }
-        Self { dims, rank, world, comms: all }
+        let everyone: Arc<dyn Communicator> = match &world {
+            Some(w) => Arc::new(w.clone()),
+            None => Arc::new(LocalComm),
+        };
+        Self { dims, rank, world, comms: all, everyone, checker: None, steps: Arc::default() }
+    }
+
+    /// Compares the ranks' collectives at every optimizer step through `checker` (tests
+    /// give one of their own).
+    pub fn with_checker(mut self, checker: Arc<SequenceChecker>) -> Self {
+        self.checker = Some(checker);
+        self
     }
 
     /// The sizes of the dimensions.
@@ -285,6 +373,12 @@ impl DeviceMesh {
     /// The communicator of `dim` (a group of one where the dimension has size 1).
     pub fn comm(&self, dim: Dim) -> Arc<dyn Communicator> {
         self.comms[&dim].clone()
+    }
+
+    /// Every process, for collectives on the run's tensors (NCCL's communicator on GPUs,
+    /// the world's group on CPU, a group of one with one process).
+    pub fn everyone(&self) -> Arc<dyn Communicator> {
+        self.everyone.clone()
     }
 
     /// The world's group, for control traffic (`None` with one process).

@@ -314,6 +314,41 @@ fn every_zero_stage_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
     }
 }
 
+/// A group of one (`ACCEL_GROUP_OF_ONE=1`, how scripts/gpu-check.sh puts every strategy
+/// through NCCL on a machine with one GPU): the strategy runs over a real process group of
+/// one process, says so, and trains exactly as one process does without any.
+#[test]
+fn every_strategy_over_a_group_of_one_trains_as_one_process_does_without() {
+    let dir = scratch("group-of-one");
+    make_weights_and_data(&dir, 2);
+    let alone = run_parity(&dir, 1, "ddp", "alone", &[]);
+    for strategy in STAGES {
+        let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
+        let out = dir.join(format!("{strategy}.safetensors"));
+        let port = accel_core::comm::free_port("127.0.0.1").unwrap().to_string();
+        let output = Command::new(example("parity"))
+            .args(["--init", w.to_str().unwrap(), "--data", d.to_str().unwrap()])
+            .args(["--hidden", "16,16", "--lr", "1e-2", "--batch-size", "4", "--accumulate", "2"])
+            .args(["--epochs", "2", "--clip-grad-norm", "1.0", "--strategy", strategy, "--out"])
+            .arg(&out)
+            .arg("--losses")
+            .arg(dir.join(format!("{strategy}.jsonl")))
+            .envs([("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")])
+            .envs([("MASTER_PORT", port.as_str()), ("ACCEL_GROUP_OF_ONE", "1")])
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&output.stdout).into_owned()
+            + &String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{strategy}: {said}");
+        assert!(
+            said.contains(&format!("parity: {strategy} on 1 process(es), collectives over Cpu")),
+            "{strategy} did not run over a group of one: {said}"
+        );
+        let diff = max_diff(&alone, &read_weights(&out));
+        assert!(diff <= 1e-6, "{strategy} over a group of one is {diff} from one process alone");
+    }
+}
+
 /// DDP first: the reference the sharded strategies are held to.
 const STAGES: [&str; 4] = ["ddp", "zero1", "zero2", "zero3"];
 

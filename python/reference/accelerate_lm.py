@@ -3,7 +3,9 @@ examples/gpt.rs (pre-norm blocks, causal SDPA, tanh-GELU MLP of 4x, vocabulary 7
 4 blocks of width 128, 4 heads, context 64), batch 16 of random tokens, AdamW, one thread on
 CPU, 20 warm-up steps then 100 timed ones; prints one machine-readable line. `--fused`:
 torch's fused AdamW kernel (the one accel's AdamW uses by default); `--precision bf16|fp8`:
-Accelerate's mixed precision (fp8 with torchao's default recipe, `AORecipeKwargs`).
+Accelerate's mixed precision (fp8 with torchao's default recipe, `AORecipeKwargs`). Where
+Accelerate is not installed (a bare GPU machine with torch only), plain PyTorch does the same
+(torch.autocast; torchao's convert_to_float8_training for fp8) and the line says so.
 
     .venv/bin/python python/reference/accelerate_lm.py [--fused] [--precision fp8] \
         [--width 2048 --heads 16 --device cuda]
@@ -13,9 +15,15 @@ import resource
 import time
 
 import torch
+
+import cpu_fp8  # noqa: F401 (torch._scaled_mm on CPU without oneDNN; see the module)
 import torch.nn.functional as F
-from accelerate import Accelerator
-from accelerate.utils import set_seed
+
+try:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+except ImportError:
+    Accelerator = None
 
 VOCAB, WARMUP = 72, 20
 
@@ -68,14 +76,49 @@ class Gpt(torch.nn.Module):
         return self.head(self.ln(x))
 
 
-handlers = []
-if args.precision == "fp8":
-    from accelerate.utils import AORecipeKwargs
+class PlainTorch:
+    """What the script needs of Accelerate, in plain PyTorch (one process)."""
 
-    handlers.append(AORecipeKwargs())
+    def __init__(self, precision, cpu):
+        self.device = torch.device("cpu" if cpu else "cuda")
+        self.precision = precision
+
+    def prepare(self, thing):
+        if not isinstance(thing, torch.nn.Module):
+            return thing
+        thing = thing.to(self.device)
+        if self.precision == "fp8":
+            from torchao.float8 import convert_to_float8_training
+
+            convert_to_float8_training(thing)
+        if self.precision in ("bf16", "fp8"):
+            forward = thing.forward
+
+            def autocast_forward(*a, **k):
+                with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                    return forward(*a, **k)
+
+            thing.forward = autocast_forward
+        return thing
+
+    def backward(self, loss):
+        loss.backward()
+
+
 cpu = args.device == "cpu"
-acc = Accelerator(mixed_precision=args.precision, cpu=cpu, kwargs_handlers=handlers)
-set_seed(0)
+if Accelerator is not None:
+    handlers = []
+    if args.precision == "fp8":
+        from accelerate.utils import AORecipeKwargs
+
+        handlers.append(AORecipeKwargs())
+    acc = Accelerator(mixed_precision=args.precision, cpu=cpu, kwargs_handlers=handlers)
+    set_seed(0)
+    reference = "accelerate"
+else:
+    acc = PlainTorch(args.precision, cpu)
+    torch.manual_seed(0)
+    reference = "torch"
 if cpu:
     torch.set_num_threads(1)
 model = Gpt()
@@ -106,7 +149,7 @@ last = loss.item()
 dt = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(
-    f"fused={args.fused} precision={args.precision} steps={args.steps} "
+    f"reference={reference} fused={args.fused} precision={args.precision} steps={args.steps} "
     f"samples_per_s={args.steps * args.batch / dt:.1f} step_ms={1e3 * dt / args.steps:.2f} "
     f"peak_rss_mib={peak:.0f} loss={last:.4f}"
 )

@@ -13,6 +13,8 @@ import dataclasses
 import sys
 
 import torch
+
+import cpu_fp8  # noqa: F401 (torch._scaled_mm on CPU without oneDNN; see the module)
 from safetensors.torch import save_file
 from torchao.float8 import Float8LinearConfig
 from torchao.float8.float8_linear import Float8Linear

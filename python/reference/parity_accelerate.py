@@ -19,6 +19,8 @@ import json
 import sys
 
 import torch
+
+import cpu_fp8  # noqa: F401 (torch._scaled_mm on CPU without oneDNN; see the module)
 from safetensors.torch import load_file, save_file
 
 

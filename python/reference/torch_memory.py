@@ -6,6 +6,10 @@ argument 1: ddp (DistributedDataParallel), zero1 (DDP + ZeroRedundancyOptimizer)
 fully_shard, FULL_SHARD). Prints one JSON line per rank, with memory_bench's keys.
 
     MALLOC_MMAP_THRESHOLD_=65536 .venv/bin/torchrun --nproc-per-node 2 python/reference/torch_memory.py zero3
+
+With a second argument `cuda` (scripts/gpu-check.sh), each process trains on its GPU over
+NCCL and also reports the GPU's peak of allocated tensor bytes during those steps, beside
+examples/memory_bench.rs --device cuda.
 """
 import json
 import sys
@@ -27,14 +31,24 @@ def status_bytes(field):
 
 
 strategy = sys.argv[1]
-dist.init_process_group("gloo")
+cuda = len(sys.argv) > 2 and sys.argv[2] == "cuda"
+if cuda:
+    local = int(__import__("os").environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group("nccl", device_id=device)
+else:
+    device = torch.device("cpu")
+    dist.init_process_group("gloo")
 torch.set_num_threads(1)
 torch.manual_seed(0)
-x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+x, y = torch.randn(8, WIDTH, device=device), torch.randn(8, WIDTH, device=device)
 before = status_bytes("VmRSS:")
 model = torch.nn.Sequential(
     *[torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()) for _ in range(LAYERS)]
 )
+model = model.to(device)
 params = sum(p.numel() for p in model.parameters())
 if strategy in ("ddp", "zero1"):
     model = DistributedDataParallel(model)
@@ -59,13 +73,22 @@ def step():
     opt.zero_grad()
 
 
+def synchronize():
+    if cuda:
+        torch.cuda.synchronize()
+
+
 step()
+synchronize()
 dist.barrier()
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
+if cuda:
+    torch.cuda.reset_peak_memory_stats()
 t0 = time.perf_counter()
 for _ in range(STEPS - 1):
     step()
+synchronize()
 dist.barrier()
 step_s = (time.perf_counter() - t0) / (STEPS - 1)
 print(json.dumps({
@@ -74,6 +97,7 @@ print(json.dumps({
     "strategy": strategy,
     "params": params,
     "peak_bytes": status_bytes("VmHWM:") - before,
+    "gpu_peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
     "step_s": step_s,
 }))
 dist.destroy_process_group()

@@ -29,6 +29,10 @@ pub struct AcceleratorBuilder {
     ddp: DdpOptions,
     sharding: ShardOptions,
     custom: Option<Arc<dyn crate::strategy::Strategy>>,
+    /// Tests driving ranks as threads: the topology and mesh to use instead of the
+    /// environment's.
+    #[cfg(test)]
+    thread_rank: Option<(Topology, DeviceMesh)>,
 }
 
 impl std::fmt::Debug for AcceleratorBuilder {
@@ -136,10 +140,23 @@ impl AcceleratorBuilder {
         self
     }
 
+    /// A rank run as a thread of a test: `process` and `mesh` instead of the environment's.
+    #[cfg(test)]
+    pub(crate) fn thread_rank(mut self, process: Topology, mesh: DeviceMesh) -> Self {
+        self.thread_rank = Some((process, mesh));
+        self
+    }
+
     /// Resolves the configuration and the device and makes the accelerator (also reachable
     /// afterwards through [`crate::current`]).
     pub fn build(self) -> Result<Accelerator> {
-        let process = Topology::from_env()?;
+        #[cfg(test)]
+        let (process, given_mesh): (Topology, Option<DeviceMesh>) = match self.thread_rank.clone() {
+            Some((process, mesh)) => (process, Some(mesh)),
+            None => (Topology::from_env()?, None),
+        };
+        #[cfg(not(test))]
+        let (process, given_mesh): (Topology, Option<DeviceMesh>) = (Topology::from_env()?, None);
         let file = match self.config_file.clone().or_else(config_file_from_env) {
             Some(path) => PartialConfig::from_file(&path)?,
             None => PartialConfig::default(),
@@ -166,12 +183,18 @@ impl AcceleratorBuilder {
         let device = crate::cuda::check_device(device)?;
         precision::check_precision(config.precision, device)?;
         let dims = ParallelDims::for_run(&config, &process)?;
-        let mesh = if process.world_size > 1 {
-            check_multi_process(&config, device)?;
-            let world = ProcessGroup::new(&process, GroupOptions::from_env()?)?;
-            DeviceMesh::new(dims, &world)?
-        } else {
-            DeviceMesh::single()
+        if let Device::Cuda(index) = device {
+            // This thread's (and NCCL's) device: every CUDA call that follows lands on it.
+            crate::shim::set_cuda_device(index)?;
+        }
+        let given_mesh_absent = given_mesh.is_none();
+        let mesh = match given_mesh {
+            Some(mesh) => mesh,
+            None if process.world_size > 1 || crate::mesh::group_of_one() => {
+                let world = ProcessGroup::new(&process, GroupOptions::from_env()?)?;
+                DeviceMesh::new(dims, &world, device)?
+            }
+            None => DeviceMesh::single(),
         };
         let strategy = match self.custom {
             Some(custom) => custom,
@@ -208,25 +231,16 @@ impl AcceleratorBuilder {
                 in_pipeline_step: Default::default(),
             }),
         };
-        crate::optim::note_run(accelerator.process_index(), accelerator.num_processes());
+        if given_mesh_absent {
+            // Process-wide; a test's thread ranks leave it to the process.
+            crate::optim::note_run(accelerator.process_index(), accelerator.num_processes());
+        }
         let _ = CURRENT.set(Mutex::new(None));
         if let Some(current) = CURRENT.get() {
             *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(accelerator.clone());
         }
         Ok(accelerator)
     }
-}
-
-/// What this release can do with several processes: data parallelism and sharding on CPU.
-fn check_multi_process(config: &Config, device: Device) -> Result<()> {
-    if device != Device::Cpu {
-        return Err(Error::Unsupported(format!(
-            "{} on {device:?} with several processes: the strategies run over the cpu \
-             backend so far (the NCCL communicator is not wired in yet); run with --cpu",
-            config.strategy
-        )));
-    }
-    Ok(())
 }
 
 fn default_device(config: &Config, process: &Topology) -> Device {

@@ -2,28 +2,51 @@
 //! `gather_for_metrics`, `reduce`, `broadcast`, `pad_across_processes`,
 //! `main_process_first`, `split_between_processes`.
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 use super::Accelerator;
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::{Backend, Communicator, ReduceOp};
 use crate::error::Result;
+
+/// Runs `op` on `tensor` through `comm`, on the device `comm` works on: NCCL reduces GPU
+/// memory only, so a CPU tensor (a metric, a count) goes to `device` and its result comes
+/// back.
+#[track_caller]
+fn on_comm_device(
+    comm: &dyn Communicator,
+    device: Device,
+    tensor: &Tensor,
+    op: impl FnOnce(&dyn Communicator, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    if comm.backend() == Backend::Nccl && tensor.device() != device {
+        let back = tensor.device();
+        Ok(op(comm, &tensor.f_to_device(device)?)?.f_to_device(back)?)
+    } else {
+        op(comm, tensor)
+    }
+}
 
 impl Accelerator {
     /// Every process's `tensor` (same shape on all) concatenated along dim 0; a scalar
     /// becomes one element per process.
+    #[track_caller]
     pub fn gather(&self, tensor: &Tensor) -> Result<Tensor> {
         self.inner.strategy.take_error()?;
-        match self.process_group() {
-            Some(group) => group.all_gather(tensor),
-            None => {
-                Ok(if tensor.dim() == 0 { tensor.f_reshape([1])? } else { tensor.shallow_clone() })
-            }
+        if self.num_processes() == 1 {
+            return Ok(if tensor.dim() == 0 {
+                tensor.f_reshape([1])?
+            } else {
+                tensor.shallow_clone()
+            });
         }
+        let everyone = self.inner.mesh.everyone();
+        on_comm_device(everyone.as_ref(), self.device(), tensor, |c, t| c.all_gather(t))
     }
 
     /// [`gather`](Self::gather), minus the samples that padded the last round of a
     /// prepared loader (Accelerate's `gather_for_metrics`): over an epoch, exactly the
     /// data set's samples come back.
+    #[track_caller]
     pub fn gather_for_metrics(&self, tensor: &Tensor) -> Result<Tensor> {
         // A sharded forward that failed where it could not say so (evaluation under zero3).
         self.inner.strategy.take_error()?;
@@ -34,7 +57,7 @@ impl Accelerator {
                 let data = self.inner.mesh.comm(crate::mesh::Dim::Data);
                 let t =
                     if tensor.dim() == 0 { tensor.f_reshape([1])? } else { tensor.shallow_clone() };
-                data.all_gather(&t)?
+                on_comm_device(data.as_ref(), self.device(), &t, |c, t| c.all_gather(t))?
             }
         };
         if self.inner.state.end_of_dataloader() {
@@ -46,27 +69,38 @@ impl Accelerator {
     }
 
     /// The reduction of `tensor` over processes (a new tensor).
+    #[track_caller]
     pub fn reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
         self.inner.strategy.take_error()?;
         let out = tensor.f_detach_copy()?;
-        if let Some(group) = self.process_group() {
-            group.all_reduce(&out, op)?;
+        if self.num_processes() == 1 {
+            return Ok(out);
         }
-        Ok(out)
+        let everyone = self.inner.mesh.everyone();
+        on_comm_device(everyone.as_ref(), self.device(), &out, |c, t| {
+            c.all_reduce(t, op)?;
+            Ok(t.shallow_clone())
+        })
     }
 
     /// Rank `from`'s `tensor` on every process (a new tensor).
+    #[track_caller]
     pub fn broadcast(&self, tensor: &Tensor, from: usize) -> Result<Tensor> {
         self.inner.strategy.take_error()?;
         let out = tensor.f_detach_copy()?;
-        if let Some(group) = self.process_group() {
-            group.broadcast(&out, from)?;
+        if self.num_processes() == 1 {
+            return Ok(out);
         }
-        Ok(out)
+        let everyone = self.inner.mesh.everyone();
+        on_comm_device(everyone.as_ref(), self.device(), &out, |c, t| {
+            c.broadcast(t, from)?;
+            Ok(t.shallow_clone())
+        })
     }
 
     /// Pads `tensor` along `dim` to the largest size any process has, with `pad_value`, at
     /// the end (or the start with `pad_first`), so that it can be gathered.
+    #[track_caller]
     pub fn pad_across_processes(
         &self,
         tensor: &Tensor,
@@ -74,11 +108,21 @@ impl Accelerator {
         pad_value: f64,
         pad_first: bool,
     ) -> Result<Tensor> {
-        let Some(group) = self.process_group() else { return Ok(tensor.shallow_clone()) };
+        if self.num_processes() == 1 {
+            return Ok(tensor.shallow_clone());
+        }
         let size = tensor.size();
         let d = if dim < 0 { dim + size.len() as i64 } else { dim } as usize;
-        let len = Tensor::from_slice(&[size[d]]);
-        group.all_reduce(&len, ReduceOp::Max)?;
+        let everyone = self.inner.mesh.everyone();
+        let len = on_comm_device(
+            everyone.as_ref(),
+            self.device(),
+            &Tensor::from_slice(&[size[d]]),
+            |c, t| {
+                c.all_reduce(t, ReduceOp::Max)?;
+                Ok(t.shallow_clone())
+            },
+        )?;
         let max = len.int64_value(&[0]);
         if max == size[d] {
             return Ok(tensor.shallow_clone());

@@ -271,7 +271,9 @@ impl AcceleratedOptimizer {
         }
         let tp = &accelerator.inner.tp;
         // Sums of squares: [split by tensor parallelism, not split].
-        let sums = Tensor::f_zeros([2], (tch::Kind::Double, tch::Device::Cpu))?;
+        // On the gradients' device (NCCL reduces device memory); one host read at the end.
+        let device = accelerator.device();
+        let sums = Tensor::f_zeros([2], (tch::Kind::Double, device))?;
         for (grad, param) in grads.iter().zip(&slot.trainable) {
             let g = grad.grad();
             if !g.defined() {
@@ -279,7 +281,7 @@ impl AcceleratedOptimizer {
             }
             let split = tp.split_of(crate::shim::tensor_id(param)?).is_some();
             let square = g.f_to_kind(tch::Kind::Double)?.f_square()?.f_sum(tch::Kind::Double)?;
-            let _ = sums.get(i64::from(!split)).f_add_(&square.f_to_device(tch::Device::Cpu)?)?;
+            let _ = sums.get(i64::from(!split)).f_add_(&square.f_to_device(device)?)?;
         }
         if let Some(group) = &group {
             group.all_reduce(&sums, crate::comm::ReduceOp::Sum)?;
@@ -391,6 +393,11 @@ impl AcceleratedOptimizer {
         slot.step_was_skipped = skipped;
         slot.unscaled = false;
         self.state.record_optimizer_step(skipped);
+        if self.num_processes > 1 {
+            // Every rank compares the collectives it issued since the last step with the
+            // others' (off this thread; a divergence found earlier is returned here).
+            self.accelerator()?.inner.mesh.check_collectives()?;
+        }
         Ok(())
     }
 

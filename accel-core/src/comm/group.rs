@@ -2,6 +2,7 @@
 //! (objects, subgroups, the rendezvous store it was made through).
 
 use std::net::TcpListener;
+use std::panic::Location;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::channel;
 use std::sync::{Arc, Mutex};
@@ -17,6 +18,7 @@ use super::cpu::tcp::Links;
 use super::cpu::wire::{Tag, WireKind};
 use super::cpu::worker::{Identity, Worker, describe};
 use super::cpu::{OBJECT_LIMIT, ring};
+use super::ledger::{Ledger, Scope};
 use super::store::{StoreClient, StoreServer};
 use super::{Backend, Communicator, GroupOptions, Op, ReduceOp, Work, check_rank};
 use crate::error::{Error, Result};
@@ -49,6 +51,8 @@ pub struct ProcessGroup {
     p2p: Arc<Mutex<std::collections::HashMap<(usize, bool), u64>>>,
     shared: Arc<Shared>,
     options: GroupOptions,
+    /// The collectives issued since the last sequence check.
+    ledger: Arc<Ledger>,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -202,6 +206,7 @@ impl ProcessGroup {
             sockets,
             shared,
             options,
+            ledger: Arc::default(),
         })
     }
 
@@ -234,7 +239,9 @@ impl ProcessGroup {
         Self::join(self.shared.clone(), id, global, members, self.options.clone()).map(Some)
     }
 
-    /// Queues a collective (numbered in the group's sequence).
+    /// Queues a collective (numbered in the group's sequence, noted in the ledger with the
+    /// caller's source line).
+    #[track_caller]
     fn collective(
         &self,
         op: Op,
@@ -245,7 +252,9 @@ impl ProcessGroup {
     ) -> Work {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let tag = Tag { seq, op, kind, numel };
-        self.worker.submit(tag, true, what, move |links| job(links, tag))
+        let site = Location::caller();
+        self.ledger.record(seq, op, &what, site);
+        self.worker.submit(tag, Some(site), what, move |links| job(links, tag))
     }
 
     /// The tag of the next point-to-point transfer of `tensor` with `peer` (numbered by
@@ -271,8 +280,8 @@ impl ProcessGroup {
         job: impl FnOnce(&Links, Tag) -> FaultResult<()> + Send + 'static,
     ) -> Result<Work> {
         let tag = self.p2p_tag(peer, sending, tensor)?;
-        let what = describe(Op::SendRecv, tensor);
-        Ok(self.worker.submit(tag, false, what, move |links| job(links, tag)))
+        let what = describe(tensor);
+        Ok(self.worker.submit(tag, None, what, move |links| job(links, tag)))
     }
 
     fn in_place_buffer(&self, what: &str, buffer: &Tensor) -> Result<Buffer> {
@@ -288,6 +297,7 @@ impl ProcessGroup {
     }
 
     /// Rank `root`'s `value` on every rank (others pass `None`).
+    #[track_caller]
     pub fn broadcast_object<T: Serialize + DeserializeOwned>(
         &self,
         value: Option<&T>,
@@ -330,6 +340,7 @@ impl ProcessGroup {
     }
 
     /// Every rank's `value` on rank `root` (in rank order); `None` elsewhere.
+    #[track_caller]
     pub fn gather_objects<T: Serialize + DeserializeOwned>(
         &self,
         value: &T,
@@ -372,6 +383,7 @@ impl ProcessGroup {
     }
 
     /// Every rank's `value`, on every rank.
+    #[track_caller]
     pub fn all_gather_objects<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
         let gathered = self.gather_objects(value, 0)?;
         self.broadcast_object(gathered.as_ref(), 0)
@@ -396,6 +408,22 @@ impl ProcessGroup {
     pub fn id(&self) -> u64 {
         self.id
     }
+
+    /// The run's connection to the rendezvous store.
+    pub(crate) fn store(&self) -> Arc<Mutex<StoreClient>> {
+        self.shared.store.clone()
+    }
+
+    /// A connection of its own to the run's store (authenticated as the group's are).
+    pub(crate) fn new_store_connection(&self) -> Result<StoreClient> {
+        let store = self.shared.store.lock().unwrap_or_else(|e| e.into_inner());
+        store.reconnect(self.options.timeout, &self.options.token)
+    }
+
+    /// The bound on every wait of this group.
+    pub fn timeout(&self) -> std::time::Duration {
+        self.options.timeout
+    }
 }
 
 /// Non-contiguous inputs were worked on in a contiguous copy; write the result back.
@@ -419,6 +447,7 @@ impl Communicator for ProcessGroup {
         Backend::Cpu
     }
 
+    #[track_caller]
     fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         if op == ReduceOp::Avg && !tensor.is_floating_point() {
             return Err(Error::Unsupported(format!(
@@ -430,34 +459,37 @@ impl Communicator for ProcessGroup {
         let target = tensor.shallow_clone();
         let (kind, numel) = (WireKind::of(tensor.kind())?, tensor.numel() as u64);
         let op_ = Op::AllReduce(op);
-        Ok(self.collective(op_, describe(op_, tensor), kind, numel, move |links, tag| {
+        Ok(self.collective(op_, describe(tensor), kind, numel, move |links, tag| {
             ring::all_reduce(links, &mut buf, op, tag)?;
             copy_back(&target, buf.tensor())
         }))
     }
 
+    #[track_caller]
     fn broadcast_async(&self, tensor: &Tensor, root: usize) -> Result<Work> {
         check_rank(root, self.world)?;
         let mut buf = Buffer::new(tensor)?;
         let target = tensor.shallow_clone();
         let (kind, numel) = (WireKind::of(tensor.kind())?, tensor.numel() as u64);
-        let what = describe(Op::Broadcast, tensor);
+        let what = describe(tensor);
         Ok(self.collective(Op::Broadcast, what, kind, numel, move |links, tag| {
             ring::broadcast(links, &mut buf, root, tag)?;
             copy_back(&target, buf.tensor())
         }))
     }
 
+    #[track_caller]
     fn all_gather_in_place_async(&self, buffer: &Tensor) -> Result<Work> {
         let mut buf = self.in_place_buffer("all_gather", buffer)?;
         let kind = WireKind::of(buffer.kind())?;
         let numel = (buffer.numel() / self.world) as u64;
-        let what = describe(Op::AllGather, buffer);
+        let what = describe(buffer);
         Ok(self.collective(Op::AllGather, what, kind, numel, move |links, tag| {
             ring::all_gather(links, &mut buf, tag)
         }))
     }
 
+    #[track_caller]
     fn reduce_scatter_in_place_async(&self, buffer: &Tensor, op: ReduceOp) -> Result<Work> {
         if op == ReduceOp::Avg && !buffer.is_floating_point() {
             return Err(Error::Unsupported(format!(
@@ -468,11 +500,12 @@ impl Communicator for ProcessGroup {
         let mut buf = self.in_place_buffer("reduce_scatter", buffer)?;
         let (kind, numel) = (WireKind::of(buffer.kind())?, buffer.numel() as u64);
         let op_ = Op::ReduceScatter(op);
-        Ok(self.collective(op_, describe(op_, buffer), kind, numel, move |links, tag| {
+        Ok(self.collective(op_, describe(buffer), kind, numel, move |links, tag| {
             ring::reduce_scatter(links, &mut buf, op, tag)
         }))
     }
 
+    #[track_caller]
     fn send_async(&self, tensor: &Tensor, to: usize) -> Result<Work> {
         let buf = Buffer::new(tensor)?;
         self.point_to_point(to, true, tensor, move |links, tag| {
@@ -480,6 +513,7 @@ impl Communicator for ProcessGroup {
         })
     }
 
+    #[track_caller]
     fn recv_async(&self, tensor: &Tensor, from: usize) -> Result<Work> {
         let mut buf = Buffer::new(tensor)?;
         let target = tensor.shallow_clone();
@@ -490,6 +524,7 @@ impl Communicator for ProcessGroup {
         })
     }
 
+    #[track_caller]
     fn send_recv_async(
         &self,
         send: &Tensor,
@@ -502,8 +537,8 @@ impl Communicator for ProcessGroup {
         let target = recv.shallow_clone();
         let (send_tag, recv_tag) =
             (self.p2p_tag(to, true, send)?, self.p2p_tag(from, false, recv)?);
-        let what = format!("{} and {}", describe(Op::SendRecv, send), describe(Op::SendRecv, recv));
-        Ok(self.worker.submit(recv_tag, false, what, move |links| {
+        let what = format!("{} and {}", describe(send), describe(recv));
+        Ok(self.worker.submit(recv_tag, None, what, move |links| {
             let outgoing = out.bytes(0..out.len());
             std::thread::scope(|scope| {
                 let sender = scope.spawn(|| links.send(to, send_tag, outgoing));
@@ -524,5 +559,17 @@ impl Communicator for ProcessGroup {
         for socket in self.sockets.iter() {
             let _ = socket.shutdown(std::net::Shutdown::Both);
         }
+    }
+
+    fn ledger(&self) -> Option<&Ledger> {
+        Some(&self.ledger)
+    }
+
+    fn scope(&self) -> Option<Scope> {
+        (self.world > 1).then(|| Scope {
+            name: format!("group{}", self.id),
+            rank: self.rank,
+            members: self.members.to_vec(),
+        })
     }
 }

@@ -11,11 +11,14 @@
 //! Every operation has a sequence number, the same on all ranks, and a timeout (30 min by
 //! default, like torch's gloo; `ACCEL_TIMEOUT_SECS` or [`GroupOptions::timeout`]). A
 //! timeout names the operation, its number, the tensor's shape and dtype, and the ranks
-//! that did not arrive.
+//! that did not arrive. Every collective is noted with its call site in the
+//! communicator's [`ledger`], and at each optimizer step the ranks compare ledgers, so a
+//! rank that skipped or reordered one is named with the source line within a step.
 
 pub mod auth;
 mod cpu;
 mod group;
+pub mod ledger;
 pub mod nccl;
 pub mod store;
 
@@ -158,29 +161,48 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     fn backend(&self) -> Backend;
 
     /// Reduces `tensor` across ranks, in place.
+    #[track_caller]
     fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work>;
     /// Copies rank `root`'s `tensor` into every rank's, in place.
+    #[track_caller]
     fn broadcast_async(&self, tensor: &Tensor, root: usize) -> Result<Work>;
     /// Fills the contiguous `buffer` (size × k elements) with every rank's slice
     /// `[r·k, (r+1)·k)`, in place; this rank's slice must hold its part.
+    #[track_caller]
     fn all_gather_in_place_async(&self, buffer: &Tensor) -> Result<Work>;
     /// Reduces the contiguous `buffer` (size × k elements) across ranks, in place:
     /// afterwards this rank's slice `[rank·k, (rank+1)·k)` holds the reduction and the rest
     /// is scratch.
+    #[track_caller]
     fn reduce_scatter_in_place_async(&self, buffer: &Tensor, op: ReduceOp) -> Result<Work>;
     /// Sends `tensor` to rank `to`, which receives it into a tensor of the same shape and
     /// dtype.
+    #[track_caller]
     fn send_async(&self, tensor: &Tensor, to: usize) -> Result<Work>;
     /// Receives into `tensor` what rank `from` sends.
+    #[track_caller]
     fn recv_async(&self, tensor: &Tensor, from: usize) -> Result<Work>;
     /// Stops taking part at once: ranks waiting on this one get an error instead of waiting
     /// for their timeout. The communicator is unusable afterwards.
     fn abort(&self);
 
+    /// The collectives it issued since the last optimizer step, with their call sites, for
+    /// the sequence check ([`ledger`]); `None` where it keeps none (a group of one).
+    fn ledger(&self) -> Option<&ledger::Ledger> {
+        None
+    }
+
+    /// Where its ranks post for the sequence check; `None` where there is nothing to
+    /// compare.
+    fn scope(&self) -> Option<ledger::Scope> {
+        None
+    }
+
     /// Sends `send` to rank `to` while receiving into `recv` from rank `from` (NCCL's
     /// grouped send/recv, torch's `batch_isend_irecv`): what neighbouring pipeline stages
     /// exchange, neither waiting for the other. By default one after the other, which a
     /// backend must override where a large send blocks until it is received.
+    #[track_caller]
     fn send_recv_async(
         &self,
         send: &Tensor,
@@ -193,22 +215,27 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     }
 
     /// [`all_reduce_async`](Self::all_reduce_async), waited for.
+    #[track_caller]
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         self.all_reduce_async(tensor, op)?.wait()
     }
     /// [`broadcast_async`](Self::broadcast_async), waited for.
+    #[track_caller]
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
         self.broadcast_async(tensor, root)?.wait()
     }
     /// [`send_async`](Self::send_async), waited for.
+    #[track_caller]
     fn send(&self, tensor: &Tensor, to: usize) -> Result<()> {
         self.send_async(tensor, to)?.wait()
     }
     /// [`recv_async`](Self::recv_async), waited for.
+    #[track_caller]
     fn recv(&self, tensor: &Tensor, from: usize) -> Result<()> {
         self.recv_async(tensor, from)?.wait()
     }
     /// Waits until every rank gets here.
+    #[track_caller]
     fn barrier(&self) -> Result<()> {
         let flag = Tensor::f_zeros([1], (tch::Kind::Float, tch::Device::Cpu))?;
         self.all_reduce(&flag, ReduceOp::Sum)
@@ -216,6 +243,7 @@ pub trait Communicator: Send + Sync + fmt::Debug {
 
     /// Every rank's `tensor` (same shape everywhere), concatenated along dim 0 in rank
     /// order into a new tensor; a scalar becomes a `[size]` tensor.
+    #[track_caller]
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
         let (world, rank) = (self.size() as i64, self.rank() as i64);
         let flat = tensor.f_reshape([-1])?;
@@ -233,6 +261,7 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     }
 
     /// Every rank's `tensor`, as a list in rank order.
+    #[track_caller]
     fn all_gather_list(&self, tensor: &Tensor) -> Result<Vec<Tensor>> {
         let gathered = self.all_gather(&tensor.f_unsqueeze(0)?)?;
         Ok((0..self.size() as i64).map(|r| gathered.get(r)).collect())
@@ -240,6 +269,7 @@ pub trait Communicator: Send + Sync + fmt::Debug {
 
     /// Reduces `input` (dim 0 of size `size() × k`) across ranks and returns this rank's
     /// slice `[rank·k, (rank+1)·k)` of the result, as a new tensor.
+    #[track_caller]
     fn reduce_scatter(&self, input: &Tensor, op: ReduceOp) -> Result<Tensor> {
         let world = self.size() as i64;
         let rows = input.size().first().copied().unwrap_or(0);
@@ -299,6 +329,28 @@ pub(crate) fn check_rank(rank: usize, world: usize) -> Result<()> {
     } else {
         Err(Error::Training(format!("rank {rank} is not in this group of {world}")))
     }
+}
+
+/// How long a rank's main thread has, after a watchdog or the sequence check found a
+/// failure and aborted its communicators, to return the error itself before the process is
+/// ended (it may be blocked in a wait that never returns).
+pub const EXIT_GRACE: Duration = Duration::from_secs(10);
+
+/// The default reaction to a failure found off the main thread: print it at once, and end
+/// the process with code 1 if it is still running [`EXIT_GRACE`] later.
+pub(crate) fn exit_after_grace(rank: usize) -> std::sync::Arc<dyn Fn(&str) + Send + Sync> {
+    std::sync::Arc::new(move |message: &str| {
+        eprintln!("accel: rank {rank}: {message}");
+        let _ =
+            std::thread::Builder::new().name("accel-exit-after-grace".into()).spawn(move || {
+                std::thread::sleep(EXIT_GRACE);
+                eprintln!(
+                    "accel: rank {rank}: still running {} s after that failure; exiting",
+                    EXIT_GRACE.as_secs()
+                );
+                std::process::exit(1);
+            });
+    })
 }
 
 /// A port that was free a moment ago (for tests and `--main-process-port 0`).

@@ -32,6 +32,7 @@ const OP_SET: u8 = 1;
 const OP_GET: u8 = 2;
 const OP_ADD: u8 = 3;
 const OP_CHECK: u8 = 4;
+const OP_DELETE: u8 = 5;
 const REPLY_OK: u8 = 0;
 const REPLY_ERR: u8 = 1;
 
@@ -378,6 +379,11 @@ fn handle(
             f.end().map_err(Handled::Malformed)?;
             ok.push(u8::from(table.values.contains_key(&key)));
         }
+        OP_DELETE => {
+            let key = f.string().map_err(Handled::Malformed)?;
+            f.end().map_err(Handled::Malformed)?;
+            ok.push(u8::from(table.values.remove(&key).is_some()));
+        }
         other => return Err(Handled::Malformed(format!("unknown op {other}"))),
     }
     Ok(ok)
@@ -529,6 +535,23 @@ impl StoreClient {
         Ok(self.request(&body, Duration::ZERO)? == [1])
     }
 
+    /// Another connection to the same store, authenticated with `token` (for a thread whose
+    /// waits must not hold up this connection's users).
+    pub fn reconnect(&self, timeout: Duration, token: &Token) -> Result<Self> {
+        let peer = self
+            .stream
+            .peer_addr()
+            .map_err(|e| Error::StoreLost { addr: self.addr.clone(), detail: e.to_string() })?;
+        Self::connect_with(&peer.ip().to_string(), peer.port(), timeout, token)
+    }
+
+    /// Removes `key`; whether it was set.
+    pub fn delete(&mut self, key: &str) -> Result<bool> {
+        let mut body = vec![OP_DELETE];
+        put_bytes(&mut body, key.as_bytes());
+        Ok(self.request(&body, Duration::ZERO)? == [1])
+    }
+
     /// Waits until every rank of `0..world_size` has set `{prefix}/{rank}`; a timeout names
     /// the ranks that did not.
     pub fn wait_all(&mut self, prefix: &str, world_size: usize, timeout: Duration) -> Result<()> {
@@ -565,7 +588,7 @@ mod tests {
     use crate::comm::auth::authenticate_dialler;
 
     #[test]
-    fn set_get_add_check_and_waiting() {
+    fn set_get_add_check_delete_and_waiting() {
         let server = StoreServer::start("127.0.0.1", 0).unwrap();
         let port = server.addr().port();
         let mut a = StoreClient::connect("127.0.0.1", port, Duration::from_secs(5)).unwrap();
@@ -575,6 +598,7 @@ mod tests {
         assert_eq!(a.add("n", 2).unwrap(), 2);
         assert_eq!(b.add("n", 3).unwrap(), 5);
         assert!(b.check("k").unwrap() && !b.check("nope").unwrap());
+        assert!(a.delete("n").unwrap() && !a.delete("n").unwrap() && !b.check("n").unwrap());
         let waiter = std::thread::spawn(move || b.get("later", Duration::from_secs(5)).unwrap());
         std::thread::sleep(Duration::from_millis(100));
         a.set("later", b"now").unwrap();

@@ -1,6 +1,7 @@
 //! Collectives between ranks run as threads of one process (every byte still crosses TCP),
 //! checked against values computed locally.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tch::{Device, Kind, Tensor};
@@ -246,7 +247,7 @@ fn a_rank_that_never_arrives_times_out_with_its_name() {
     for err in &results[..2] {
         assert!(err.contains("timed out"), "{err}");
         assert!(
-            err.contains("rank 2 (last at #0)") || err.contains("rank 2 (never reached"),
+            err.contains("rank 2 (last at #0)") || err.contains("rank 2 (no progress posted yet)"),
             "{err}"
         );
         assert!(
@@ -278,4 +279,115 @@ fn a_run_with_a_token_forms_its_mesh_and_subgroups_and_reduces() {
         t.double_value(&[0])
     });
     assert_eq!(sums, [6.0, 6.0, 6.0]);
+}
+
+/// A sequence checker for a thread rank whose divergence reports land in `reports`.
+fn checker_of(g: &ProcessGroup, reports: &Arc<Mutex<Vec<String>>>) -> ledger::SequenceChecker {
+    let reports = reports.clone();
+    ledger::SequenceChecker::start(
+        g.new_store_connection().unwrap(),
+        SECOND,
+        Arc::new(move |m: &str| reports.lock().unwrap().push(m.to_owned())),
+    )
+    .unwrap()
+}
+
+fn wait_for_report(reports: &Mutex<Vec<String>>, within: Duration) -> String {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Some(r) = reports.lock().unwrap().first() {
+            return r.clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "no divergence reported in {within:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn collectives_reordered_between_ranks_are_reported_at_the_next_step_with_both_call_sites() {
+    let results = on_ranks(2, SECOND, |g| {
+        let reports = Arc::new(Mutex::new(Vec::new()));
+        let checker = checker_of(&g, &reports);
+        let comm: Arc<dyn Communicator> = Arc::new(g.clone());
+        let (a, b) = (
+            Tensor::ones([4], (Kind::Float, Device::Cpu)),
+            Tensor::ones([4], (Kind::Float, Device::Cpu)),
+        );
+        // Step 1: the same collectives everywhere.
+        g.all_reduce(&a, ReduceOp::Sum).unwrap();
+        g.broadcast(&b, 0).unwrap();
+        checker.submit(1, ledger::distinct([comm.clone()])).unwrap();
+        // Step 2: equal shapes, swapped order — the data would be combined wrongly without
+        // a word, since every header matches.
+        let sites = if g.rank() == 0 {
+            let first = line!() + 1;
+            g.all_reduce(&a, ReduceOp::Sum).unwrap();
+            let second = line!() + 1;
+            g.all_reduce(&b, ReduceOp::Sum).unwrap();
+            (first, second)
+        } else {
+            let first = line!() + 1;
+            g.all_reduce(&b, ReduceOp::Sum).unwrap();
+            let second = line!() + 1;
+            g.all_reduce(&a, ReduceOp::Sum).unwrap();
+            (first, second)
+        };
+        checker.submit(2, ledger::distinct([comm.clone()])).unwrap();
+        let report = wait_for_report(&reports, Duration::from_secs(5));
+        let later = checker.submit(3, ledger::distinct([comm])).unwrap_err().to_string();
+        (report, sites, later)
+    });
+    let (site0, site1) = (results[0].1.0, results[1].1.0);
+    for (report, _, later) in &results {
+        assert!(
+            report.contains("before optimizer step 2 in the group of ranks [0, 1]"),
+            "{report}"
+        );
+        assert!(report.contains("the 1st collective of the step differs"), "{report}");
+        assert!(
+            report.contains(&format!(
+                "collective #3 all_reduce(sum) of [4] Float at src/comm/tests.rs:{site0}"
+            )),
+            "{report}"
+        );
+        assert!(report.contains(&format!("at src/comm/tests.rs:{site1}")), "{report}");
+        assert_eq!(later, report, "the next step returns the divergence");
+    }
+}
+
+#[test]
+fn a_rank_that_skipped_a_collective_is_named_with_the_one_the_other_waits_in_within_5_s() {
+    let started = std::time::Instant::now();
+    let results = on_ranks(2, SECOND, move |g| {
+        let reports = Arc::new(Mutex::new(Vec::new()));
+        let checker = checker_of(&g, &reports);
+        let comm: Arc<dyn Communicator> = Arc::new(g.clone());
+        let x = Tensor::ones([4], (Kind::Float, Device::Cpu));
+        g.all_reduce(&x, ReduceOp::Sum).unwrap();
+        checker.submit(1, ledger::distinct([comm.clone()])).unwrap();
+        let waited_in = line!() + 5;
+        if g.rank() == 0 {
+            // Rank 1 skips this one, so rank 0's next collective waits for a partner that
+            // never comes; the check, not the 20 s timeout, ends it.
+            g.all_reduce(&x, ReduceOp::Sum).unwrap();
+            let blocked = g.all_reduce(&x, ReduceOp::Sum).map_err(|e| e.to_string());
+            (blocked.unwrap_err(), waited_in, started.elapsed())
+        } else {
+            g.all_reduce(&x, ReduceOp::Sum).unwrap();
+            checker.submit(2, ledger::distinct([comm])).unwrap();
+            (wait_for_report(&reports, Duration::from_secs(5)), waited_in, started.elapsed())
+        }
+    });
+    let (report, site, elapsed) = &results[1];
+    assert!(*elapsed < Duration::from_secs(6), "reported after {elapsed:?}");
+    assert!(
+        report.contains(&format!(
+            "rank 0 is in its collective #3 (all_reduce(sum) of [4] Float at src/comm/tests.rs:{site}), which rank 1 never issued"
+        )),
+        "{report}"
+    );
+    assert!(report.contains("rank 1 reached the step after collective #2"), "{report}");
+    // The check aborted rank 1's side, so rank 0's wait failed at once instead of timing out.
+    let (blocked, _, elapsed) = &results[0];
+    assert!(*elapsed < Duration::from_secs(8), "{blocked} after {elapsed:?}");
 }

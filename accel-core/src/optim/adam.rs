@@ -86,9 +86,13 @@ struct Moments {
 }
 
 impl Moments {
-    fn zeros(param: &Tensor, amsgrad: bool) -> Result<Self> {
+    /// Zero state. The step counter lives where its kernel reads it, as torch keeps it: on
+    /// the parameter's device for the fused kernel (no copy, no host sync per parameter),
+    /// on the host for the single-tensor step (which reads it on the host).
+    fn zeros(param: &Tensor, amsgrad: bool, fused: bool) -> Result<Self> {
+        let step_device = if fused { param.device() } else { Device::Cpu };
         Ok(Self {
-            step: Tensor::zeros([], (Kind::Float, Device::Cpu)),
+            step: Tensor::f_zeros([], (Kind::Float, step_device))?,
             exp_avg: param.f_zeros_like()?.f_detach()?,
             exp_avg_sq: param.f_zeros_like()?.f_detach()?,
             max_exp_avg_sq: if amsgrad { Some(param.f_zeros_like()?.f_detach()?) } else { None },
@@ -128,7 +132,7 @@ impl AdamCore {
             // Lazily create the state of parameters that have a gradient now.
             for (param, moments) in group.params.iter().zip(&mut self.moments[first..index]) {
                 if moments.is_none() && param.tensor.grad().defined() {
-                    *moments = Some(Moments::zeros(&param.tensor, h.amsgrad)?);
+                    *moments = Some(Moments::zeros(&param.tensor, h.amsgrad, h.fused)?);
                 }
             }
             let live: Vec<(&Param, &Moments)> = group
@@ -187,7 +191,7 @@ impl AdamCore {
             for param in &group.params {
                 let key = |slot: &str| format!("{}/{slot}", param.name);
                 all.push(if state.tensors.contains_key(&key("step")) {
-                    let m = Moments::zeros(&param.tensor, hyper.amsgrad)?;
+                    let m = Moments::zeros(&param.tensor, hyper.amsgrad, hyper.fused)?;
                     restore_slot(state, self.name, &key("step"), &m.step)?;
                     restore_slot(state, self.name, &key("exp_avg"), &m.exp_avg)?;
                     restore_slot(state, self.name, &key("exp_avg_sq"), &m.exp_avg_sq)?;
@@ -249,14 +253,14 @@ fn fused_step(live: &[(&Param, &Moments)], h: AdamConfig) -> Result<()> {
     let grads: Vec<Tensor> = live.iter().map(|(p, _)| p.tensor.grad()).collect();
     let exp_avgs: Vec<Tensor> = live.iter().map(|(_, m)| m.exp_avg.shallow_clone()).collect();
     let exp_avg_sqs: Vec<Tensor> = live.iter().map(|(_, m)| m.exp_avg_sq.shallow_clone()).collect();
-    // The fused kernel wants its step counters on the parameters' device.
+    // The fused kernel wants its step counters on the parameters' device, where they live.
     let device = params[0].device();
     let steps: Vec<Tensor> = live
         .iter()
         .map(|(_, m)| {
             let mut step = m.step.shallow_clone();
             let _ = tch::no_grad(|| step.f_add_scalar_(1.0))?;
-            Ok(step.f_to_device(device)?)
+            Ok(if step.device() == device { step } else { step.f_to_device(device)? })
         })
         .collect::<Result<_>>()?;
     fused_adamw(

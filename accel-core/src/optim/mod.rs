@@ -293,9 +293,11 @@ pub fn clip_grad_norm_sharded(
     group: &dyn crate::comm::Communicator,
 ) -> Result<f64> {
     let grads: Vec<Tensor> = params.iter().map(|p| p.grad()).filter(Tensor::defined).collect();
-    let mut squares = Tensor::zeros([1], (tch::Kind::Double, tch::Device::Cpu));
+    // On the gradients' device (NCCL reduces device memory); one host read at the end.
+    let device = params.first().map_or(tch::Device::Cpu, Tensor::device);
+    let mut squares = Tensor::f_zeros([1], (tch::Kind::Double, device))?;
     for g in &grads {
-        let n = g.f_norm()?.f_to_kind(tch::Kind::Double)?.f_to_device(tch::Device::Cpu)?;
+        let n = g.f_norm()?.f_to_kind(tch::Kind::Double)?.f_to_device(device)?;
         squares = squares.f_add(&n.f_square()?)?;
     }
     group.all_reduce(&squares, crate::comm::ReduceOp::Sum)?;

@@ -154,15 +154,24 @@ pub fn scaled_mm(
     }
     let widen = rowwise && matches!(out, Kind::Half | Kind::Float);
     let mm_out = if widen { Kind::BFloat16 } else { out };
-    let mut product = a_bits.f_internal_scaled_mm(
-        &b_bits,
-        &a_inv,
-        &b_inv,
-        None::<Tensor>,
-        None::<Tensor>,
-        mm_out,
-        fast_accum,
-    )?;
+    let product = || {
+        a_bits.f_internal_scaled_mm(
+            &b_bits,
+            &a_inv,
+            &b_inv,
+            None::<Tensor>,
+            None::<Tensor>,
+            mm_out,
+            fast_accum,
+        )
+    };
+    // On CPU, libtorch's own path (see `shim::without_onednn`); the reference scripts take
+    // it too (python/reference/cpu_fp8.py).
+    let mut product = if a_bits.device() == tch::Device::Cpu {
+        crate::shim::without_onednn(product)??
+    } else {
+        product()?
+    };
     if let Some(post) = post_scale {
         let _ = product.f_mul_(&post)?;
     }

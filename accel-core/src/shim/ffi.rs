@@ -6,6 +6,8 @@
 use std::ffi::{c_char, c_void};
 use torch_sys::C_tensor;
 
+use super::cuda::Stream;
+
 /// A post-accumulate-grad callback: receives an owned `at::Tensor*` (the parameter).
 pub(crate) type PostAccFn = unsafe extern "C" fn(*mut c_void, *mut C_tensor) -> *mut c_char;
 /// A gradient callback: receives an owned `at::Tensor*` (the gradient) and may store an
@@ -65,12 +67,33 @@ unsafe extern "C" {
     pub(crate) fn accel_storage_free(tensor: *mut C_tensor) -> *mut c_char;
     pub(crate) fn accel_storage_allocate(tensor: *mut C_tensor, nbytes: u64) -> *mut c_char;
 
-    pub(crate) fn accel_current_cuda_stream(
-        device_index: i32,
-        stream: *mut *mut c_void,
-    ) -> *mut c_char;
-
     pub(crate) fn accel_set_cuda_device(device_index: i32) -> *mut c_char;
+
+    pub(crate) fn accel_stream_current(device_index: i32, out: *mut Stream) -> *mut c_char;
+    pub(crate) fn accel_stream_from_pool(
+        device_index: i32,
+        high_priority: bool,
+        out: *mut Stream,
+    ) -> *mut c_char;
+    pub(crate) fn accel_stream_exchange(
+        stream: *const Stream,
+        previous: *mut Stream,
+    ) -> *mut c_char;
+    pub(crate) fn accel_stream_synchronize(stream: *const Stream) -> *mut c_char;
+    pub(crate) fn accel_event_new(event: *mut *mut c_void) -> *mut c_char;
+    pub(crate) fn accel_event_free(event: *mut c_void);
+    pub(crate) fn accel_event_record(event: *mut c_void, stream: *const Stream) -> *mut c_char;
+    pub(crate) fn accel_event_block(event: *mut c_void, stream: *const Stream) -> *mut c_char;
+    pub(crate) fn accel_event_query(event: *mut c_void, done: *mut bool) -> *mut c_char;
+    pub(crate) fn accel_event_synchronize(event: *mut c_void) -> *mut c_char;
+    pub(crate) fn accel_record_stream(tensor: *mut C_tensor, stream: *const Stream) -> *mut c_char;
+    pub(crate) fn accel_cuda_max_memory_allocated(
+        device_index: i32,
+        bytes: *mut u64,
+    ) -> *mut c_char;
+    pub(crate) fn accel_cuda_reset_peak_memory(device_index: i32) -> *mut c_char;
+
+    pub(crate) fn accel_set_onednn_enabled(enabled: bool, previous: *mut bool) -> *mut c_char;
 
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn accel_fused_adamw(

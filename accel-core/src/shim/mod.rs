@@ -6,16 +6,18 @@
 //! - [`autocast`]: CPU/CUDA autocast with a chosen dtype, as a guard;
 //! - [`free_storage`] / [`allocate_storage`]: release and re-create a tensor's memory while
 //!   its views stay valid objects (ZeRO-3 parameters between uses);
-//! - [`current_cuda_stream`]: torch's current stream, for NCCL;
+//! - [`cuda`]: CUDA streams and events, `record_stream`, peak memory (what the NCCL
+//!   communicator orders its work with);
 //! - [`fused_adamw`]: ATen's fused AdamW kernel;
 //! - [`amp_unscale`]: GradScaler's fused inf/NaN check and unscale;
 //! - [`rng_state`] / [`set_rng_state`]: the default generators' states, for checkpoints.
 
 mod autocast;
+pub mod cuda;
 mod ffi;
 mod hooks;
 
-use std::ffi::{CStr, c_char, c_void};
+use std::ffi::{CStr, c_char};
 
 use tch::{Device, Kind, Tensor};
 use torch_sys::C_tensor;
@@ -108,21 +110,19 @@ pub fn allocate_storage(tensor: &Tensor, nbytes: u64) -> Result<()> {
     check(unsafe { ffi::accel_storage_allocate(raw(tensor), nbytes) }, "allocate_storage")
 }
 
-/// A raw `cudaStream_t`, as NCCL takes it. NULL is CUDA's legacy default stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CudaStream(pub *mut c_void);
-
-/// torch's current CUDA stream on `device_index` (what `torch.cuda.current_stream()` gives).
-/// An error where libtorch has no CUDA support or no such device.
-pub fn current_cuda_stream(device_index: usize) -> Result<CudaStream> {
-    let index = i32::try_from(device_index).map_err(|_| Error::Libtorch {
-        op: "current_cuda_stream",
-        message: format!("device index {device_index} is out of range"),
-    })?;
-    let mut stream = std::ptr::null_mut();
+/// Runs `f` with libtorch's use of oneDNN turned off (`torch.backends.mkldnn.flags(
+/// enabled=False)`), then puts the setting back. On CPUs with AMX, libtorch's CPU
+/// `_scaled_mm` hands fp8 products to oneDNN's reference kernel, hundreds of times slower
+/// than its own path, which gives the same values; fp8 layers on CPU go around it.
+pub fn without_onednn<T>(f: impl FnOnce() -> T) -> Result<T> {
+    let mut previous = true;
     // SAFETY: out-pointer to a local; the shim catches every C++ exception.
-    check(unsafe { ffi::accel_current_cuda_stream(index, &mut stream) }, "current_cuda_stream")?;
-    Ok(CudaStream(stream))
+    check(unsafe { ffi::accel_set_onednn_enabled(false, &mut previous) }, "set_onednn_enabled")?;
+    let out = f();
+    let mut ignored = false;
+    // SAFETY: as above.
+    check(unsafe { ffi::accel_set_onednn_enabled(previous, &mut ignored) }, "set_onednn_enabled")?;
+    Ok(out)
 }
 
 /// Makes `cuda:{device_index}` the current CUDA device of this thread (as

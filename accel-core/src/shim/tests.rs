@@ -201,15 +201,40 @@ fn freed_storage_reports_zero_bytes_and_reallocated_views_see_new_data() {
 }
 
 #[test]
-fn cuda_stream_is_a_handle_on_gpu_machines_and_a_clear_error_elsewhere() {
+fn cuda_streams_and_events_order_work_on_gpus_and_are_clear_errors_elsewhere() {
+    use super::cuda::{Event, Stream, record_stream};
     crate::cuda::load_libtorch_cuda();
-    match current_cuda_stream(0) {
-        Ok(_) => assert!(tch::Cuda::is_available(), "a stream without CUDA"),
-        Err(e) => {
-            assert!(!tch::Cuda::is_available(), "CUDA is there but no stream: {e}");
-            assert!(e.to_string().contains("current_cuda_stream"), "{e}");
+    if !tch::Cuda::is_available() {
+        // Every entry point fails with libtorch's own reason, naming the operation.
+        for (op, e) in [
+            ("stream", Stream::current(0).unwrap_err()),
+            ("stream_from_pool", Stream::from_pool(0, false).unwrap_err()),
+            ("max_memory_allocated", super::cuda::max_memory_allocated(0).unwrap_err()),
+        ] {
+            assert!(e.to_string().starts_with(&format!("libtorch ({op}): ")), "{e}");
         }
+        return;
     }
+    // On a GPU: work queued on a side stream after an event of the current stream sees the
+    // current stream's result; the host sees the side stream's after its event.
+    let device = tch::Device::Cuda(0);
+    let current = Stream::current(0).unwrap();
+    let side = Stream::from_pool(0, false).unwrap();
+    assert_ne!(current, side);
+    let x = Tensor::ones([1 << 20], (Kind::Float, device)) * 2.0;
+    let ready = Event::record(&current).unwrap();
+    ready.block(&side).unwrap();
+    let y = {
+        let _on_side = side.make_current().unwrap();
+        assert_eq!(Stream::current(0).unwrap(), side);
+        &x * 3.0
+    };
+    assert_eq!(Stream::current(0).unwrap(), current);
+    record_stream(&x, &side).unwrap();
+    let done = Event::record(&side).unwrap();
+    done.synchronize().unwrap();
+    assert!(done.query().unwrap());
+    assert_eq!(y.sum(Kind::Float).double_value(&[]), 6.0 * (1 << 20) as f64);
 }
 
 /// torch.optim.AdamW's single-tensor update, written with plain tensor ops.

@@ -283,7 +283,7 @@ pub(crate) fn builtin(
     mesh: &DeviceMesh,
     sharding: fsdp::ShardOptions,
 ) -> Arc<dyn Strategy> {
-    if mesh.dims().world() == 1 {
+    if mesh.dims().world() == 1 && mesh.world().is_none() {
         return Arc::new(Single);
     }
     let data = mesh.comm(Dim::Data);
@@ -296,3 +296,6 @@ pub(crate) fn builtin(
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -88,12 +88,17 @@ impl OptimizerPlan for Zero1Plan {
         if !stepped {
             return Ok(());
         }
-        // Each parameter from the process that stepped it.
+        // Each parameter from the process that stepped it: all launched, then all waited
+        // for, so that they follow each other without a wait between (one queue on NCCL's
+        // stream, one on the cpu backend's worker).
         tch::no_grad(|| -> Result<()> {
-            for (param, &owner) in self.all.iter().zip(&self.owner) {
-                self.group.broadcast(param, owner)?;
-            }
-            Ok(())
+            let launched: Vec<_> = self
+                .all
+                .iter()
+                .zip(&self.owner)
+                .map(|(param, &owner)| self.group.broadcast_async(param, owner))
+                .collect::<Result<_>>()?;
+            launched.into_iter().try_for_each(|work| work.wait())
         })
     }
 

@@ -1,5 +1,6 @@
-//! `accel bench allreduce`: like nccl-tests' all_reduce_perf, on accel's process group;
-//! optionally torch's gloo on the same sizes in the same run, with ratios.
+//! `accel bench allreduce`: like nccl-tests' all_reduce_perf, on accel's process group (or
+//! its NCCL communicator, one GPU per process); optionally torch.distributed on the same
+//! sizes and backend in the same run, with ratios.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -48,36 +49,57 @@ fn busbw(bytes: f64, seconds: f64, world: f64) -> f64 {
 }
 
 /// Runs in every process: times all-reduce per size; rank 0 prints and writes results.
-pub(crate) fn worker(sizes: &str, dtype: &str) -> accel_core::Result<bool> {
+pub(crate) fn worker(sizes: &str, dtype: &str, backend: &str) -> accel_core::Result<bool> {
     let kind = parse_kind(dtype)?;
     let sizes: Vec<u64> = sizes.split(',').map(parse_size).collect::<accel_core::Result<_>>()?;
     let topology = Topology::from_env()?;
     let group = ProcessGroup::new(&topology, GroupOptions::from_env()?)?;
+    let (comm, device, transport): (Box<dyn Communicator>, Device, String) = match backend {
+        "cpu" => (Box::new(group.clone()), Device::Cpu, group.transport().to_string()),
+        "nccl" => {
+            let device = Device::Cuda(topology.local_rank);
+            let nccl = accel_core::comm::nccl::NcclComm::new(&group, device)?;
+            let (_, version) = nccl.library();
+            (Box::new(nccl), device, format!("NCCL {version}"))
+        }
+        other => {
+            return Err(accel_core::Error::Config(format!(
+                "unknown backend `{other}`; use cpu or nccl"
+            )));
+        }
+    };
+    // NCCL returns once the work is queued: time what the GPU did.
+    let synchronize = || {
+        if let Device::Cuda(index) = device {
+            tch::Cuda::synchronize(index as i64);
+        }
+    };
     let world = group.size() as f64;
     let mut results = Vec::new();
     if group.rank() == 0 {
         println!(
-            "{:>10} {:>10} {:>12} {:>12}   ({} processes, {dtype}; transport: {})",
+            "{:>10} {:>10} {:>12} {:>12}   ({} processes, {dtype}; transport: {transport})",
             "size",
             "time ms",
             "algbw GB/s",
             "busbw GB/s",
             group.size(),
-            group.transport()
         );
     }
     for bytes in sizes {
         let n = (bytes as usize / kind.elt_size_in_bytes()).max(1) as i64;
-        let t = Tensor::ones([n], (kind, Device::Cpu));
+        let t = Tensor::ones([n], (kind, device));
         for _ in 0..3 {
-            group.all_reduce(&t, ReduceOp::Sum)?;
+            comm.all_reduce(&t, ReduceOp::Sum)?;
         }
+        synchronize();
         group.barrier()?;
         let iterations = (4e8 / bytes as f64).clamp(5.0, 200.0) as usize;
         let start = Instant::now();
         for _ in 0..iterations {
-            group.all_reduce(&t, ReduceOp::Sum)?;
+            comm.all_reduce(&t, ReduceOp::Sum)?;
         }
+        synchronize();
         let seconds = start.elapsed().as_secs_f64() / iterations as f64;
         let worst = Tensor::from_slice(&[seconds]);
         group.all_reduce(&worst, ReduceOp::Max)?;
@@ -103,17 +125,37 @@ fn human(bytes: u64) -> String {
     if bytes >= 1 << 20 { format!("{}MiB", bytes >> 20) } else { format!("{}KiB", bytes >> 10) }
 }
 
-fn venv_tool(name: &str) -> Option<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent()?;
-    let path = root.join(".venv/bin").join(name);
-    path.exists().then_some(path)
+/// torchrun: the project's `.venv`'s, else the one of the `python3` on the path (a GPU
+/// machine with torch installed, no venv).
+fn torchrun() -> Command {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf);
+    let venv = root.map(|r| r.join(".venv/bin/torchrun")).filter(|p| p.exists());
+    match venv {
+        Some(path) => Command::new(path),
+        None => {
+            let mut command = Command::new("python3");
+            command.args(["-m", "torch.distributed.run"]);
+            command
+        }
+    }
+}
+
+/// A reference script: under the working directory's `python/reference/` (a checkout
+/// copied to another machine), else beside this build's sources.
+fn reference_script(name: &str) -> PathBuf {
+    let here = PathBuf::from("python/reference").join(name);
+    if here.exists() {
+        return here;
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/reference").join(name)
 }
 
 pub(crate) fn allreduce(
     args: &LaunchArgs,
     sizes: &str,
     dtype: &str,
-    compare_gloo: bool,
+    backend: &str,
+    compare: bool,
 ) -> ExitCode {
     let mut args = args.clone();
     args.num_processes = args.num_processes.or(Some(2));
@@ -127,6 +169,8 @@ pub(crate) fn allreduce(
         sizes.into(),
         "--dtype".into(),
         dtype.into(),
+        "--backend".into(),
+        backend.into(),
     ];
     let plan = match args.plan(program) {
         Ok(mut plan) => {
@@ -146,50 +190,54 @@ pub(crate) fn allreduce(
             return ExitCode::FAILURE;
         }
     }
-    if !compare_gloo {
+    if !compare {
         return ExitCode::SUCCESS;
     }
     if dtype != "f32" {
-        eprintln!("accel bench: --compare-gloo measures f32 only");
+        eprintln!("accel bench: --compare measures f32 only");
         return ExitCode::FAILURE;
     }
+    let theirs_name = if backend == "nccl" { "nccl" } else { "gloo" };
     let ours: Vec<serde_json::Value> =
         std::fs::read(&out).ok().and_then(|b| serde_json::from_slice(&b).ok()).unwrap_or_default();
-    let Some(torchrun) = venv_tool("torchrun") else {
-        eprintln!("accel bench: --compare-gloo needs .venv/bin/torchrun (run `cargo xtask setup`)");
-        return ExitCode::FAILURE;
-    };
-    let script =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../python/reference/allreduce_gloo.py");
     let bytes: Vec<String> =
         ours.iter().filter_map(|r| r["bytes"].as_u64()).map(|b| b.to_string()).collect();
-    let output = Command::new(torchrun)
+    let output = torchrun()
         .arg(format!("--nproc-per-node={}", plan.num_processes))
         .arg(format!("--master-port={}", accel_core::comm::free_port("127.0.0.1").unwrap_or(29600)))
-        .arg(script)
+        .arg(reference_script("allreduce_torch.py"))
+        .args(["--backend", theirs_name])
         .args(&bytes)
         .output();
     let output = match output {
         Ok(o) if o.status.success() => o,
         Ok(o) => {
-            eprintln!("accel bench: gloo run failed:\n{}", String::from_utf8_lossy(&o.stderr));
+            eprintln!(
+                "accel bench: torch's {theirs_name} run failed:\n{}",
+                String::from_utf8_lossy(&o.stderr)
+            );
             return ExitCode::FAILURE;
         }
         Err(e) => {
-            eprintln!("accel bench: cannot run torchrun: {e}");
+            eprintln!(
+                "accel bench: cannot run torchrun (.venv's, or python3 -m torch.distributed.run): {e}"
+            );
             return ExitCode::FAILURE;
         }
     };
-    let gloo: Vec<serde_json::Value> = String::from_utf8_lossy(&output.stdout)
+    let theirs: Vec<serde_json::Value> = String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
     let world = plan.num_processes as f64;
     println!(
         "\n{:>10} {:>16} {:>16} {:>8}",
-        "size", "accel busbw GB/s", "gloo busbw GB/s", "ratio"
+        "size",
+        "accel busbw GB/s",
+        format!("{theirs_name} busbw GB/s"),
+        "ratio"
     );
-    for (a, g) in ours.iter().zip(&gloo) {
+    for (a, g) in ours.iter().zip(&theirs) {
         let bytes = a["bytes"].as_f64().unwrap_or(0.0);
         let (ta, tg) =
             (a["seconds"].as_f64().unwrap_or(f64::NAN), g["seconds"].as_f64().unwrap_or(f64::NAN));

@@ -1,6 +1,7 @@
 //! `accel`: launch, configure and check distributed runs.
 
 mod bench;
+mod compare;
 mod env;
 mod estimate;
 mod selftest;
@@ -44,8 +45,6 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Per-process memory of parameters, gradients and optimizer state under each strategy,
-    /// for a safetensors model or a parameter count.
     /// Put a checkpoint's sharded weights back together (zero2/zero3 runs save one shard
     /// per process) into one safetensors file of the whole model.
     MergeWeights {
@@ -57,6 +56,19 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         model: usize,
     },
+    /// Compare two safetensors files tensor by tensor: the largest difference of each, and
+    /// failure when one exceeds the tolerance or the names, shapes or dtypes differ.
+    CompareWeights {
+        /// One file.
+        a: PathBuf,
+        /// The other.
+        b: PathBuf,
+        /// The largest absolute difference allowed.
+        #[arg(long, default_value_t = 1e-6)]
+        tolerance: f64,
+    },
+    /// Per-process memory of parameters, gradients and optimizer state under each strategy,
+    /// for a safetensors model or a parameter count.
     EstimateMemory {
         /// A safetensors file (only its header is read).
         model: Option<PathBuf>,
@@ -81,6 +93,9 @@ enum Command {
         /// Benchmark dtype.
         #[arg(long, default_value = "f32")]
         dtype: String,
+        /// Benchmark backend.
+        #[arg(long, default_value = "cpu")]
+        backend: String,
     },
 }
 
@@ -96,9 +111,13 @@ enum BenchCommand {
         /// Element type: f32, f64, f16, bf16, i64.
         #[arg(long, default_value = "f32")]
         dtype: String,
-        /// Also run torch.distributed's gloo on the same sizes (needs .venv) and print ratios.
-        #[arg(long)]
-        compare_gloo: bool,
+        /// `cpu` (accel's transport) or `nccl` (one GPU per process).
+        #[arg(long, default_value = "cpu")]
+        backend: String,
+        /// Also run torch.distributed on the same sizes and backend (gloo for cpu, NCCL for
+        /// nccl) with torchrun, and print the ratios.
+        #[arg(long, alias = "compare-gloo")]
+        compare: bool,
     },
 }
 
@@ -154,7 +173,8 @@ struct LaunchArgs {
     /// Sequence parallelism (with tensor parallelism), passed as ACCEL_SEQUENCE_PARALLEL.
     #[arg(long)]
     sequence_parallel: bool,
-    /// Timeout of rendezvous and collectives in seconds, passed as ACCEL_TIMEOUT_SECS.
+    /// Timeout of rendezvous and collectives in seconds, passed as ACCEL_TIMEOUT_SECS (and
+    /// as ACCEL_NCCL_TIMEOUT, the NCCL watchdog's; 10 min by default).
     #[arg(long, value_parser = |s: &str| parse_seconds(s, false))]
     timeout: Option<f64>,
     /// Show only rank 0's output.
@@ -205,6 +225,7 @@ impl LaunchArgs {
             config.training_env().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
         if let Some(t) = self.timeout {
             env.push(("ACCEL_TIMEOUT_SECS".into(), t.to_string()));
+            env.push(("ACCEL_NCCL_TIMEOUT".into(), t.to_string()));
         }
         Ok(LaunchPlan {
             program,
@@ -250,9 +271,13 @@ fn main() -> ExitCode {
             args.rank0_only = true;
             launch(&args, vec![this_binary(), "worker".into(), "test".into()])
         }
-        Command::Bench(BenchCommand::Allreduce { launch: args, sizes, dtype, compare_gloo }) => {
-            bench::allreduce(&args, &sizes, &dtype, compare_gloo)
-        }
+        Command::Bench(BenchCommand::Allreduce {
+            launch: args,
+            sizes,
+            dtype,
+            backend,
+            compare,
+        }) => bench::allreduce(&args, &sizes, &dtype, &backend, compare),
         Command::MergeWeights { dir, out, model } => {
             let result = accel_core::merge_weights(&dir, model).and_then(|weights| {
                 Tensor::write_safetensors(&weights, &out).map_err(|e| accel_core::Error::Io {
@@ -277,6 +302,14 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::CompareWeights { a, b, tolerance } => match compare::weights(&a, &b, tolerance) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::FAILURE,
+            Err(e) => {
+                eprintln!("accel compare-weights: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Command::EstimateMemory { model, params, num_processes, optimizer } => {
             let result = (|| -> accel_core::Result<String> {
                 let params = match (model, params) {
@@ -317,11 +350,12 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Worker { what, sizes, dtype } => {
+        Command::Worker { what, sizes, dtype, backend } => {
             let result = match what.as_str() {
                 "test" => selftest::run(),
-                "allreduce" => bench::worker(&sizes, &dtype),
+                "allreduce" => bench::worker(&sizes, &dtype, &backend),
                 "spin" => selftest::spin(),
+                "spin-nccl" => selftest::spin_nccl(),
                 "ddp" => selftest::ddp(),
                 "nccl" => selftest::nccl(),
                 other => Err(accel_core::Error::Config(format!("unknown worker `{other}`"))),

@@ -215,6 +215,24 @@ pub(crate) fn spin() -> accel_core::Result<bool> {
     }
 }
 
+/// An endless NCCL all-reduce, each waited for by the host (scripts/gpu-check.sh kills a
+/// rank in the middle of it).
+pub(crate) fn spin_nccl() -> accel_core::Result<bool> {
+    let topology = Topology::from_env()?;
+    let group = ProcessGroup::new(&topology, GroupOptions::from_env()?)?;
+    if let Some(dir) = std::env::var_os("ACCEL_PID_DIR") {
+        let path = std::path::Path::new(&dir).join(topology.rank.to_string());
+        let _ = std::fs::write(path, std::process::id().to_string());
+    }
+    let device = Device::Cuda(topology.local_rank);
+    let comm = accel_core::comm::nccl::NcclComm::new(&group, device)?;
+    let t = Tensor::ones([1 << 24], (Kind::Float, device));
+    loop {
+        comm.all_reduce(&t, ReduceOp::Avg)?;
+        tch::Cuda::synchronize(topology.local_rank as i64);
+    }
+}
+
 /// DDP and metric gathering through the Accelerator, for the multi-process tests.
 pub(crate) fn ddp() -> accel_core::Result<bool> {
     use accel_core::Accelerator;
@@ -380,8 +398,9 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
     Ok(ok)
 }
 
-/// For GPU machines: an NCCL all-reduce and broadcast between the processes, one GPU each
-/// (`scripts/gpu-check.sh` runs it). Fails with the reason on machines without.
+/// For GPU machines: NCCL collectives between the processes, one GPU each, through the
+/// same communicator the strategies use (`scripts/gpu-check.sh` runs it); every result is
+/// compared with the value computed locally. Fails with the reason on machines without.
 pub(crate) fn nccl() -> accel_core::Result<bool> {
     use accel_core::comm::nccl::NcclComm;
     let topology = Topology::from_env()?;
@@ -389,33 +408,69 @@ pub(crate) fn nccl() -> accel_core::Result<bool> {
     let device = Device::Cuda(topology.local_rank);
     let comm = NcclComm::new(&group, device)?;
     let (r, w) = (group.rank() as f64, group.size() as f64);
+    let main = group.rank() == 0;
     let mut ok = true;
-    for kind in [Kind::Float, Kind::BFloat16, Kind::Half, Kind::Double] {
-        let t = (Tensor::arange(1 << 20, (Kind::Float, device)) * (r + 1.0)).to_kind(kind);
+    let mut report = |name: String, passed: bool| {
+        ok &= passed;
+        if main {
+            println!("{} {name}", if passed { "PASS" } else { "FAIL" });
+        }
+    };
+    if main {
+        let (path, version) = comm.library();
+        println!("     NCCL {version} from {}", path.display());
+    }
+    // Values that every dtype holds exactly before the sum (< 256), and whose sum over
+    // the ranks stays far below f16's largest finite value (65504).
+    let base = || Tensor::arange(1 << 20, (Kind::Float, device)).remainder(256);
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half, Kind::Double, Kind::Int64, Kind::Int] {
+        let t = (base() * (r + 1.0)).to_kind(kind);
         comm.all_reduce(&t, ReduceOp::Sum)?;
-        let expected = Tensor::arange(1 << 20, (Kind::Float, device)) * (w * (w + 1.0) / 2.0);
+        let expected = base() * (w * (w + 1.0) / 2.0);
         let scale = expected.abs().max().double_value(&[]);
         let tolerance =
-            if matches!(kind, Kind::BFloat16 | Kind::Half) { scale * 1e-2 } else { 1e-3 };
-        let diff = (t.to_kind(Kind::Float) - expected).abs().max().double_value(&[]);
-        ok &= diff <= tolerance;
-        if group.rank() == 0 {
-            println!(
-                "{} nccl all_reduce {kind:?} (max diff {diff:.3e})",
-                if diff <= tolerance { "PASS" } else { "FAIL" }
-            );
-        }
+            if matches!(kind, Kind::BFloat16 | Kind::Half) { scale * 1e-2 } else { 0.0 };
+        let diff = (t.to_kind(Kind::Float) - &expected).abs().max().double_value(&[]);
+        report(format!("nccl all_reduce sum {kind:?} (max diff {diff:.3e})"), diff <= tolerance);
     }
-    let b = Tensor::full([1000], r, (Kind::Float, device));
+    let t = Tensor::full([4096], r + 1.0, (Kind::Float, device));
+    comm.all_reduce(&t, ReduceOp::Avg)?;
+    let avg = t.mean(Kind::Float).double_value(&[]);
+    report(format!("nccl all_reduce avg f32 ({avg})"), avg == (w + 1.0) / 2.0);
+    let t = Tensor::full([4096], r, (Kind::Float, device));
+    comm.all_reduce(&t, ReduceOp::Max)?;
+    report("nccl all_reduce max f32".into(), t.min().double_value(&[]) == w - 1.0);
+    let b = Tensor::full([1000], r + 7.0, (Kind::Float, device));
     comm.broadcast(&b, 0)?;
-    let broadcast_ok = b.abs().max().double_value(&[]) == 0.0;
-    ok &= broadcast_ok;
+    report("nccl broadcast".into(), (b - 7.0).abs().max().double_value(&[]) == 0.0);
     let gathered = comm.all_gather(&Tensor::full([2], r, (Kind::Float, device)))?;
-    let gather_ok = gathered.size() == [2 * group.size() as i64];
-    ok &= gather_ok;
-    if group.rank() == 0 {
-        println!("{} nccl broadcast", if broadcast_ok { "PASS" } else { "FAIL" });
-        println!("{} nccl all_gather", if gather_ok { "PASS" } else { "FAIL" });
+    let expected = Tensor::arange(group.size() as i64, (Kind::Float, device))
+        .repeat_interleave_self_int(2, 0, None);
+    let gather_ok = gathered.size() == expected.size()
+        && (gathered - expected).abs().max().double_value(&[]) == 0.0;
+    report("nccl all_gather (values in rank order)".into(), gather_ok);
+    let rows = Tensor::arange(group.size() as i64 * 3, (Kind::Float, device)) * (r + 1.0);
+    let mine = comm.reduce_scatter(&rows, ReduceOp::Sum)?;
+    let expected = Tensor::arange(group.size() as i64 * 3, (Kind::Float, device)).narrow(
+        0,
+        3 * group.rank() as i64,
+        3,
+    ) * (w * (w + 1.0) / 2.0);
+    report(
+        "nccl reduce_scatter sum".into(),
+        (mine - expected).abs().max().double_value(&[]) == 0.0,
+    );
+    if group.size() > 1 {
+        let next = (group.rank() + 1) % group.size();
+        let prev = (group.rank() + group.size() - 1) % group.size();
+        let out = Tensor::full([256], r, (Kind::Float, device));
+        let into = Tensor::zeros([256], (Kind::Float, device));
+        comm.send_recv_async(&out, next, &into, prev)?.wait()?;
+        report(
+            "nccl send/recv around the ring".into(),
+            into.min().double_value(&[]) == prev as f64,
+        );
     }
+    comm.barrier()?;
     Ok(ok)
 }

@@ -39,7 +39,8 @@ pub(crate) fn io_fault(peer: usize, e: std::io::Error) -> Fault {
 
 /// The group a fault happened in, for naming ranks and reading their progress.
 pub(crate) struct Scene<'a> {
-    pub group: u64,
+    /// The group's store prefix ("group3"; "nccl1" for an NCCL communicator).
+    pub scope: String,
     pub rank: usize,
     /// Global ranks of the members, by group rank.
     pub members: &'a [usize],
@@ -47,23 +48,27 @@ pub(crate) struct Scene<'a> {
     pub timeout: Duration,
 }
 
-/// The store key where group rank `rank` of group `group` posts the last collective it
-/// entered.
-pub(crate) fn progress_key(group: u64, rank: usize) -> String {
-    format!("group{group}/progress/{rank}")
+/// The store key where group rank `rank` of the group with store prefix `scope` posts the
+/// last collective it entered.
+pub(crate) fn progress_key(scope: &str, rank: usize) -> String {
+    format!("{scope}/progress/{rank}")
 }
 
 impl Scene<'_> {
     /// "; not arrived: rank 2 (last at #14)", read from the store.
-    fn behind(&self, seq: u64) -> String {
+    pub fn behind(&self, seq: u64) -> String {
         let Ok(mut store) = self.store.lock() else { return String::new() };
         let mut late = Vec::new();
         // Progress is posted every half second: a rank without a post may have done a few
         // collectives already, but not many. This rank's own is known without asking.
         for (r, member) in self.members.iter().enumerate().filter(|&(r, _)| r != self.rank) {
-            match store.get(&progress_key(self.group, r), Duration::ZERO) {
+            match store.get(&progress_key(&self.scope, r), Duration::ZERO) {
                 Ok(bytes) => {
-                    let theirs = bytes.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0);
+                    let theirs = bytes
+                        .get(..8)
+                        .and_then(|b| b.try_into().ok())
+                        .map(u64::from_le_bytes)
+                        .unwrap_or(0);
                     if theirs < seq {
                         late.push(format!("rank {member} (last at #{theirs})"));
                     }

@@ -1,8 +1,9 @@
 //! One worker thread per group runs its transfers in the order they were issued (so every
 //! rank runs them in the same order), and a second thread posts the last collective this
-//! rank entered to the store, off the hot path, for the diagnosis of timeouts.
+//! rank entered to the store, off the hot path, for the diagnosis of timeouts and the
+//! sequence check.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::panic::Location;
 use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -10,19 +11,29 @@ use std::time::Duration;
 use super::diagnosis::{FaultResult, Scene, progress_key};
 use super::tcp::Links;
 use super::wire::Tag;
+use crate::comm::Work;
+use crate::comm::ledger::site_of;
 use crate::comm::store::StoreClient;
-use crate::comm::{Op, Work};
 use crate::error::{Error, Result};
 
 type Job = Box<dyn FnOnce(&Links) -> FaultResult<()> + Send>;
 
 struct Queued {
     tag: Tag,
-    /// Collectives advance the rank's posted progress; point-to-point messages do not.
-    collective: bool,
+    /// Where a collective was called; collectives advance the rank's posted progress,
+    /// point-to-point messages (`None`) do not.
+    site: Option<&'static Location<'static>>,
     what: String,
     job: Job,
     done: Sender<Result<()>>,
+}
+
+/// A progress post: the collective's sequence number (8 bytes, little-endian), then what it
+/// is and where it was called, as text.
+pub(crate) fn progress_value(seq: u64, described: &str) -> Vec<u8> {
+    let mut value = seq.to_le_bytes().to_vec();
+    value.extend_from_slice(described.as_bytes());
+    value
 }
 
 /// Who the worker works for: the group's id, this rank, the members' global ranks.
@@ -42,20 +53,21 @@ impl Worker {
     /// Starts the worker over `links`, and the thread that posts its progress to `store`.
     pub fn start(links: Links, who: Identity, store: Arc<Mutex<StoreClient>>) -> Result<Self> {
         let (jobs, queue) = channel::<Queued>();
-        let progress = Arc::new(AtomicU64::new(0));
+        let progress = Arc::new(Mutex::new((0u64, String::new())));
         {
             let (progress, store) = (Arc::downgrade(&progress), store.clone());
-            let key = progress_key(who.group, who.rank);
+            let key = progress_key(&format!("group{}", who.group), who.rank);
             std::thread::Builder::new()
                 .name(format!("accel-group{}-progress", who.group))
                 .spawn(move || {
                     let mut posted = 0;
                     while let Some(progress) = progress.upgrade() {
-                        let seq = progress.load(Ordering::SeqCst);
+                        let (seq, described) =
+                            progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
                         drop(progress);
                         if seq != posted {
                             if let Ok(mut store) = store.lock() {
-                                if store.set(&key, &seq.to_le_bytes()).is_ok() {
+                                if store.set(&key, &progress_value(seq, &described)).is_ok() {
                                     posted = seq;
                                 }
                             }
@@ -69,15 +81,16 @@ impl Worker {
             .name(format!("accel-group{}", who.group))
             .spawn(move || {
                 let scene = Scene {
-                    group: who.group,
+                    scope: format!("group{}", who.group),
                     rank: who.rank,
                     members: &who.members,
                     store: &store,
                     timeout: who.timeout,
                 };
-                for Queued { tag, collective, what, job, done } in queue {
-                    if collective {
-                        progress.store(tag.seq, Ordering::SeqCst);
+                for Queued { tag, site, what, job, done } in queue {
+                    if let Some(site) = site {
+                        let described = format!("{} of {what} at {}", tag.op, site_of(site));
+                        *progress.lock().unwrap_or_else(|e| e.into_inner()) = (tag.seq, described);
                     }
                     let result =
                         job(&links).map_err(|fault| scene.diagnose(fault, tag.seq, tag.op, &what));
@@ -92,12 +105,12 @@ impl Worker {
     pub fn submit(
         &self,
         tag: Tag,
-        collective: bool,
+        site: Option<&'static Location<'static>>,
         what: String,
         job: impl FnOnce(&Links) -> FaultResult<()> + Send + 'static,
     ) -> Work {
         let (done, wait) = channel();
-        let queued = Queued { tag, collective, what, job: Box::new(job), done: done.clone() };
+        let queued = Queued { tag, site, what, job: Box::new(job), done: done.clone() };
         if self.jobs.send(queued).is_err() {
             let _ =
                 done.send(Err(Error::Training("the process group's worker thread is gone".into())));
@@ -106,7 +119,7 @@ impl Worker {
     }
 }
 
-/// The operation a queued job performs, for messages (`Op`'s own `Display`).
-pub(crate) fn describe(op: Op, tensor: &tch::Tensor) -> String {
-    format!("{op} {:?} {:?}", tensor.size(), tensor.kind())
+/// The data a queued job works on, for messages ("[4, 8] Float"; the error names the op).
+pub(crate) fn describe(tensor: &tch::Tensor) -> String {
+    format!("{:?} {:?}", tensor.size(), tensor.kind())
 }

@@ -46,7 +46,25 @@ struct Bucket {
 
 struct Pending {
     buckets: Vec<Bucket>,
+    /// Buckets are launched in index order on every rank (a communicator pairs the ranks'
+    /// operations by order): the first bucket not launched yet.
+    next: usize,
     error: Option<String>,
+}
+
+impl Pending {
+    /// Launches every complete bucket from `next` on, in order, up to the first that is
+    /// still waiting for a gradient.
+    fn launch_ready(&mut self, group: &dyn Communicator) -> Result<()> {
+        while let Some(bucket) = self.buckets.get_mut(self.next) {
+            if bucket.ready < bucket.slots.len() {
+                break;
+            }
+            launch(bucket, group)?;
+            self.next += 1;
+        }
+        Ok(())
+    }
 }
 
 /// Installed on a model by the accelerator when the strategy is DDP and there are several
@@ -112,7 +130,7 @@ impl Ddp {
         if !current.is_empty() {
             buckets.push(Self::bucket(current, *kinds.last().expect("kind"))?);
         }
-        let pending = Arc::new(Mutex::new(Pending { buckets, error: None }));
+        let pending = Arc::new(Mutex::new(Pending { buckets, next: 0, error: None }));
         let mut hooks = Vec::new();
         let layout: Vec<(usize, usize, Tensor)> = lock(&pending)
             .buckets
@@ -129,7 +147,8 @@ impl Ddp {
                     return;
                 }
                 let mut guard = lock(&pending);
-                let bucket = &mut guard.buckets[b];
+                let pending = &mut *guard;
+                let bucket = &mut pending.buckets[b];
                 let slot = &bucket.slots[i];
                 let copied = tch::no_grad(|| -> Result<()> {
                     let mut view = bucket.flat.f_narrow(0, slot.offset, slot.numel)?;
@@ -144,17 +163,14 @@ impl Ddp {
                     }
                     Ok(())
                 });
-                let result = copied.and_then(|()| {
-                    bucket.fired[i] = true;
-                    bucket.ready += 1;
-                    if bucket.ready == bucket.slots.len() {
-                        launch(bucket, group.as_ref())
-                    } else {
-                        Ok(())
-                    }
-                });
+                let result = copied
+                    .map(|()| {
+                        bucket.fired[i] = true;
+                        bucket.ready += 1;
+                    })
+                    .and_then(|()| pending.launch_ready(group.as_ref()));
                 if let Err(e) = result {
-                    guard.error.get_or_insert(e.to_string());
+                    pending.error.get_or_insert(e.to_string());
                 }
             };
             hooks.push(add_post_accumulate_grad_hook(&param, hook)?);
@@ -206,6 +222,7 @@ impl Ddp {
                 b.ready = 0;
                 b.fired.iter_mut().for_each(|f| *f = false);
             }
+            pending.next = 0;
             return Err(Error::Training(message));
         }
         for bucket in &mut pending.buckets {
@@ -242,6 +259,7 @@ impl Ddp {
             bucket.ready = 0;
             bucket.fired.iter_mut().for_each(|f| *f = false);
         }
+        pending.next = 0;
         Ok(())
     }
 }

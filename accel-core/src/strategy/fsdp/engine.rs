@@ -86,10 +86,16 @@ impl ShardedModel {
                     return Ok(flat.f_narrow(0, chunk * rank, chunk)?);
                 }
                 let device = if options.offload { Device::Cpu } else { p.tensor.device() };
-                Ok(chunk_of(&flat, rank as usize, world as usize)?
+                let master = chunk_of(&flat, rank as usize, world as usize)?
                     .f_to_kind(Kind::Float)?
                     .f_to_device(device)?
-                    .f_detach_copy()?)
+                    .f_detach_copy()?;
+                // Offloaded from a GPU: page-locked host memory, which the copies of the
+                // gradient shards down and the parameter shards up use at full speed.
+                Ok(match (options.offload, p.tensor.device()) {
+                    (true, gpu @ Device::Cuda(_)) => master.f_pin_memory(gpu)?,
+                    _ => master,
+                })
             })?
             .set_requires_grad(true);
             let prefix = unit_of(&p.name, options.units.as_deref(), &wrapped, sized.as_deref());
@@ -127,8 +133,10 @@ impl ShardedModel {
                 chunk,
             });
         }
+        let device = params.first().map_or(Device::Cpu, |p| p.tensor.device());
         let mut engine = Engine {
             group,
+            device,
             replicas,
             options,
             shards,

@@ -48,6 +48,8 @@ pub(super) struct UnitState {
 pub(super) struct Engine {
     /// The processes a parameter is split across (all, or one machine's under hybrid).
     pub(super) group: Arc<dyn Communicator>,
+    /// Where the flat buffers live: the parameters' device (the GPU under NCCL).
+    pub(super) device: Device,
     /// Hybrid sharding: the processes holding the same shard on other machines.
     pub(super) replicas: Option<Arc<dyn Communicator>>,
     pub(super) options: ShardOptions,
@@ -85,7 +87,7 @@ impl Engine {
             (None, None) => Kind::Float,
         };
         // Zeros: padding, and parameters that got no gradient, contribute nothing.
-        let buffer = Tensor::f_zeros([world * unit.segment], (kind, Device::Cpu))?;
+        let buffer = Tensor::f_zeros([world * unit.segment], (kind, self.device))?;
         tch::no_grad(|| -> Result<()> {
             for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
                 let shard = &self.shards[s];
@@ -151,7 +153,7 @@ impl Engine {
     fn own_shards_buffer(&self, u: usize) -> Result<Tensor> {
         let unit = &self.units[u];
         let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
-        let buffer = Tensor::f_empty([world * unit.segment], (Kind::Float, Device::Cpu))?;
+        let buffer = Tensor::f_empty([world * unit.segment], (Kind::Float, self.device))?;
         let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
         for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
             let shard = &self.shards[s];
@@ -182,7 +184,7 @@ impl Engine {
             .zip(&unit.offsets)
             .map(|(&s, &offset)| {
                 let shard = &self.shards[s];
-                let whole = Tensor::f_empty([shard.numel], (Kind::Float, Device::Cpu))?;
+                let whole = Tensor::f_empty([shard.numel], (Kind::Float, self.device))?;
                 let columns = columns(&buffer, world, unit.segment, offset, shard.chunk)?;
                 copy_from_columns(&columns, &whole, shard.numel, shard.chunk)?;
                 Ok(whole.f_view(shard.param.size().as_slice())?)

@@ -6,10 +6,11 @@
 
 use std::collections::VecDeque;
 
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::Pipeline;
 use crate::Accelerator;
+use crate::comm::Backend;
 use crate::error::{Error, Result};
 
 const KINDS: [Kind; 4] = [Kind::Float, Kind::BFloat16, Kind::Half, Kind::Double];
@@ -33,11 +34,12 @@ fn header(t: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_slice(&values))
 }
 
-fn from_header(h: &Tensor) -> Result<Tensor> {
-    let v = Vec::<i64>::try_from(h).map_err(Error::from)?;
+/// An empty tensor of the shape and dtype `h` describes, on `device`.
+fn from_header(h: &Tensor, device: Device) -> Result<Tensor> {
+    let v = Vec::<i64>::try_from(&h.f_to_device(Device::Cpu)?).map_err(Error::from)?;
     let ndim = v[0].clamp(0, 7) as usize;
     let kind = KINDS.get(v[8] as usize).copied().unwrap_or(Kind::Float);
-    Ok(Tensor::f_empty(&v[1..1 + ndim], (kind, tch::Device::Cpu))?)
+    Ok(Tensor::f_empty(&v[1..1 + ndim], (kind, device))?)
 }
 
 /// One step of one stage.
@@ -59,6 +61,15 @@ struct InFlight {
 }
 
 impl Run<'_> {
+    /// Where transfers between stages live: host memory for the cpu backend, the GPU for
+    /// NCCL.
+    fn wire(&self) -> Device {
+        match self.pipeline.comm.backend() {
+            Backend::Nccl => self.accelerator.device(),
+            Backend::Cpu | Backend::Local => Device::Cpu,
+        }
+    }
+
     fn prev(&self) -> usize {
         self.pipeline.stage() - 1
     }
@@ -73,17 +84,17 @@ impl Run<'_> {
         if self.pipeline.is_first() {
             return Ok(self.micro_batches[i].0.to_device(self.accelerator.device()));
         }
-        let h = Tensor::f_zeros([9], (Kind::Int64, tch::Device::Cpu))?;
+        let h = Tensor::f_zeros([9], (Kind::Int64, self.wire()))?;
         self.pipeline.comm.recv(&h, self.prev())?;
-        let input = from_header(&h)?;
+        let input = from_header(&h, self.wire())?;
         self.pipeline.comm.recv(&input, self.prev())?;
         Ok(input.f_to_device(self.accelerator.device())?.set_requires_grad(true))
     }
 
     /// Sends the header of `output` to the next stage (the data follows).
     fn send_header(&self, output: &Tensor) -> Result<Tensor> {
-        let data = output.f_detach()?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
-        self.pipeline.comm.send(&header(&data)?, self.next())?;
+        let data = output.f_detach()?.f_to_device(self.wire())?.f_contiguous()?;
+        self.pipeline.comm.send(&header(&data)?.f_to_device(self.wire())?, self.next())?;
         Ok(data)
     }
 
@@ -96,7 +107,7 @@ impl Run<'_> {
     }
 
     fn recv_backward(&self, output: &Tensor) -> Result<Tensor> {
-        let grad = Tensor::f_empty(output.size().as_slice(), (output.kind(), tch::Device::Cpu))?;
+        let grad = Tensor::f_empty(output.size().as_slice(), (output.kind(), self.wire()))?;
         self.pipeline.comm.recv(&grad, self.next())?;
         Ok(grad)
     }
@@ -105,7 +116,7 @@ impl Run<'_> {
     /// (its micro-batch may be another size, as the last one of an epoch is), at once.
     fn send_forward_recv_backward(&self, output: &Tensor, pending: &Tensor) -> Result<Tensor> {
         let data = self.send_header(output)?;
-        let grad = Tensor::f_empty(pending.size().as_slice(), (pending.kind(), tch::Device::Cpu))?;
+        let grad = Tensor::f_empty(pending.size().as_slice(), (pending.kind(), self.wire()))?;
         self.pipeline.comm.send_recv_async(&data, self.next(), &grad, self.next())?.wait()?;
         Ok(grad)
     }
@@ -122,9 +133,9 @@ impl Run<'_> {
         let Some(grad) = input_grad.filter(|_| !self.pipeline.is_first()) else {
             return self.recv_forward(i);
         };
-        let h = Tensor::f_zeros([9], (Kind::Int64, tch::Device::Cpu))?;
+        let h = Tensor::f_zeros([9], (Kind::Int64, self.wire()))?;
         self.pipeline.comm.recv(&h, self.prev())?;
-        let input = from_header(&h)?;
+        let input = from_header(&h, self.wire())?;
         self.pipeline.comm.send_recv_async(&grad, self.prev(), &input, self.prev())?.wait()?;
         Ok(input.f_to_device(self.accelerator.device())?.set_requires_grad(true))
     }
@@ -155,7 +166,7 @@ impl Run<'_> {
                 .accelerator
                 .backward_with_grad(&flight.output, &grad.f_to_device(flight.output.device())?)?,
         }
-        Ok((!self.pipeline.is_first()).then(|| flight.input.grad().to_device(tch::Device::Cpu)))
+        Ok((!self.pipeline.is_first()).then(|| flight.input.grad().to_device(self.wire())))
     }
 
     /// Every micro-batch forward, nothing kept for backward (evaluation).

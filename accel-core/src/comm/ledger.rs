@@ -1,0 +1,396 @@
+//! The collective sequence check: each communicator keeps a ledger of the collectives it
+//! issued (operation, shape, dtype and the call site, through `#[track_caller]`), and at
+//! every optimizer step the ranks compare their ledgers through the store. A rank that
+//! skipped, added or reordered a collective is reported within one step, with each side's
+//! diverging call and its source line — instead of a hang until the timeout, or, where
+//! the shapes happen to match, silently combined wrong data.
+//!
+//! The comparison runs on a thread of its own, off the training step: the step hands over
+//! its ledgers and goes on; the thread posts them (`ledger/{scope}/{step}/{rank}`) and reads
+//! the next rank's. If that rank's post does not come, its posted progress tells a rank that
+//! is merely late from one blocked in a collective this rank never issued. On a divergence
+//! the thread reports it, aborts the run's communicators (so that a rank blocked in a
+//! collective fails now), keeps the error for the next step to return, and by default ends
+//! the process after a grace period. `ACCEL_CHECK_COLLECTIVES=0` turns the check off.
+
+use std::collections::BTreeMap;
+use std::panic::Location;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::store::StoreClient;
+use super::{Communicator, Op};
+use crate::error::{Error, Result};
+
+/// Entries kept per step for the report (the hash covers them all).
+const KEPT: usize = 256;
+
+/// One collective as the ledger records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    /// Its sequence number in the communicator.
+    pub seq: u64,
+    /// "all_reduce(sum) of [4, 8] Float".
+    pub call: String,
+    /// "src/strategy/ddp/mod.rs:66": the end of the path (machines may build from
+    /// different folders) and the line.
+    pub site: String,
+}
+
+impl Entry {
+    fn describe(&self) -> String {
+        format!("collective #{} {} at {}", self.seq, self.call, self.site)
+    }
+}
+
+/// The last three components of a source path and the line.
+pub(crate) fn site_of(location: &Location<'_>) -> String {
+    let parts: Vec<&str> = location.file().rsplitn(4, ['/', '\\']).collect();
+    let tail: Vec<&str> = parts.iter().take(3).rev().copied().collect();
+    format!("{}:{}", tail.join("/"), location.line())
+}
+
+/// What a communicator issued since its last check.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    inner: Mutex<Pending>,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    entries: Vec<Entry>,
+    count: u64,
+    hash: u64,
+    last_seq: u64,
+}
+
+/// FNV-1a: the same on every machine and build (std's hashers promise neither).
+fn fnv(mut hash: u64, bytes: &[u8]) -> u64 {
+    if hash == 0 {
+        hash = 0xcbf2_9ce4_8422_2325;
+    }
+    for &b in bytes {
+        hash = (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+impl Ledger {
+    /// Notes collective `seq`, `op` on `what` ("[4] Float"), called at `site`.
+    pub(crate) fn record(&self, seq: u64, op: Op, what: &str, site: &Location<'_>) {
+        let entry = Entry { seq, call: format!("{op} of {what}"), site: site_of(site) };
+        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        p.hash = fnv(fnv(p.hash, entry.call.as_bytes()), entry.site.as_bytes());
+        p.count += 1;
+        p.last_seq = seq;
+        if p.entries.len() < KEPT {
+            p.entries.push(entry);
+        }
+    }
+
+    /// Everything since the last call, and a fresh start.
+    fn take(&self) -> (Vec<Entry>, u64, u64, u64) {
+        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let last = p.last_seq;
+        let taken = std::mem::take(&mut *p);
+        *p = Pending { last_seq: last, ..Pending::default() };
+        (taken.entries, taken.count, taken.hash, last)
+    }
+}
+
+/// A communicator's share in the check: where its ranks post, and its ledger.
+#[derive(Debug, Clone)]
+pub struct Scope {
+    /// Store prefix of the communicator ("group3", "nccl1"): its progress posts live under
+    /// `{name}/progress/{rank}`.
+    pub name: String,
+    /// This rank's position in it.
+    pub rank: usize,
+    /// Global ranks of its members.
+    pub members: Vec<usize>,
+}
+
+/// What one rank posts for one communicator at one step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Post {
+    step: u64,
+    count: u64,
+    hash: u64,
+    /// The sequence number of its last collective (overall, not just this step's).
+    last_seq: u64,
+    entries: Vec<Entry>,
+}
+
+struct Submitted {
+    step: u64,
+    groups: Vec<(Scope, Post, Arc<dyn Communicator>)>,
+}
+
+/// The thread that compares the ranks' ledgers (one per process).
+pub struct SequenceChecker {
+    jobs: Mutex<Sender<Submitted>>,
+    failure: Arc<Mutex<Option<String>>>,
+}
+
+impl std::fmt::Debug for SequenceChecker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SequenceChecker").finish_non_exhaustive()
+    }
+}
+
+/// What the checker does on a divergence, before it aborts the communicators (by default
+/// [`crate::comm::exit_after_grace`]).
+pub type OnDivergence = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// Whether `ACCEL_CHECK_COLLECTIVES` leaves the check on (it is on unless set to 0).
+pub fn enabled() -> bool {
+    std::env::var("ACCEL_CHECK_COLLECTIVES").map_or(true, |v| v.trim() != "0")
+}
+
+impl SequenceChecker {
+    /// Starts the thread on its own store connection (its waits hold up nobody).
+    /// `timeout` bounds each wait for a peer (the run's collective timeout).
+    pub fn start(
+        store: StoreClient,
+        timeout: Duration,
+        on_divergence: OnDivergence,
+    ) -> Result<Self> {
+        let (jobs, queue) = channel();
+        let failure = Arc::new(Mutex::new(None));
+        let kept = failure.clone();
+        std::thread::Builder::new()
+            .name("accel-sequence-check".into())
+            .spawn(move || run(store, queue, timeout, &kept, &on_divergence))
+            .map_err(|e| Error::Training(format!("cannot start the sequence check: {e}")))?;
+        Ok(Self { jobs: Mutex::new(jobs), failure })
+    }
+
+    /// Hands over the ledgers of `comms` (each with its scope) for optimizer step `step`;
+    /// returns a divergence found at an earlier step.
+    pub fn submit(
+        &self,
+        step: u64,
+        comms: impl IntoIterator<Item = (Scope, Arc<dyn Communicator>)>,
+    ) -> Result<()> {
+        self.failure()?;
+        let groups = comms
+            .into_iter()
+            .filter_map(|(scope, comm)| {
+                let (entries, count, hash, last_seq) = comm.ledger()?.take();
+                Some((scope, Post { step, count, hash, last_seq, entries }, comm))
+            })
+            .collect();
+        let _ =
+            self.jobs.lock().unwrap_or_else(|e| e.into_inner()).send(Submitted { step, groups });
+        Ok(())
+    }
+
+    /// The divergence found so far, as an error.
+    pub fn failure(&self) -> Result<()> {
+        match &*self.failure.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(message) => Err(Error::Diverged(message.clone())),
+            None => Ok(()),
+        }
+    }
+}
+
+fn post_key(scope: &str, step: u64, rank: usize) -> String {
+    format!("ledger/{scope}/{step}/{rank}")
+}
+
+fn run(
+    mut store: StoreClient,
+    queue: Receiver<Submitted>,
+    timeout: Duration,
+    failure: &Mutex<Option<String>>,
+    on_divergence: &OnDivergence,
+) {
+    for Submitted { step, groups } in queue {
+        // Post everything first: a wait below then never waits on a post that is itself
+        // behind a wait.
+        for (scope, post, _) in &groups {
+            let Ok(bytes) = serde_json::to_vec(post) else { continue };
+            if store.set(&post_key(&scope.name, step, scope.rank), &bytes).is_err() {
+                return; // the store is gone: the run is ending, the collectives say why
+            }
+            if step >= 2 {
+                let _ = store.delete(&post_key(&scope.name, step - 2, scope.rank));
+            }
+        }
+        let mut diverged = None;
+        for (scope, post, _) in &groups {
+            match compare(&mut store, scope, post, timeout) {
+                Ok(None) => {}
+                Ok(Some(report)) => {
+                    diverged = Some(report);
+                    break;
+                }
+                Err(_) => return, // the store is gone or a peer never came: the run's own
+                                  // timeouts and the launcher report that
+            }
+        }
+        if let Some(report) = diverged {
+            *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
+            on_divergence(&report);
+            for (_, _, comm) in &groups {
+                comm.abort();
+            }
+            return;
+        }
+    }
+}
+
+/// Compares this rank's post with the next rank's of the same communicator; `Some(report)`
+/// when they diverge.
+fn compare(
+    store: &mut StoreClient,
+    scope: &Scope,
+    mine: &Post,
+    timeout: Duration,
+) -> Result<Option<String>> {
+    let n = scope.members.len();
+    if n < 2 {
+        return Ok(None);
+    }
+    let peer = (scope.rank + 1) % n;
+    let key = post_key(&scope.name, mine.step, peer);
+    let deadline = Instant::now() + timeout;
+    // Since when the peer has been past this rank's last collective without a post.
+    let mut past_since: Option<Instant> = None;
+    loop {
+        if let Ok(bytes) = store.get(&key, Duration::from_millis(250)) {
+            // This rank is the only reader of the peer's post.
+            store.delete(&key)?;
+            let theirs: Post = serde_json::from_slice(&bytes)
+                .map_err(|e| Error::Training(format!("unreadable ledger post: {e}")))?;
+            return Ok(diverging(scope, peer, mine, &theirs));
+        }
+        // Not posted: late, or blocked in a collective this rank never issued before the
+        // step. Its progress says which: past this rank's last collective and still without
+        // a post a second later (its own check thread posts within moments of its step).
+        match progress(store, &scope.name, peer) {
+            Some((seq, doing)) if seq > mine.last_seq => {
+                let since = *past_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= STUCK_AFTER && !store.check(&key)? {
+                    return Ok(Some(stuck(scope, peer, mine, seq, &doing)));
+                }
+            }
+            _ => past_since = None,
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Training("no ledger post from the peer".into()));
+        }
+    }
+}
+
+/// How long a peer must be seen past this rank's collectives without a post before it is
+/// reported as blocked in one this rank never issued.
+const STUCK_AFTER: Duration = Duration::from_secs(1);
+
+/// A rank's last posted progress: the sequence number of the collective it entered last,
+/// and what it is.
+fn progress(store: &mut StoreClient, scope: &str, rank: usize) -> Option<(u64, String)> {
+    let bytes = store.get(&format!("{scope}/progress/{rank}"), Duration::ZERO).ok()?;
+    let seq = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    Some((seq, String::from_utf8_lossy(&bytes[8..]).into_owned()))
+}
+
+fn who(scope: &Scope, rank: usize) -> String {
+    format!("rank {}", scope.members[rank])
+}
+
+fn group_of(scope: &Scope) -> String {
+    format!("the group of ranks {:?}", scope.members)
+}
+
+fn diverging(scope: &Scope, peer: usize, mine: &Post, theirs: &Post) -> Option<String> {
+    if mine.hash == theirs.hash && mine.count == theirs.count {
+        return None;
+    }
+    let (me, them) = (who(scope, scope.rank), who(scope, peer));
+    let first = mine
+        .entries
+        .iter()
+        .zip(&theirs.entries)
+        .position(|(a, b)| a.call != b.call || a.site != b.site);
+    let detail = match first {
+        Some(i) => format!(
+            "the {} collective of the step differs: {me} issued {}, {them} issued {}",
+            ordinal(i + 1),
+            mine.entries[i].describe(),
+            theirs.entries[i].describe()
+        ),
+        None => {
+            let (longer, shorter, extra) = if mine.count > theirs.count {
+                (&me, &them, mine.entries.get(theirs.entries.len()))
+            } else {
+                (&them, &me, theirs.entries.get(mine.entries.len()))
+            };
+            match extra {
+                Some(e) => format!(
+                    "{longer} issued {}, which {shorter} did not ({me}: {} collective(s) this step, \
+                     {them}: {})",
+                    e.describe(),
+                    mine.count,
+                    theirs.count
+                ),
+                None => format!(
+                    "they differ after the first {KEPT} collectives of the step ({me}: {}, {them}: {})",
+                    mine.count, theirs.count
+                ),
+            }
+        }
+    };
+    Some(format!(
+        "ranks issued different collectives before optimizer step {} in {}: {detail}. Every rank \
+         of a group must issue the same collectives in the same order (a collective inside a \
+         branch only some ranks take, or a loop that runs a different number of times, does \
+         this)",
+        mine.step,
+        group_of(scope)
+    ))
+}
+
+fn stuck(scope: &Scope, peer: usize, mine: &Post, seq: u64, doing: &str) -> String {
+    let (me, them) = (who(scope, scope.rank), who(scope, peer));
+    let last =
+        mine.entries.last().map(|e| format!(", the last {}", e.describe())).unwrap_or_default();
+    let doing = if doing.is_empty() { String::new() } else { format!(" ({doing})") };
+    format!(
+        "ranks issued different collectives before optimizer step {} in {}: {them} is in its \
+         collective #{seq}{doing}, which {me} never issued: {me} reached the step after \
+         collective #{}{last}. Every rank of a group must issue the same collectives in the \
+         same order (a collective inside a branch only some ranks take, or a loop that runs a \
+         different number of times, does this)",
+        mine.step,
+        group_of(scope),
+        mine.last_seq
+    )
+}
+
+fn ordinal(n: usize) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (1, 11) | (2, 12) | (3, 13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
+}
+
+/// The scopes of distinct communicators, in a fixed order.
+pub(crate) fn distinct(
+    comms: impl IntoIterator<Item = Arc<dyn Communicator>>,
+) -> Vec<(Scope, Arc<dyn Communicator>)> {
+    let mut seen = BTreeMap::new();
+    for comm in comms {
+        if let Some(scope) = comm.scope() {
+            seen.entry(scope.name.clone()).or_insert((scope, comm));
+        }
+    }
+    seen.into_values().collect()
+}
