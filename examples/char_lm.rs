@@ -61,9 +61,9 @@ struct Args {
     /// Peak AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
-    /// `no`, `bf16` or `fp16`.
-    #[arg(long, default_value = "no")]
-    precision: Precision,
+    /// `no`, `bf16`, `fp16` or `fp8` (default: the launcher's configuration, else no).
+    #[arg(long)]
+    precision: Option<Precision>,
     /// Held-out loss (nats per character) the run must reach.
     #[arg(long, default_value_t = 1.8)]
     target: f64,
@@ -73,9 +73,10 @@ struct Args {
     /// Also write the final held-out loss here, as JSON.
     #[arg(long)]
     metrics: Option<PathBuf>,
-    /// Micro-batches per optimizer step (with a pipeline: in flight through it).
-    #[arg(long, default_value_t = 1)]
-    accumulate: u32,
+    /// Micro-batches per optimizer step (with a pipeline: in flight through it; default:
+    /// the launcher's configuration, else 1).
+    #[arg(long)]
+    accumulate: Option<u32>,
     /// Tensor-parallel ranks.
     #[arg(long, default_value_t = 1)]
     tensor_parallel: usize,
@@ -141,15 +142,20 @@ fn main() -> Result<()> {
     if args.width % args.heads != 0 {
         bail!("--width {} is not divisible by --heads {}", args.width, args.heads);
     }
-    let acc = Accelerator::builder()
+    let mut builder = Accelerator::builder()
         .seed(0)
-        .precision(args.precision)
-        .accumulate(args.accumulate)
         .tensor_parallel(args.tensor_parallel)
         .sequence_parallel(args.sequence_parallel)
         .pipeline_parallel(args.pipeline_parallel)
-        .checkpoints(&args.checkpoint_dir, Some(2))
-        .build()?;
+        .checkpoints(&args.checkpoint_dir, Some(2));
+    // What the command line leaves out comes from `accel launch`'s configuration.
+    if let Some(precision) = args.precision {
+        builder = builder.precision(precision);
+    }
+    if let Some(accumulate) = args.accumulate {
+        builder = builder.accumulate(accumulate);
+    }
+    let acc = builder.build()?;
     let schedule = match args.schedule.as_str() {
         "1f1b" => pp::Schedule::OneForwardOneBackward,
         "gpipe" => pp::Schedule::GPipe,
@@ -285,7 +291,7 @@ fn main() -> Result<()> {
             let batch = batch?;
             if staged {
                 micro.push((batch[0].shallow_clone(), batch[1].shallow_clone()));
-                if micro.len() < args.accumulate as usize {
+                if micro.len() < acc.config().accumulate as usize {
                     continue;
                 }
                 losses = pipeline.train_step(

@@ -50,18 +50,18 @@ struct Args {
     /// Batch size per process.
     #[arg(long, default_value_t = 8)]
     batch_size: usize,
-    /// Micro-batches per optimizer step.
-    #[arg(long, default_value_t = 1)]
-    accumulate: u32,
+    /// Micro-batches per optimizer step (default: the launcher's configuration, else 1).
+    #[arg(long)]
+    accumulate: Option<u32>,
     /// Passes over the data.
     #[arg(long, default_value_t = 1)]
     epochs: u64,
-    /// Strategy.
-    #[arg(long, default_value = "ddp")]
-    strategy: Strategy,
-    /// Mixed precision.
-    #[arg(long, default_value = "no")]
-    precision: Precision,
+    /// Strategy (default: the launcher's configuration, else ddp).
+    #[arg(long)]
+    strategy: Option<Strategy>,
+    /// Mixed precision (default: the launcher's configuration, else no).
+    #[arg(long)]
+    precision: Option<Precision>,
     /// With `--precision fp8`: `tensorwise` or `rowwise`.
     #[arg(long, default_value = "tensorwise")]
     fp8_recipe: Fp8Recipe,
@@ -115,14 +115,22 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // What the command line leaves out comes from `accel launch` (flags, --config-file:
+    // YAML or a DeepSpeed JSON), as the accelerator's builder layers them.
     let mut builder = Accelerator::builder()
-        .strategy(args.strategy)
-        .precision(args.precision)
         .fp8_recipe(args.fp8_recipe)
-        .accumulate(args.accumulate)
         .tensor_parallel(args.tensor_parallel)
         .pipeline_parallel(args.pipeline_parallel)
         .cpu(args.device != "cuda");
+    if let Some(strategy) = args.strategy {
+        builder = builder.strategy(strategy);
+    }
+    if let Some(precision) = args.precision {
+        builder = builder.precision(precision);
+    }
+    if let Some(accumulate) = args.accumulate {
+        builder = builder.accumulate(accumulate);
+    }
     if args.clip_grad_norm > 0.0 {
         builder = builder.clip_grad_norm(args.clip_grad_norm);
     }
@@ -219,7 +227,7 @@ fn main() -> Result<()> {
             for batch in loader.iter() {
                 let batch = batch?;
                 batches.push((batch[0].shallow_clone(), batch[1].shallow_clone()));
-                if batches.len() < args.accumulate as usize {
+                if batches.len() < acc.config().accumulate as usize {
                     continue;
                 }
                 let losses = pipeline.train_step(

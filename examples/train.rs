@@ -33,12 +33,12 @@ struct Args {
     /// Images per micro-batch.
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
-    /// Micro-batches per optimizer step.
-    #[arg(long, default_value_t = 1)]
-    accumulate: u32,
-    /// `no`, `bf16` or `fp16`.
-    #[arg(long, default_value = "no")]
-    precision: Precision,
+    /// Micro-batches per optimizer step (default: the launcher's configuration, else 1).
+    #[arg(long)]
+    accumulate: Option<u32>,
+    /// `no`, `bf16` or `fp16` (default: the launcher's configuration, else no).
+    #[arg(long)]
+    precision: Option<Precision>,
     /// Peak AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
@@ -100,13 +100,16 @@ fn accuracy(
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let mut builder = Accelerator::builder()
-        .seed(args.seed)
-        .precision(args.precision)
-        .accumulate(args.accumulate)
-        .checkpoints(args.out.join("checkpoints"), Some(2));
+    let mut builder =
+        Accelerator::builder().seed(args.seed).checkpoints(args.out.join("checkpoints"), Some(2));
     if args.cpu {
         builder = builder.cpu(true);
+    }
+    if let Some(precision) = args.precision {
+        builder = builder.precision(precision);
+    }
+    if let Some(accumulate) = args.accumulate {
+        builder = builder.accumulate(accumulate);
     }
     let acc = builder.build()?;
     let device = acc.device();
@@ -130,7 +133,7 @@ fn main() -> Result<()> {
     )?;
     let mut test = acc.prepare_loader(test)?;
     let micro_steps = args.epochs * loader.len() as u64;
-    let optimizer_steps = micro_steps.div_ceil(u64::from(args.accumulate));
+    let optimizer_steps = micro_steps.div_ceil(u64::from(acc.config().accumulate));
     let mut opt = acc.prepare_optimizer(AdamW::new(
         acc.params(&vs),
         AdamConfig { lr: args.lr, ..AdamConfig::adamw() },
@@ -161,8 +164,8 @@ fn main() -> Result<()> {
         args.epochs,
         loader.len(),
         args.batch_size,
-        args.accumulate,
-        args.precision,
+        acc.config().accumulate,
+        acc.config().precision,
         h = args.hidden,
     ));
 

@@ -573,3 +573,37 @@ fn grouped_start(name: &str) -> Tensor {
     let _ = grouped_mlp(&vs);
     vs.variables()[name].copy()
 }
+
+/// A DeepSpeed JSON config as the builder's config file (the attribute's `config =
+/// "ds_config.json"`): its stage, precision, accumulation and fp16 scaler settings apply,
+/// and its batch sizes are checked and known to the program.
+#[test]
+fn a_deepspeed_json_config_file_sets_the_run() {
+    let _serial = serial();
+    let dir = scratch("deepspeed");
+    let json = dir.join("ds_config.json");
+    std::fs::write(
+        &json,
+        r#"{"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2,
+            "train_micro_batch_size_per_gpu": "auto", "train_batch_size": 8,
+            "fp16": {"enabled": true, "initial_scale_power": 10, "hysteresis": 3}}"#,
+    )
+    .unwrap();
+    let acc = Accelerator::builder().config_file(&json).cpu(true).build().unwrap();
+    assert_eq!(acc.config().strategy, accel_core::Strategy::Zero3);
+    assert_eq!(acc.config().precision, Precision::Fp16);
+    assert_eq!(acc.config().accumulate, 2);
+    assert_eq!(acc.loss_scale(), Some(1024.0));
+    assert_eq!(acc.micro_batch_size(), Some(4), "8 = micro × 2 steps × 1 process");
+    // The builder still wins over the file.
+    let acc = Accelerator::builder().config_file(&json).accumulate(3).cpu(true).build();
+    let err = acc.unwrap_err().to_string();
+    assert!(
+        err.contains("train_batch_size 8 is not a multiple of gradient_accumulation_steps 3"),
+        "{err}"
+    );
+    std::fs::write(&json, r#"{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}"#)
+        .unwrap();
+    let err = Accelerator::builder().config_file(&json).cpu(true).build().unwrap_err().to_string();
+    assert!(err.contains("ds_config.json: accel does not implement `optimizer`"), "{err}");
+}

@@ -349,6 +349,83 @@ fn every_strategy_over_a_group_of_one_trains_as_one_process_does_without() {
     }
 }
 
+/// A DeepSpeed JSON config, as `accelerate launch --config_file ds_config.json` takes it,
+/// given to `accel launch --config-file`: ZeRO stage 2, accumulation and clipping come from
+/// the file (the program's command line leaves them out), the batch-size arithmetic is
+/// checked, and the run equals DDP with the same settings.
+#[test]
+fn a_deepspeed_json_config_runs_the_parity_example_as_zero2_equal_to_ddp() {
+    let dir = scratch("deepspeed");
+    make_weights_and_data(&dir, 3);
+    let json = dir.join("ds_config.json");
+    std::fs::write(
+        &json,
+        r#"{
+  "train_batch_size": "auto",
+  "train_micro_batch_size_per_gpu": 4,
+  "gradient_accumulation_steps": 2,
+  "gradient_clipping": 1.0,
+  "fp16": {"enabled": false},
+  "bf16": {"enabled": "auto"},
+  "zero_optimization": {"stage": 2, "overlap_comm": true, "contiguous_gradients": true,
+                        "reduce_bucket_size": "auto"}
+}"#,
+    )
+    .unwrap();
+    let stop = ["--state", "", "--stop-after", "10"];
+    let ddp_state = dir.join("ddp-state");
+    let mut extra = stop;
+    extra[1] = ddp_state.to_str().unwrap();
+    let ddp = run_parity(&dir, 2, "ddp", "ddp", &extra);
+
+    let config = accel_core::launch::config::LaunchConfig::from_file(&json).unwrap();
+    assert_eq!(config.training.strategy, Some(accel_core::Strategy::Zero2));
+    let (w, d, out) =
+        (dir.join("W.safetensors"), dir.join("D.safetensors"), dir.join("ds.safetensors"));
+    let ds_state = dir.join("ds-state");
+    let mut program = vec![example("parity")];
+    program.extend(
+        ["--init", w.to_str().unwrap(), "--data", d.to_str().unwrap(), "--hidden", "16,16"]
+            .into_iter()
+            .chain(["--lr", "1e-2", "--batch-size", "4", "--epochs", "2", "--out"])
+            .chain([out.to_str().unwrap(), "--losses", dir.join("ds.jsonl").to_str().unwrap()])
+            .chain(["--state", ds_state.to_str().unwrap(), "--stop-after", "10"])
+            .map(str::to_owned),
+    );
+    let mut env: Vec<(String, String)> =
+        config.training_env().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    env.push(("ACCEL_TIMEOUT_SECS".into(), "60".into()));
+    let plan = LaunchPlan { env, rank0_only: true, ..LaunchPlan::local(2, program) };
+    assert_eq!(run(&plan).unwrap(), 0, "parity under the DeepSpeed config failed");
+    // Sharded as ZeRO-2: one shard file per process (DDP's checkpoint has none).
+    assert!(!ddp_state.join("shard_1.safetensors").exists());
+    for rank in 0..2 {
+        let shard = ds_state.join(format!("shard_{rank}.safetensors"));
+        assert!(shard.exists(), "{} missing: not zero2", shard.display());
+    }
+    let diff = max_diff(&ddp, &read_weights(&out));
+    assert!(diff <= 1e-5, "the DeepSpeed zero2 run is {diff} from DDP");
+
+    // The micro batch the file fixes must be the program's.
+    std::fs::write(
+        &json,
+        r#"{"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}}"#,
+    )
+    .unwrap();
+    let config = accel_core::launch::config::LaunchConfig::from_file(&json).unwrap();
+    let mut program = vec![example("parity")];
+    program.extend(
+        ["--init", w.to_str().unwrap(), "--data", d.to_str().unwrap(), "--hidden", "16,16"]
+            .into_iter()
+            .chain(["--batch-size", "4", "--out", out.to_str().unwrap(), "--losses"])
+            .chain([dir.join("bad.jsonl").to_str().unwrap()])
+            .map(str::to_owned),
+    );
+    let env = config.training_env().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    let plan = LaunchPlan { env, rank0_only: true, ..LaunchPlan::local(2, program) };
+    assert_ne!(run(&plan).unwrap(), 0, "a micro batch of 8 against batches of 4 must fail");
+}
+
 /// DDP first: the reference the sharded strategies are held to.
 const STAGES: [&str; 4] = ["ddp", "zero1", "zero2", "zero3"];
 

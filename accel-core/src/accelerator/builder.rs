@@ -10,6 +10,7 @@ use super::{Accelerator, CURRENT, GradientState, Inner, Registry};
 use crate::comm::{GroupOptions, ProcessGroup};
 use crate::config::{Config, Fp8Recipe, PartialConfig, Precision, Strategy, config_file_from_env};
 use crate::error::{Error, Result};
+use crate::launch::config::{DEEPSPEED_CONFIG_ENV, LaunchConfig};
 use crate::mesh::{DeviceMesh, ParallelDims};
 use crate::precision::{self, GradScaler, ScalerConfig};
 use crate::strategy::ModelOptions;
@@ -157,10 +158,26 @@ impl AcceleratorBuilder {
         };
         #[cfg(not(test))]
         let (process, given_mesh): (Topology, Option<DeviceMesh>) = (Topology::from_env()?, None);
-        let file = match self.config_file.clone().or_else(config_file_from_env) {
-            Some(path) => PartialConfig::from_file(&path)?,
-            None => PartialConfig::default(),
+        // Our YAML, Accelerate's, or a DeepSpeed JSON (whose other settings may also come
+        // from the launcher, as ACCEL_DEEPSPEED_CONFIG).
+        let launch_file = match self.config_file.clone().or_else(config_file_from_env) {
+            Some(path) => LaunchConfig::from_file(&path)?,
+            None => LaunchConfig::default(),
         };
+        if process.rank == 0 {
+            for warning in &launch_file.warnings {
+                eprintln!("accel: {warning}");
+            }
+        }
+        let deepspeed = match launch_file
+            .deepspeed_config
+            .clone()
+            .or_else(|| std::env::var_os(DEEPSPEED_CONFIG_ENV).map(PathBuf::from))
+        {
+            Some(path) => Some(crate::launch::deepspeed::read(&path)?.settings),
+            None => None,
+        };
+        let file = launch_file.training;
         let env = PartialConfig::from_env()?;
         let outside = file.overlay(&env);
         let conflicts = self.explicit.conflicts(&outside);
@@ -173,7 +190,25 @@ impl AcceleratorBuilder {
                 );
             }
         }
-        if self.sharding.offload && !config.strategy.shards() {
+        let (mut sharding, mut ddp, mut scaler_config) =
+            (self.sharding.clone(), self.ddp, ScalerConfig::default());
+        if let Some(ds) = &deepspeed {
+            sharding.offload |= ds.offload;
+            if let Some(scaler) = ds.scaler {
+                scaler_config = scaler;
+            }
+            // DeepSpeed counts elements; accel's buckets are bytes of fp32 gradients.
+            if let Some(elements) = ds.reduce_bucket_elements {
+                if ddp.bucket_bytes == DdpOptions::default().bucket_bytes {
+                    ddp.bucket_bytes = elements.saturating_mul(4);
+                }
+            }
+            if let Some(kind) = ds.communication {
+                ddp.compression.get_or_insert(kind);
+                sharding.reduce_dtype.get_or_insert(kind);
+            }
+        }
+        if sharding.offload && !config.strategy.shards() {
             return Err(Error::Config(format!(
                 "offload needs a sharded strategy (zero2, zero3 or fsdp); the strategy is {}",
                 config.strategy
@@ -183,6 +218,12 @@ impl AcceleratorBuilder {
         let device = crate::cuda::check_device(device)?;
         precision::check_precision(config.precision, device)?;
         let dims = ParallelDims::for_run(&config, &process)?;
+        let micro_batch_size = match &deepspeed {
+            Some(ds) => {
+                ds.check_batch_sizes(config.accumulate, dims.size(crate::mesh::Dim::Data))?
+            }
+            None => None,
+        };
         if let Device::Cuda(index) = device {
             // This thread's (and NCCL's) device: every CUDA call that follows lands on it.
             crate::shim::set_cuda_device(index)?;
@@ -198,13 +239,13 @@ impl AcceleratorBuilder {
         };
         let strategy = match self.custom {
             Some(custom) => custom,
-            None => crate::strategy::builtin(config.strategy, &mesh, self.sharding.clone()),
+            None => crate::strategy::builtin(config.strategy, &mesh, sharding),
         };
         if let Some(seed) = config.seed {
             tch::manual_seed(seed as i64);
         }
         let scaler = (config.precision == Precision::Fp16)
-            .then(|| Arc::new(Mutex::new(GradScaler::new(ScalerConfig::default(), device))));
+            .then(|| Arc::new(Mutex::new(GradScaler::new(scaler_config, device))));
         let fp8 = (config.precision == Precision::Fp8)
             .then(|| Arc::new(precision::fp8::Fp8Layers::new(config.fp8_recipe)));
         let tp = crate::strategy::tp::TensorParallel::new(
@@ -226,7 +267,8 @@ impl AcceleratorBuilder {
                 fp8,
                 mesh,
                 strategy,
-                model_options: ModelOptions::from(self.ddp),
+                model_options: ModelOptions::from(ddp),
+                micro_batch_size,
                 driven_unscaled: Mutex::new(Default::default()),
                 in_pipeline_step: Default::default(),
             }),

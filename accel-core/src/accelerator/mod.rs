@@ -73,6 +73,9 @@ pub(crate) struct Inner {
     /// Under precision fp8: the recipe and the fp8 layers made so far.
     pub(crate) fp8: Option<Arc<crate::precision::fp8::Fp8Layers>>,
     model_options: ModelOptions,
+    /// The per-process batch size a DeepSpeed config fixes (`train_micro_batch_size_per_gpu`,
+    /// or what its `train_batch_size` implies).
+    pub(crate) micro_batch_size: Option<usize>,
     /// Driven optimizers (by their first parameter) whose gradients this step unscaled.
     driven_unscaled: Mutex<std::collections::HashSet<usize>>,
     /// Set while a pipeline step runs (its backward passes are the only ones allowed when
@@ -140,6 +143,12 @@ impl Accelerator {
         if self.is_local_main_process() {
             println!("{message}");
         }
+    }
+
+    /// The per-process batch size a DeepSpeed config fixes, if it does (its
+    /// `train_micro_batch_size_per_gpu`, or `train_batch_size` ÷ accumulation ÷ replicas).
+    pub fn micro_batch_size(&self) -> Option<usize> {
+        self.inner.micro_batch_size
     }
 
     /// Waits until every process gets here (a barrier; immediate with one process).
@@ -336,6 +345,17 @@ impl Accelerator {
         // the same batches.
         let (index, replicas) = self.data_parallel();
         loader.shard(index, replicas)?;
+        if let (Some(micro), per_process) =
+            (self.inner.micro_batch_size, loader.per_process_batch())
+        {
+            if micro != per_process {
+                return Err(Error::Config(format!(
+                    "the DeepSpeed config's micro batch size is {micro} per process, but this \
+                     loader gives each process batches of {per_process}; make them agree (or \
+                     set train_micro_batch_size_per_gpu to \"auto\")"
+                )));
+            }
+        }
         let position = Arc::new(Mutex::new(DataPosition::default()));
         self.registry().loaders.push(position.clone());
         Ok(PreparedLoader::new(loader, self.inner.state.clone(), position, self.device()))

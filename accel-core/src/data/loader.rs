@@ -204,6 +204,16 @@ impl<D: Dataset> DataLoader<D> {
         Ok(Self { dataset: Some(dataset), options, rank: 0, world: 1, epoch: 0, skip: 0 })
     }
 
+    /// The samples of each batch one process gets (after [`DataLoader::shard`]: a split
+    /// batch's share).
+    pub fn per_process_batch(&self) -> usize {
+        if self.options.split_batches {
+            self.options.batch_size / self.world.max(1)
+        } else {
+            self.options.batch_size
+        }
+    }
+
     /// Shard batches across `world` processes as Accelerate does (the accelerator calls this).
     pub fn shard(&mut self, rank: usize, world: usize) -> Result<()> {
         if self.options.split_batches && self.options.batch_size % world != 0 {

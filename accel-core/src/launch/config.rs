@@ -29,7 +29,18 @@ pub struct LaunchConfig {
     /// Training settings passed to the program as `ACCEL_*` variables.
     #[serde(flatten)]
     pub training: PartialConfig,
+    /// A DeepSpeed JSON config (the file given, or Accelerate's `deepspeed_config_file`):
+    /// its settings beyond `training` reach the program through `ACCEL_DEEPSPEED_CONFIG`.
+    #[serde(skip)]
+    pub deepspeed_config: Option<PathBuf>,
+    /// What reading the file has to say (DeepSpeed settings ignored), for the caller to
+    /// print once.
+    #[serde(skip)]
+    pub warnings: Vec<String>,
 }
+
+/// Names the DeepSpeed JSON config whose settings the program's accelerator applies.
+pub const DEEPSPEED_CONFIG_ENV: &str = "ACCEL_DEEPSPEED_CONFIG";
 
 /// Our keys.
 const OURS: &[&str] = &[
@@ -94,13 +105,49 @@ pub fn default_config_path() -> Option<PathBuf> {
 }
 
 impl LaunchConfig {
-    /// Reads a YAML file of our keys and/or Accelerate's.
+    /// Reads a YAML file of our keys and/or Accelerate's, or a DeepSpeed JSON config
+    /// (`.json`). A YAML's `deepspeed_config_file` is read too (relative to the YAML's
+    /// folder); its values fill what the YAML leaves unset.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-        Self::from_yaml(&text).map_err(|e| match e {
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+            return Self::from_deepspeed(path);
+        }
+        let mut config = Self::from_yaml(&text).map_err(|e| match e {
             Error::Config(m) => Error::Config(format!("{}: {m}", path.display())),
             other => other,
+        })?;
+        if let Some(json) = config.deepspeed_config.take() {
+            let json = path.parent().map_or(json.clone(), |dir| dir.join(&json));
+            let deepspeed = Self::from_deepspeed(&json)?;
+            config.training = deepspeed.training.overlay(&config.training);
+            config.training.build()?;
+            config.deepspeed_config = deepspeed.deepspeed_config;
+            config.warnings.extend(deepspeed.warnings);
+        }
+        Ok(config)
+    }
+
+    /// A DeepSpeed JSON config's training settings, and the file (absolute) for the rest;
+    /// its performance hints are named in one warning.
+    fn from_deepspeed(path: &Path) -> Result<Self> {
+        let deepspeed = super::deepspeed::read(path)?;
+        let mut warnings = Vec::new();
+        if !deepspeed.ignored.is_empty() {
+            warnings.push(format!(
+                "{}: ignoring DeepSpeed performance settings accel has no use for: {}",
+                path.display(),
+                deepspeed.ignored.join(", ")
+            ));
+        }
+        deepspeed.training.build()?;
+        let absolute = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        Ok(Self {
+            training: deepspeed.training,
+            deepspeed_config: Some(absolute),
+            warnings,
+            ..Self::default()
         })
     }
 
@@ -228,6 +275,12 @@ impl LaunchConfig {
                 }
                 "gradient_accumulation_steps" => accelerate_accumulate = Some(as_u32()?),
                 "deepspeed_config" => {
+                    if let Some(file) = value.get("deepspeed_config_file") {
+                        let file = file.as_str().ok_or_else(|| {
+                            bad("deepspeed_config_file to be a path to a JSON file")
+                        })?;
+                        config.deepspeed_config = Some(PathBuf::from(file));
+                    }
                     if let Some(stage) =
                         value.get("zero_stage").and_then(serde_yaml_ng::Value::as_u64)
                     {
@@ -305,6 +358,8 @@ impl LaunchConfig {
             main_process_ip: stronger.main_process_ip.clone().or(self.main_process_ip),
             main_process_port: stronger.main_process_port.or(self.main_process_port),
             training: self.training.overlay(&stronger.training),
+            deepspeed_config: stronger.deepspeed_config.clone().or(self.deepspeed_config),
+            warnings: [self.warnings, stronger.warnings.clone()].concat(),
         }
     }
 
@@ -312,6 +367,9 @@ impl LaunchConfig {
     pub fn training_env(&self) -> Vec<(&'static str, String)> {
         let t = &self.training;
         let mut env = Vec::new();
+        if let Some(path) = &self.deepspeed_config {
+            env.push((DEEPSPEED_CONFIG_ENV, path.display().to_string()));
+        }
         if let Some(v) = t.strategy {
             env.push(("ACCEL_STRATEGY", v.to_string()));
         }

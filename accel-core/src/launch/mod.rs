@@ -9,6 +9,7 @@
 //! non-zero. Children die with the launcher (`PR_SET_PDEATHSIG`), so none is orphaned.
 
 pub mod config;
+pub mod deepspeed;
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};

@@ -1,5 +1,7 @@
 //! Dynamic loss scaling for fp16, as `torch.amp.GradScaler` with its defaults: scale 65536,
 //! ×2 after 2000 steps without overflow, ×0.5 and the step skipped on inf/NaN gradients.
+//! DeepSpeed's settings add hysteresis (back off only after that many overflows since the
+//! last growth), a floor, and a static scale.
 
 use std::collections::BTreeMap;
 
@@ -20,11 +22,44 @@ pub struct ScalerConfig {
     pub backoff_factor: f64,
     /// Clean steps before growing (torch: 2000).
     pub growth_interval: i64,
+    /// Overflows before the scale backs off, counted since the last growth (DeepSpeed's
+    /// `hysteresis`; torch: 1).
+    #[serde(default = "one")]
+    pub hysteresis: u32,
+    /// The scale never backs off below this (DeepSpeed's `min_loss_scale`; torch: 0).
+    #[serde(default)]
+    pub min_scale: f64,
+    /// Whether the scale changes at all (DeepSpeed's `loss_scale` > 0 fixes it).
+    #[serde(default = "yes")]
+    pub dynamic: bool,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for ScalerConfig {
     fn default() -> Self {
-        Self { init_scale: 65536.0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000 }
+        Self {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+            hysteresis: 1,
+            min_scale: 0.0,
+            dynamic: true,
+        }
+    }
+}
+
+impl ScalerConfig {
+    /// Whether torch's own update kernel does it (no hysteresis, floor or static scale).
+    fn is_torchs(&self) -> bool {
+        self.hysteresis <= 1 && self.min_scale <= 0.0 && self.dynamic
     }
 }
 
@@ -35,6 +70,9 @@ pub struct ScalerState {
     pub scale: f64,
     /// Clean steps since the last change.
     pub growth_tracker: i64,
+    /// Overflows still allowed before the next back-off (with hysteresis).
+    #[serde(default)]
+    pub hysteresis_left: Option<u32>,
 }
 
 /// The loss scaler. One per run; the optimizers of the run share it.
@@ -45,6 +83,8 @@ pub struct GradScaler {
     growth_tracker: Tensor,
     /// Set by `unscale` for the current step: 1.0 when some gradient overflowed.
     found_inf: Option<Tensor>,
+    /// Overflows still allowed before the next back-off.
+    hysteresis_left: u32,
 }
 
 impl GradScaler {
@@ -55,6 +95,7 @@ impl GradScaler {
             scale: Tensor::full([1], config.init_scale, (Kind::Float, device)),
             growth_tracker: Tensor::zeros([1], (Kind::Int, device)),
             found_inf: None,
+            hysteresis_left: config.hysteresis.max(1),
         }
     }
 
@@ -125,26 +166,102 @@ impl GradScaler {
             Some(f) => f,
             None => Tensor::zeros([1], (Kind::Float, self.scale.device())),
         };
-        let _ = self.scale.f_internal_amp_update_scale_(
-            &self.growth_tracker,
-            &found_inf,
-            self.config.growth_factor,
-            self.config.backoff_factor,
-            self.config.growth_interval,
-        )?;
+        if self.config.is_torchs() {
+            let _ = self.scale.f_internal_amp_update_scale_(
+                &self.growth_tracker,
+                &found_inf,
+                self.config.growth_factor,
+                self.config.backoff_factor,
+                self.config.growth_interval,
+            )?;
+            return Ok(());
+        }
+        // DeepSpeed's DynamicLossScaler (its step reads the overflow flag on the host too).
+        if !self.config.dynamic {
+            return Ok(());
+        }
+        let c = self.config;
+        let (mut scale, mut clean) = (self.scale(), self.growth_tracker.int64_value(&[0]));
+        if found_inf.double_value(&[0]) != 0.0 {
+            if self.hysteresis_left <= 1 {
+                scale = (scale * c.backoff_factor).max(c.min_scale);
+            } else {
+                self.hysteresis_left -= 1;
+            }
+            clean = 0;
+        } else {
+            clean += 1;
+            if clean >= c.growth_interval {
+                scale *= c.growth_factor;
+                clean = 0;
+                self.hysteresis_left = c.hysteresis.max(1);
+            }
+        }
+        let _ = self.scale.f_fill_(scale)?;
+        let _ = self.growth_tracker.f_fill_(clean)?;
         Ok(())
     }
 
     /// The state a checkpoint keeps.
     pub fn state(&self) -> ScalerState {
-        ScalerState { scale: self.scale(), growth_tracker: self.growth_tracker.int64_value(&[0]) }
+        ScalerState {
+            scale: self.scale(),
+            growth_tracker: self.growth_tracker.int64_value(&[0]),
+            hysteresis_left: (!self.config.is_torchs()).then_some(self.hysteresis_left),
+        }
     }
 
     /// Restores a state from [`GradScaler::state`].
     pub fn load_state(&mut self, state: ScalerState) -> Result<()> {
         let _ = self.scale.f_fill_(state.scale)?;
         let _ = self.growth_tracker.f_fill_(state.growth_tracker)?;
+        if let Some(left) = state.hysteresis_left {
+            self.hysteresis_left = left.max(1);
+        }
         self.found_inf = None;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DeepSpeed's DynamicLossScaler, step by step (its `update_scale` with hysteresis 2,
+    /// window 3, floor 2, worked through by hand): a first overflow is forgiven, the second
+    /// backs off, growth restores the allowance, and the floor holds.
+    #[test]
+    fn deepspeed_hysteresis_window_and_floor() {
+        let config = ScalerConfig {
+            init_scale: 8.0,
+            growth_interval: 3,
+            hysteresis: 2,
+            min_scale: 2.0,
+            ..ScalerConfig::default()
+        };
+        let mut scaler = GradScaler::new(config, Device::Cpu);
+        let param = Tensor::zeros([1], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let mut scales = Vec::new();
+        for overflow in [true, true, false, false, false, true, true, true, true] {
+            let grad = Tensor::from_slice(&[if overflow { f32::INFINITY } else { 1.0 }]);
+            crate::shim::set_grad(&param, Some(&grad)).unwrap();
+            assert_eq!(scaler.found_inf(&[param.shallow_clone()]).unwrap(), overflow);
+            scaler.update().unwrap();
+            scales.push(scaler.scale());
+        }
+        assert_eq!(scales, [8.0, 4.0, 4.0, 4.0, 8.0, 8.0, 4.0, 2.0, 2.0]);
+        // The allowance left travels with a checkpoint.
+        let state = scaler.state();
+        assert_eq!(state.hysteresis_left, Some(1));
+        let mut resumed = GradScaler::new(config, Device::Cpu);
+        resumed.load_state(state).unwrap();
+        assert_eq!(resumed.state(), state);
+        // A static scale never moves.
+        let fixed = ScalerConfig { init_scale: 128.0, dynamic: false, ..ScalerConfig::default() };
+        let mut scaler = GradScaler::new(fixed, Device::Cpu);
+        crate::shim::set_grad(&param, Some(&Tensor::from_slice(&[f32::NAN]))).unwrap();
+        assert!(scaler.found_inf(&[param.shallow_clone()]).unwrap());
+        scaler.update().unwrap();
+        assert_eq!(scaler.scale(), 128.0);
     }
 }

@@ -218,8 +218,13 @@ impl LaunchArgs {
                 pipeline_parallel: self.pipeline_parallel,
                 sequence_parallel: self.sequence_parallel.then_some(true),
             },
+            deepspeed_config: None,
+            warnings: Vec::new(),
         };
         let config = file.overlay(&flags);
+        for warning in &config.warnings {
+            eprintln!("accel launch: {warning}");
+        }
         config.training.build()?;
         let mut env: Vec<(String, String)> =
             config.training_env().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
