@@ -111,6 +111,9 @@ struct Args {
     /// `cpu`, or `cuda` (each process on its own GPU; scripts/gpu-check.sh).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Profile the training into DIR/trace_rank{r}.json (`accel profile summary` reads it).
+    #[arg(long, value_name = "DIR")]
+    profile: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -215,6 +218,13 @@ fn main() -> Result<()> {
         Ok(())
     };
     let mut step = 0u64;
+    let profiler = match &args.profile {
+        Some(dir) => Some(acc.profile(accel_core::profile::ProfileOptions {
+            dir: dir.clone(),
+            ..Default::default()
+        })?),
+        None => None,
+    };
     if args.pipeline_parallel > 1 {
         let schedule = match args.schedule.as_str() {
             "1f1b" => Schedule::OneForwardOneBackward,
@@ -258,6 +268,9 @@ fn main() -> Result<()> {
                 );
             }
         }
+        if let Some(p) = profiler {
+            p.finish()?;
+        }
         return finish(&acc, &vs, &args);
     }
     'train: for _ in loader.epoch()..args.epochs {
@@ -277,6 +290,9 @@ fn main() -> Result<()> {
                 break 'train;
             }
         }
+    }
+    if let Some(p) = profiler {
+        p.finish()?;
     }
     finish(&acc, &vs, &args)
 }

@@ -16,9 +16,9 @@ use accel_core::comm::ReduceOp;
 use accel_core::data::{DataLoader, LoaderOptions, Sampler, TensorDataset};
 use accel_core::mesh::Dim;
 use accel_core::optim::{AdamConfig, AdamW, Schedule};
-use accel_core::tracking::Tracker;
+use accel_core::tracking::{MetricsFiles, plot};
 use accel_core::{Accelerator, Precision};
-use accel_examples::{Digits, plot_png};
+use accel_examples::Digits;
 use anyhow::{Result, bail};
 use clap::Parser;
 use tch::nn::{self, Module};
@@ -169,9 +169,8 @@ fn main() -> Result<()> {
         h = args.hidden,
     ));
 
-    let mut tracker = Tracker::new(&acc, &args.out, args.resume || restarted)?;
+    let mut tracker = MetricsFiles::new(&acc, &args.out, args.resume || restarted)?;
     let bar = acc.progress_bar(micro_steps);
-    let (mut losses, mut accuracies) = (Vec::new(), Vec::new());
     bar.set_position(acc.counters().micro_steps_total);
     let started = std::time::Instant::now();
     for epoch in loader.epoch()..args.epochs {
@@ -191,8 +190,7 @@ fn main() -> Result<()> {
         // The mean training loss over every process's batches.
         let mean_loss = total / f64::from(batches.max(1));
         let mean_loss = acc.reduce(&Tensor::from(mean_loss), ReduceOp::Avg)?.double_value(&[]);
-        losses.push(mean_loss);
-        accuracies.push(test_accuracy);
+        bar.set_message(format!("loss {mean_loss:.4}"));
         tracker.log(
             epoch + 1,
             &[("loss", mean_loss), ("test_accuracy", test_accuracy), ("lr", opt.lr())],
@@ -221,11 +219,13 @@ fn main() -> Result<()> {
     let (final_accuracy, scored) = accuracy(&acc, &net, &mut test)?;
     let curve = args.out.join("loss_curve.png");
     if acc.is_main_process() {
-        plot_png(&curve, &[(&losses, [31, 119, 180]), (&accuracies, [44, 160, 44])], 640, 360)?;
+        let title = format!("MLP on the 8x8 digits, {} process(es)", acc.num_processes());
+        let svg = args.out.join("loss_curve.svg");
+        plot::plot_jsonl(&args.out.join("metrics.jsonl"), &title, &[&curve, &svg])?;
     }
     acc.print(format!(
         "done in {:.1} s: test accuracy {:.2}% on {scored} images (target {:.0}%)\n  metrics {}, \
-         loss curve {} (blue: training loss, green: test accuracy, per epoch), checkpoint {}",
+         curves {} (and .svg: training loss, test accuracy, learning rate), checkpoint {}",
         started.elapsed().as_secs_f64(),
         100.0 * final_accuracy,
         100.0 * args.target,

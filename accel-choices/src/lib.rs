@@ -113,6 +113,9 @@ choices!(
     /// FSDP's `HYBRID_SHARD`: zero3 among the processes of each machine, replicated across
     /// machines (a replicate × shard mesh).
     "hybrid_shard" => HybridShard,
+    /// Chosen when the model is prepared: the lightest of ddp, zero1, zero2, zero3 (then
+    /// zero3 with offload) whose model state fits this process's memory.
+    "auto" => Auto,
 );
 
 choices!(
@@ -191,6 +194,11 @@ impl Strategy {
     /// Whether parameters or gradients are sharded (what `offload` needs).
     pub fn shards(self) -> bool {
         matches!(self, Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp | Strategy::HybridShard)
+    }
+
+    /// Whether `offload` can go with it (a sharded strategy, or auto, which then shards).
+    pub fn can_offload(self) -> bool {
+        self.shards() || self == Strategy::Auto
     }
 }
 

@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/autograd/variable.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/ops/_fused_adamw.h>
@@ -370,6 +371,64 @@ char* accel_cuda_reset_peak_memory(int device_index) {
   ACCEL_TRY(c10::getDeviceAllocator(c10::DeviceType::CUDA)
                 ->resetPeakStats(static_cast<c10::DeviceIndex>(device_index)))
 }
+
+// ---- profiler (Kineto) --------------------------------------------------------------
+
+// Starts libtorch's profiler on this thread (torch.profiler.profile): CPU operators, and
+// CUDA kernels with `cuda`.
+char* accel_profiler_start(bool cuda, bool record_shapes, bool profile_memory,
+                           bool with_stack) {
+  ACCEL_TRY({
+    using namespace torch::profiler::impl;
+    ProfilerConfig config(ProfilerState::KINETO, record_shapes, profile_memory, with_stack);
+    std::set<ActivityType> activities{ActivityType::CPU};
+    if (cuda) activities.insert(ActivityType::CUDA);
+    torch::autograd::profiler::prepareProfiler(config, activities);
+    torch::autograd::profiler::enableProfiler(config, activities);
+  })
+}
+
+// Stops it and writes the Chrome trace (chrome://tracing, Perfetto) to `path`.
+char* accel_profiler_stop(const char* path) {
+  ACCEL_TRY({
+    auto result = torch::autograd::profiler::disableProfiler();
+    if (result) result->save(std::string(path));
+  })
+}
+
+// A worker thread joins (or leaves) the profiler the main thread runs, so that its ranges
+// are recorded too; called before each of its jobs.
+char* accel_profiler_follow_main() {
+  ACCEL_TRY({
+    thread_local bool joined = false;
+    bool on = torch::autograd::profiler::isProfilerEnabledInMainThread();
+    if (on != joined) {
+      if (on) {
+        torch::autograd::profiler::enableProfilerInChildThread();
+      } else {
+        torch::autograd::profiler::disableProfilerInChildThread();
+      }
+      joined = on;
+    }
+  })
+}
+
+// A named range of the trace (torch.profiler.record_function), ended by accel_range_end;
+// NULL when nothing records (no profiler: no allocation).
+char* accel_range_begin(const char* name, void** range) {
+  ACCEL_TRY({
+    *range = nullptr;
+    if (!at::hasCallbacks()) return nullptr;
+    auto* fn = new at::RecordFunction(at::RecordScope::USER_SCOPE);
+    if (fn->isActive()) fn->before(std::string_view(name));
+    *range = fn;
+  })
+}
+
+void accel_range_end(void* range) { delete static_cast<at::RecordFunction*>(range); }
+
+// Whether anything records ranges on this thread now.
+bool accel_recording() { return at::hasCallbacks(); }
 
 // ---- oneDNN ----------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ pub mod launch;
 pub mod mesh;
 pub mod optim;
 pub mod precision;
+pub mod profile;
 pub mod shim;
 pub mod strategy;
 pub mod topology;
@@ -32,8 +33,8 @@ pub mod tracking;
 pub use accel_macros::{ToDevice, accelerate};
 pub use accelerator::{
     AcceleratedOptimizer, Accelerator, AcceleratorBuilder, AdoptOptimizer, DataPosition,
-    DriveOptimizer, Driven, ExitGuard, IntoAccelOptimizer, PreparedBatches, PreparedIter,
-    PreparedLoader, StepCounters, current, split_between,
+    DriveOptimizer, Driven, ExitGuard, ForwardGuard, IntoAccelOptimizer, PreparedBatches,
+    PreparedIter, PreparedLoader, StepCounters, current, split_between,
 };
 pub use checkpoint::merge_weights;
 pub use config::{Config, Fp8Recipe, Precision, Strategy};

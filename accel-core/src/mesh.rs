@@ -114,7 +114,11 @@ impl ParallelDims {
         let dp = world / model;
         match config.strategy {
             Strategy::Single | Strategy::Ddp | Strategy::Zero1 => Self::new(world, pp, dp, 1, tp),
-            Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp => Self::new(world, pp, 1, dp, tp),
+            // Auto decides later among them all: the sharded layout serves every one (the
+            // data dimension spans the same processes).
+            Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp | Strategy::Auto => {
+                Self::new(world, pp, 1, dp, tp)
+            }
             Strategy::HybridShard if model > 1 => Err(Error::Unsupported(format!(
                 "hybrid_shard together with tensor_parallel {tp} / pipeline_parallel {pp}: use \
                  zero3 (sharded over every data-parallel process)"

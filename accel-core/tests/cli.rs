@@ -122,3 +122,64 @@ fn estimate_memory_reads_a_safetensors_header() {
     let err = Command::new(env!("CARGO_BIN_EXE_accel")).args(["estimate-memory"]).output().unwrap();
     assert!(String::from_utf8_lossy(&err.stderr).contains("--params N"));
 }
+
+#[test]
+fn plot_draws_any_runs_metrics_and_compare_weights_tells_files_apart() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("plot");
+    std::fs::create_dir_all(&dir).unwrap();
+    let metrics = dir.join("metrics.jsonl");
+    std::fs::write(&metrics, "{\"step\":1,\"loss\":2.0}\n{\"step\":2,\"loss\":1.0}\n").unwrap();
+    let output =
+        Command::new(env!("CARGO_BIN_EXE_accel")).arg("plot").arg(&metrics).output().unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    for written in ["metrics.png", "metrics.svg"] {
+        assert!(std::fs::metadata(dir.join(written)).unwrap().len() > 1000, "{written}");
+    }
+    std::fs::write(&metrics, "not json\n").unwrap();
+    let output =
+        Command::new(env!("CARGO_BIN_EXE_accel")).arg("plot").arg(&metrics).output().unwrap();
+    assert!(String::from_utf8_lossy(&output.stderr).contains("line 1: not a JSON record"));
+
+    let (a, b) = (dir.join("a.safetensors"), dir.join("b.safetensors"));
+    let w = tch::Tensor::ones([3], (tch::Kind::Float, tch::Device::Cpu));
+    tch::Tensor::write_safetensors(&[("w", &w)], &a).unwrap();
+    tch::Tensor::write_safetensors(&[("w", &(&w + 1e-3))], &b).unwrap();
+    let compare = |tolerance: &str| {
+        Command::new(env!("CARGO_BIN_EXE_accel"))
+            .arg("compare-weights")
+            .args([&a, &b])
+            .args(["--tolerance", tolerance])
+            .output()
+            .unwrap()
+    };
+    let close = compare("1e-2");
+    assert!(close.status.success(), "{}", String::from_utf8_lossy(&close.stdout));
+    let far = compare("1e-4");
+    assert!(!far.status.success());
+    assert!(String::from_utf8_lossy(&far.stdout).contains("w: max |difference| 1.000e-3 OVER"));
+}
+
+#[test]
+fn profile_summary_reads_a_folder_of_traces() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("profile-summary");
+    std::fs::create_dir_all(&dir).unwrap();
+    let event = |name: &str, ts: u64, dur: u64| {
+        format!(r#"{{"ph":"X","name":"{name}","ts":{ts},"dur":{dur},"pid":1,"tid":1}}"#)
+    };
+    let trace = format!(
+        r#"{{"traceEvents":[{},{},{}]}}"#,
+        event("accel::forward", 0, 1000),
+        event("accel::backward", 1000, 2000),
+        event("accel::optimizer_step", 3000, 500)
+    );
+    std::fs::write(dir.join("trace_rank0.json"), trace).unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_accel"))
+        .args(["profile", "summary"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("1 step(s) in 3.5 ms of training thread"), "{stdout}");
+    assert!(stdout.contains("backward                             2.00"), "{stdout}");
+}

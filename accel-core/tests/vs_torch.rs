@@ -270,3 +270,80 @@ fn accumulation_matches_accelerate_gradients_lr_and_parameters() {
     assert_eq!(step, 20);
     assert_eq!(acc.counters().optimizer_steps, 8, "4 windows per epoch");
 }
+
+/// A tracker of one's own, counting what reaches it.
+struct Counting(std::sync::Arc<std::sync::Mutex<Vec<(u64, usize)>>>);
+
+impl accel_core::tracking::Tracker for Counting {
+    fn name(&self) -> &str {
+        "counting"
+    }
+    fn log(&mut self, step: u64, values: &[(&str, f64)]) -> accel_core::Result<()> {
+        self.0.lock().unwrap().push((step, values.len()));
+        Ok(())
+    }
+}
+
+/// Accelerate's `log_with` / `init_trackers` / `log` / `end_training`: the event files
+/// accel writes are read back by TensorBoard's own reader (scalars and the hparams
+/// plugin's records), next to the JSONL/CSV files and a tracker of one's own.
+#[test]
+fn tensorboard_reads_the_scalars_and_hyperparameters_accel_logged() {
+    use accel_core::tracking::LogWith;
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("tensorboard");
+    let _ = std::fs::remove_dir_all(&dir);
+    let acc = accel_core::Accelerator::builder()
+        .cpu(true)
+        .log_with([LogWith::All])
+        .project_dir(&dir)
+        .build()
+        .unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    acc.add_tracker(Box::new(Counting(seen.clone())));
+    let config = serde_json::json!({
+        "lr": 0.001, "optimizer": "adamw", "fused": true, "model": {"width": 64, "layers": 2}
+    });
+    acc.init_trackers("digits", &config).unwrap();
+    for step in 1..=5u64 {
+        let loss = 1.0 / step as f64;
+        acc.log(step * 10, &[("loss", loss), ("accuracy", 1.0 - loss / 2.0)]).unwrap();
+    }
+    acc.end_training().unwrap();
+
+    let python = std::env::var_os("ACCEL_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv/bin/python"));
+    let output = Command::new(python)
+        .arg(root().join("python/reference/read_tensorboard.py"))
+        .arg(dir.join("digits"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let read: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let loss = read["scalars"]["loss"].as_array().unwrap();
+    assert_eq!(loss.len(), 5, "{read}");
+    for (i, point) in loss.iter().enumerate() {
+        let step = (i as u64 + 1) * 10;
+        assert_eq!(point[0].as_u64(), Some(step));
+        let expected = 1.0 / (i + 1) as f64;
+        assert!((point[1].as_f64().unwrap() - expected).abs() < 1e-6, "{point}");
+    }
+    assert_eq!(read["scalars"]["accuracy"][4][1].as_f64(), Some(0.8999999761581421));
+    let hparams = &read["hparams"];
+    assert_eq!(hparams["lr"].as_f64(), Some(0.001), "{read}");
+    assert_eq!(hparams["model.width"].as_f64(), Some(64.0));
+    assert_eq!(hparams["optimizer"].as_str(), Some("adamw"));
+    assert_eq!(hparams["fused"].as_bool(), Some(true));
+    assert_eq!(read["metrics"], serde_json::json!(["accuracy", "loss"]));
+    assert_eq!(read["ended"], true);
+
+    let jsonl = std::fs::read_to_string(dir.join("digits/metrics.jsonl")).unwrap();
+    assert_eq!(jsonl.lines().count(), 5);
+    let csv = std::fs::read_to_string(dir.join("digits/metrics.csv")).unwrap();
+    assert!(csv.starts_with("step,loss,accuracy\n10,1,0.5\n"), "{csv}");
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("digits/hparams.json")).unwrap())
+            .unwrap();
+    assert_eq!(saved, config);
+    assert_eq!(*seen.lock().unwrap(), [(10, 2), (20, 2), (30, 2), (40, 2), (50, 2)]);
+}

@@ -426,6 +426,87 @@ fn a_deepspeed_json_config_runs_the_parity_example_as_zero2_equal_to_ddp() {
     assert_ne!(run(&plan).unwrap(), 0, "a micro batch of 8 against batches of 4 must fail");
 }
 
+/// `strategy = "auto"`: with room it trains as DDP; told it has little memory
+/// (`ACCEL_AUTO_MEMORY`), it shards (zero3 here) and says why — and trains the same.
+#[test]
+fn strategy_auto_picks_by_memory_and_trains_like_ddp() {
+    let dir = scratch("auto");
+    make_weights_and_data(&dir, 4);
+    let state = |name: &str| dir.join(name).to_str().unwrap().to_owned();
+    let stop =
+        |name: &str| ["--state".to_string(), state(name), "--stop-after".into(), "10".into()];
+    let run_with = |strategy: &str, tag: &str, env: Vec<(String, String)>| {
+        let extra = stop(&format!("{tag}-state"));
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        run_parity_with(
+            &dir,
+            |program| {
+                let plan = LaunchPlan {
+                    env: env.clone(),
+                    rank0_only: true,
+                    ..LaunchPlan::local(2, program)
+                };
+                assert_eq!(run(&plan).unwrap(), 0, "{tag} failed");
+            },
+            strategy,
+            tag,
+            &extra,
+        )
+    };
+    let ddp = run_with("ddp", "ddp", Vec::new());
+    let roomy = run_with("auto", "roomy", Vec::new());
+    assert!(max_diff(&ddp, &roomy) <= 1e-6);
+    assert!(!dir.join("roomy-state/shard_1.safetensors").exists(), "with room, auto is ddp");
+    // The MLP's 499 parameters: ddp needs 16 × 499 = 7984 bytes, zero1 5988, zero2 4990,
+    // zero3 3992; 60% of 8000 bytes leaves room for zero3 only.
+    let tight = run_with("auto", "tight", vec![("ACCEL_AUTO_MEMORY".into(), "8000".into())]);
+    for rank in 0..2 {
+        assert!(dir.join(format!("tight-state/shard_{rank}.safetensors")).exists(), "not sharded");
+    }
+    assert!(max_diff(&ddp, &tight) <= 1e-5);
+}
+
+/// `Accelerator::profile` on 2 processes under DDP: each writes a Chrome trace in which
+/// libtorch's operators sit with accel's ranges — forward, backward, the gradients'
+/// synchronisation, the optimizer step, every bucket's all-reduce on the group's worker
+/// thread — and the summary finds the steps and the communication, part of it overlapping
+/// the backward pass that launched it.
+#[test]
+fn profiles_hold_accels_ranges_and_the_summary_accounts_for_them() {
+    let dir = scratch("profile");
+    make_weights_and_data(&dir, 5);
+    let traces = dir.join("traces");
+    run_parity(&dir, 2, "ddp", "profiled", &["--profile", traces.to_str().unwrap()]);
+    for rank in 0..2 {
+        let path = traces.join(format!("trace_rank{rank}.json"));
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            text.contains("\"aten::addmm\""),
+            "libtorch's operators missing in {}",
+            path.display()
+        );
+        let summary = accel_core::profile::summarize(&path).unwrap();
+        // 45 samples: 12 batches of 4 dealt to 2 ranks, 3 steps of 2 micro-batches an epoch.
+        assert_eq!(summary.steps, 6, "{summary}");
+        for phase in [
+            "forward",
+            "backward",
+            "gradient_sync",
+            "optimizer_step",
+            "data_wait",
+            "all_reduce(avg)",
+        ] {
+            assert!(
+                summary.phases.get(phase).is_some_and(|us| *us > 0.0),
+                "{phase} missing: {summary}"
+            );
+        }
+        assert!(
+            summary.communication_us > 0.0 && summary.overlapped_us <= summary.communication_us
+        );
+    }
+}
+
 /// DDP first: the reference the sharded strategies are held to.
 const STAGES: [&str; 4] = ["ddp", "zero1", "zero2", "zero3"];
 

@@ -30,6 +30,8 @@ pub struct AcceleratorBuilder {
     ddp: DdpOptions,
     sharding: ShardOptions,
     custom: Option<Arc<dyn crate::strategy::Strategy>>,
+    log_with: Vec<crate::tracking::LogWith>,
+    project_dir: Option<PathBuf>,
     /// Tests driving ranks as threads: the topology and mesh to use instead of the
     /// environment's.
     #[cfg(test)]
@@ -52,6 +54,23 @@ impl AcceleratorBuilder {
     /// shapes the mesh (all processes data-parallel).
     pub fn custom_strategy(mut self, strategy: impl crate::strategy::Strategy) -> Self {
         self.custom = Some(Arc::new(strategy));
+        self
+    }
+
+    /// The experiment trackers [`Accelerator::init_trackers`] starts (Accelerate's
+    /// `log_with`): TensorBoard, JSONL + CSV, or all.
+    pub fn log_with(
+        mut self,
+        trackers: impl IntoIterator<Item = crate::tracking::LogWith>,
+    ) -> Self {
+        self.log_with.extend(trackers);
+        self
+    }
+
+    /// Where trackers write (Accelerate's `project_dir`; default `runs`): each run in
+    /// `project_dir/project_name`.
+    pub fn project_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.project_dir = Some(dir.into());
         self
     }
 
@@ -208,7 +227,7 @@ impl AcceleratorBuilder {
                 sharding.reduce_dtype.get_or_insert(kind);
             }
         }
-        if sharding.offload && !config.strategy.shards() {
+        if sharding.offload && !config.strategy.can_offload() {
             return Err(Error::Config(format!(
                 "offload needs a sharded strategy (zero2, zero3 or fsdp); the strategy is {}",
                 config.strategy
@@ -239,6 +258,9 @@ impl AcceleratorBuilder {
         };
         let strategy = match self.custom {
             Some(custom) => custom,
+            None if config.strategy == Strategy::Auto && mesh.dims().world() > 1 => Arc::new(
+                crate::strategy::auto::Auto::new(&mesh, sharding, process.local_world_size),
+            ),
             None => crate::strategy::builtin(config.strategy, &mesh, sharding),
         };
         if let Some(seed) = config.seed {
@@ -269,6 +291,11 @@ impl AcceleratorBuilder {
                 strategy,
                 model_options: ModelOptions::from(ddp),
                 micro_batch_size,
+                trackers: Mutex::new(crate::tracking::Trackers {
+                    log_with: self.log_with,
+                    project_dir: self.project_dir,
+                    ..Default::default()
+                }),
                 driven_unscaled: Mutex::new(Default::default()),
                 in_pipeline_step: Default::default(),
             }),

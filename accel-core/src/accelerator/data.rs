@@ -104,7 +104,10 @@ where
     type Item = I::Item;
     fn next(&mut self) -> Option<I::Item> {
         let mut position = self.position.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((item, last)) = self.lookahead.advance() else {
+        let range = crate::shim::range("accel::data_wait");
+        let advanced = self.lookahead.advance();
+        drop(range);
+        let Some((item, last)) = advanced else {
             self.state.set_end_of_dataloader(false);
             self.state.end_batches();
             return None;

@@ -76,11 +76,22 @@ pub(crate) struct Inner {
     /// The per-process batch size a DeepSpeed config fixes (`train_micro_batch_size_per_gpu`,
     /// or what its `train_batch_size` implies).
     pub(crate) micro_batch_size: Option<usize>,
+    /// The experiment trackers (`log_with`, `init_trackers`).
+    pub(crate) trackers: Mutex<crate::tracking::Trackers>,
     /// Driven optimizers (by their first parameter) whose gradients this step unscaled.
     driven_unscaled: Mutex<std::collections::HashSet<usize>>,
     /// Set while a pipeline step runs (its backward passes are the only ones allowed when
     /// the model is cut into stages).
     pub(crate) in_pipeline_step: std::sync::atomic::AtomicBool,
+}
+
+/// What [`Accelerator::autocast`] returns: autocast for the configured precision and, in a
+/// profile, the `accel::forward` range, both until dropped.
+#[must_use = "autocast lasts only while the guard lives"]
+#[derive(Debug)]
+pub struct ForwardGuard {
+    _autocast: Option<AutocastGuard>,
+    _range: crate::shim::Range,
 }
 
 /// Distributed training for one process of a run; cheap to clone (a shared handle).
@@ -208,6 +219,7 @@ impl Accelerator {
     /// more), then a barrier. An `#[accelerate]` function calls it when it succeeds.
     pub fn end_training(&self) -> Result<()> {
         self.inner.strategy.end_training(&self.strategy_context())?;
+        self.finish_trackers()?;
         self.wait_for_everyone()
     }
 
@@ -401,9 +413,13 @@ impl Accelerator {
         crate::data::IterableShard::new(samples.into_iter(), options)
     }
 
-    /// Autocast for the configured precision until the guard is dropped (`None` in fp32).
-    pub fn autocast(&self) -> Result<Option<AutocastGuard>> {
-        precision::enter(self.inner.config.precision, self.device())
+    /// Autocast for the configured precision until the guard is dropped (nothing to undo in
+    /// fp32), and in a profile the `accel::forward` range.
+    pub fn autocast(&self) -> Result<ForwardGuard> {
+        Ok(ForwardGuard {
+            _autocast: precision::enter(self.inner.config.precision, self.device())?,
+            _range: crate::shim::range("accel::forward"),
+        })
     }
 
     /// Runs `forward` under autocast and casts its half-precision outputs back to fp32
@@ -459,6 +475,7 @@ impl Accelerator {
             Some(scaler) => scaler.lock().unwrap_or_else(|e| e.into_inner()).scale_loss(&loss)?,
             None => loss,
         };
+        let range = crate::shim::range("accel::backward");
         if let Err(e) = loss.f_backward() {
             self.inner.strategy.take_error()?;
             return Err(Error::Training(format!(
@@ -466,7 +483,9 @@ impl Accelerator {
                 crate::error::torch_text(&e)
             )));
         }
+        drop(range);
         let sync = self.inner.state.sync_gradients();
+        let _range = crate::shim::range("accel::gradient_sync");
         self.inner.strategy.after_backward(&self.strategy_context(), sync)
     }
 

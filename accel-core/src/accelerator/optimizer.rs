@@ -340,6 +340,7 @@ impl AcceleratedOptimizer {
         if let Some(why) = &slot.deferred {
             return Err(crate::Error::Unsupported(why.clone()));
         }
+        let _range = crate::shim::range("accel::optimizer_step");
         if !slot.membership_checked && self.num_processes > 1 {
             self.check_membership(&slot)?;
             slot.membership_checked = true;

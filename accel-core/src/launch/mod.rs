@@ -220,13 +220,70 @@ enum Outcome {
     Interrupted(i32),
 }
 
+/// What the launcher tells its processes about its terminal (`tty`: rank 0's progress is
+/// redrawn on one line, so it may report often; `lines`: every report stays in the log).
+pub const PROGRESS_ENV: &str = "ACCEL_PROGRESS";
+
+/// The start of a progress report (`Accelerator::progress_bar` away from a terminal).
+pub const PROGRESS_PREFIX: &str = "progress ";
+
+/// The launcher's output: the ranks' lines as they come, and, on a terminal, rank 0's
+/// latest progress report kept on the last line.
+struct Console {
+    tty: bool,
+    progress: Option<String>,
+}
+
+impl Console {
+    fn new() -> Self {
+        use std::io::IsTerminal;
+        Self { tty: std::io::stdout().is_terminal(), progress: None }
+    }
+
+    fn line(&mut self, is_err: bool, line: &str) {
+        let mut stdout = std::io::stdout();
+        if self.progress.is_some() {
+            let _ = write!(stdout, "\r\x1b[2K");
+            let _ = stdout.flush();
+        }
+        if is_err {
+            let _ = writeln!(std::io::stderr(), "{line}");
+        } else {
+            let _ = writeln!(stdout, "{line}");
+        }
+        if let Some(progress) = &self.progress {
+            let _ = write!(stdout, "{progress}");
+            let _ = stdout.flush();
+        }
+    }
+
+    fn progress(&mut self, line: String) {
+        if !self.tty {
+            return self.line(false, &line);
+        }
+        let mut stdout = std::io::stdout();
+        let _ = write!(stdout, "\r\x1b[2K{line}");
+        let _ = stdout.flush();
+        self.progress = Some(line);
+    }
+}
+
+impl Drop for Console {
+    /// Leaves the last progress report on its own line.
+    fn drop(&mut self) {
+        if self.progress.take().is_some() {
+            let _ = writeln!(std::io::stdout());
+        }
+    }
+}
+
 fn spawn(
     plan: &LaunchPlan,
     local_rank: usize,
     port: u16,
     attempt: usize,
     token: Option<&str>,
-    out: &Arc<Mutex<()>>,
+    out: &Arc<Mutex<Console>>,
 ) -> Result<Rank> {
     let world = plan.num_processes * plan.num_machines;
     let rank = plan.machine_rank * plan.num_processes + local_rank;
@@ -241,6 +298,10 @@ fn spawn(
         .env("MASTER_ADDR", &plan.main_process_ip)
         .env("MASTER_PORT", port.to_string())
         .env("ACCEL_LAUNCHED", "1")
+        .env(
+            PROGRESS_ENV,
+            if out.lock().unwrap_or_else(|e| e.into_inner()).tty { "tty" } else { "lines" },
+        )
         .env("ACCEL_RESTART_COUNT", attempt.to_string())
         .envs(token.map(|t| (crate::comm::auth::TOKEN_ENV, t)))
         .stdin(Stdio::null())
@@ -292,11 +353,12 @@ fn spawn(
                 let text = String::from_utf8_lossy(&line).trim_end_matches(['\n', '\r']).to_owned();
                 line.clear();
                 if show {
-                    let _guard = out.lock().unwrap_or_else(|e| e.into_inner());
-                    if is_err {
-                        let _ = writeln!(std::io::stderr(), "[rank{rank}] {text}");
+                    let mut console = out.lock().unwrap_or_else(|e| e.into_inner());
+                    let line = format!("[rank{rank}] {text}");
+                    if rank == 0 && !is_err && text.starts_with(PROGRESS_PREFIX) {
+                        console.progress(line);
                     } else {
-                        let _ = writeln!(std::io::stdout(), "[rank{rank}] {text}");
+                        console.line(is_err, &line);
                     }
                 }
                 // The report's tail is for the message: a backtrace's frames would push it out.
@@ -378,7 +440,7 @@ fn run_once(
     attempt: usize,
     interrupted: &AtomicBool,
 ) -> Result<Outcome> {
-    let out = Arc::new(Mutex::new(()));
+    let out = Arc::new(Mutex::new(Console::new()));
     let token = run_token(plan)?;
     let mut ranks = Vec::new();
     for local in 0..plan.num_processes {

@@ -95,6 +95,18 @@ unsafe extern "C" {
 
     pub(crate) fn accel_set_onednn_enabled(enabled: bool, previous: *mut bool) -> *mut c_char;
 
+    pub(crate) fn accel_profiler_start(
+        cuda: bool,
+        record_shapes: bool,
+        profile_memory: bool,
+        with_stack: bool,
+    ) -> *mut c_char;
+    pub(crate) fn accel_profiler_stop(path: *const c_char) -> *mut c_char;
+    pub(crate) fn accel_profiler_follow_main() -> *mut c_char;
+    pub(crate) fn accel_range_begin(name: *const c_char, range: *mut *mut c_void) -> *mut c_char;
+    pub(crate) fn accel_range_end(range: *mut c_void);
+    pub(crate) fn accel_recording() -> bool;
+
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn accel_fused_adamw(
         params: *const *mut C_tensor,

@@ -125,6 +125,72 @@ pub fn without_onednn<T>(f: impl FnOnce() -> T) -> Result<T> {
     Ok(out)
 }
 
+/// Starts libtorch's profiler (Kineto) on this thread: CPU operators, and CUDA kernels with
+/// `cuda`; the other flags as `torch.profiler.profile`'s.
+pub fn profiler_start(
+    cuda: bool,
+    record_shapes: bool,
+    profile_memory: bool,
+    with_stack: bool,
+) -> Result<()> {
+    // SAFETY: plain call; the shim catches every C++ exception.
+    let status =
+        unsafe { ffi::accel_profiler_start(cuda, record_shapes, profile_memory, with_stack) };
+    check(status, "profiler_start")
+}
+
+/// Stops the profiler and writes its Chrome trace to `path`.
+pub fn profiler_stop(path: &std::path::Path) -> Result<()> {
+    let c = std::ffi::CString::new(path.to_string_lossy().into_owned()).map_err(|_| {
+        Error::Libtorch {
+            op: "profiler_stop",
+            message: format!("{} contains a NUL byte", path.display()),
+        }
+    })?;
+    // SAFETY: a NUL-terminated path alive for the call.
+    check(unsafe { ffi::accel_profiler_stop(c.as_ptr()) }, "profiler_stop")
+}
+
+/// Joins this (worker) thread to the profiler the main thread runs, or leaves it when that
+/// stopped; cheap when nothing changed.
+pub fn profiler_follow_main() {
+    // SAFETY: plain call; a failure only means this thread's ranges are not recorded.
+    let _ = check(unsafe { ffi::accel_profiler_follow_main() }, "profiler_follow_main");
+}
+
+/// A named range in the profiler's trace until dropped (`torch.profiler.record_function`);
+/// nothing is allocated when no profiler records.
+#[derive(Debug)]
+pub struct Range(*mut std::ffi::c_void);
+
+/// Whether a profiler records ranges on this thread now (so that a range's name need not
+/// be made otherwise).
+pub fn recording() -> bool {
+    // SAFETY: plain query.
+    unsafe { ffi::accel_recording() }
+}
+
+/// Opens a [`Range`] named `name`.
+pub fn range(name: &str) -> Range {
+    let Ok(c) = std::ffi::CString::new(name) else { return Range(std::ptr::null_mut()) };
+    let mut ptr = std::ptr::null_mut();
+    // SAFETY: NUL-terminated name alive for the call (the shim copies it); out-pointer to a
+    // local. A failure leaves no range.
+    if check(unsafe { ffi::accel_range_begin(c.as_ptr(), &mut ptr) }, "range_begin").is_err() {
+        ptr = std::ptr::null_mut();
+    }
+    Range(ptr)
+}
+
+impl Drop for Range {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: made by accel_range_begin on this thread, ended once.
+            unsafe { ffi::accel_range_end(self.0) }
+        }
+    }
+}
+
 /// Makes `cuda:{device_index}` the current CUDA device of this thread (as
 /// `torch.cuda.set_device`).
 pub fn set_cuda_device(device_index: usize) -> Result<()> {

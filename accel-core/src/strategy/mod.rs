@@ -8,6 +8,7 @@
 //! Checkpoints ask the strategy what each process holds of each tensor (a [`Placement`],
 //! what PyTorch's distributed checkpoint calls a chunk), never which strategy it is.
 
+pub mod auto;
 pub mod ddp;
 pub mod fsdp;
 pub mod pp;
@@ -294,6 +295,8 @@ pub(crate) fn builtin(
         StrategyName::Zero3 | StrategyName::Fsdp | StrategyName::HybridShard => {
             Arc::new(fsdp::Sharded::new(mesh, fsdp::Stage::Parameters, sharding))
         }
+        // Resolved by the builder (strategy/auto.rs); here only as a fallback of one kind.
+        StrategyName::Auto => Arc::new(ddp::DdpStrategy::new(data)),
     }
 }
 

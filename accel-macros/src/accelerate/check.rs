@@ -119,7 +119,7 @@ fn sharding_needs_fsdp(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 /// Offloading moves sharded state to CPU; without sharding there is nothing to offload.
 fn offload_needs_sharding(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     if let Some(o) = &raw.offload {
-        if o.value && !raw.strategy.as_ref().is_some_and(|s| s.value.shards()) {
+        if o.value && !raw.strategy.as_ref().is_some_and(|s| s.value.can_offload()) {
             errors.push(syn::Error::new(
                 o.span,
                 "`offload = true` needs a strategy that shards parameters or gradients: \"zero2\", \"zero3\" or \"fsdp\"",

@@ -45,6 +45,9 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Profiles written by `Accelerator::profile`.
+    #[command(subcommand)]
+    Profile(ProfileCommand),
     /// Put a checkpoint's sharded weights back together (zero2/zero3 runs save one shard
     /// per process) into one safetensors file of the whole model.
     MergeWeights {
@@ -66,6 +69,18 @@ enum Command {
         /// The largest absolute difference allowed.
         #[arg(long, default_value_t = 1e-6)]
         tolerance: f64,
+    },
+    /// Draw a run's metrics (a metrics.jsonl: one JSON record per line with `step`) as
+    /// curves with axes, labels and legends: PNG and SVG.
+    Plot {
+        /// The metrics file.
+        metrics: PathBuf,
+        /// Files to write (`.svg` as SVG, others as PNG); default: METRICS with .png and .svg.
+        #[arg(long)]
+        out: Vec<PathBuf>,
+        /// The title (default: the metrics file's folder).
+        #[arg(long)]
+        title: Option<String>,
     },
     /// Per-process memory of parameters, gradients and optimizer state under each strategy,
     /// for a safetensors model or a parameter count.
@@ -96,6 +111,16 @@ enum Command {
         /// Benchmark backend.
         #[arg(long, default_value = "cpu")]
         backend: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ProfileCommand {
+    /// Where a step's time went in each trace (one per process), and how much of the
+    /// communication overlapped forward and backward.
+    Summary {
+        /// Trace files (`trace_rank{r}.json`), or folders of them.
+        traces: Vec<PathBuf>,
     },
 }
 
@@ -307,6 +332,36 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Command::Profile(ProfileCommand::Summary { traces }) => {
+            let mut files = Vec::new();
+            for t in traces {
+                match std::fs::read_dir(&t) {
+                    Ok(dir) => {
+                        let mut found: Vec<PathBuf> = dir
+                            .filter_map(|e| e.ok().map(|e| e.path()))
+                            .filter(|p| p.extension().is_some_and(|e| e == "json"))
+                            .collect();
+                        found.sort();
+                        files.extend(found);
+                    }
+                    Err(_) => files.push(t),
+                }
+            }
+            if files.is_empty() {
+                eprintln!("accel profile summary: no trace given");
+                return ExitCode::FAILURE;
+            }
+            for file in files {
+                match accel_core::profile::summarize(&file) {
+                    Ok(summary) => println!("{summary}\n"),
+                    Err(e) => {
+                        eprintln!("accel profile summary: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+            }
+            ExitCode::SUCCESS
+        }
         Command::CompareWeights { a, b, tolerance } => match compare::weights(&a, &b, tolerance) {
             Ok(true) => ExitCode::SUCCESS,
             Ok(false) => ExitCode::FAILURE,
@@ -315,6 +370,30 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::Plot { metrics, out, title } => {
+            let outs = if out.is_empty() {
+                vec![metrics.with_extension("png"), metrics.with_extension("svg")]
+            } else {
+                out
+            };
+            let title = title.unwrap_or_else(|| {
+                let folder = metrics.parent().and_then(|p| p.file_name());
+                folder.map_or_else(|| metrics.display().to_string(), |f| f.to_string_lossy().into())
+            });
+            let refs: Vec<&std::path::Path> = outs.iter().map(PathBuf::as_path).collect();
+            match accel_core::tracking::plot::plot_jsonl(&metrics, &title, &refs) {
+                Ok(()) => {
+                    for o in &outs {
+                        println!("wrote {}", o.display());
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("accel plot: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::EstimateMemory { model, params, num_processes, optimizer } => {
             let result = (|| -> accel_core::Result<String> {
                 let params = match (model, params) {

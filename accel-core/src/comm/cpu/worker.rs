@@ -92,6 +92,10 @@ impl Worker {
                         let described = format!("{} of {what} at {}", tag.op, site_of(site));
                         *progress.lock().unwrap_or_else(|e| e.into_inner()) = (tag.seq, described);
                     }
+                    // In a profile, each transfer is a range on this thread.
+                    crate::shim::profiler_follow_main();
+                    let _range = crate::shim::recording()
+                        .then(|| crate::shim::range(&format!("accel::{} {what}", tag.op)));
                     let result =
                         job(&links).map_err(|fault| scene.diagnose(fault, tag.seq, tag.op, &what));
                     let _ = done.send(result);

@@ -249,6 +249,9 @@ impl NcclComm {
             seq
         };
         let during = format!("collective #{seq} {op} of {what}");
+        // In a profile: the enqueue on the host (the kernel is CUDA activity of its own).
+        let _range = crate::shim::recording()
+            .then(|| crate::shim::range(&format!("accel::nccl {op} {what}")));
         {
             let _calls = self.handle.lock();
             let status = launch(self.handle.nccl, self.handle.raw(), self.stream.native());

@@ -1,12 +1,11 @@
-//! Metrics to JSONL and CSV files and a progress bar, on the main process only.
+//! Metrics to JSONL and CSV files, on the main process only.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use indicatif::{ProgressBar, ProgressStyle};
-
+use super::Tracker;
 use crate::accelerator::Accelerator;
 use crate::error::{Error, Result};
 
@@ -15,18 +14,23 @@ use crate::error::{Error, Result};
 ///
 /// A fresh run truncates the files; a resumed one (`append`) adds to them.
 #[derive(Debug)]
-pub struct Tracker {
+pub struct MetricsFiles {
     dir: PathBuf,
     files: Option<(BufWriter<File>, BufWriter<File>)>,
     columns: Vec<String>,
 }
 
-impl Tracker {
+impl MetricsFiles {
     /// Opens the files in `dir` on the main process: truncated, or appended to with
     /// `append` (a resumed run keeps the records of the run it continues).
     pub fn new(accelerator: &Accelerator, dir: impl AsRef<Path>, append: bool) -> Result<Self> {
-        let dir = dir.as_ref().to_path_buf();
-        let files = if accelerator.is_main_process() {
+        Self::open(dir.as_ref(), accelerator.is_main_process(), append)
+    }
+
+    /// [`MetricsFiles::new`] for the process that writes (`main`) or not.
+    pub(crate) fn open(dir: &Path, main: bool, append: bool) -> Result<Self> {
+        let dir = dir.to_path_buf();
+        let files = if main {
             std::fs::create_dir_all(&dir)
                 .map_err(|source| Error::Io { path: dir.clone(), source })?;
             let open = |name: &str| -> Result<BufWriter<File>> {
@@ -93,20 +97,22 @@ impl Tracker {
     }
 }
 
-impl Accelerator {
-    /// A progress bar of `len` steps, drawn on the local main process only (hidden
-    /// elsewhere, and when stderr is not a terminal).
-    pub fn progress_bar(&self, len: u64) -> ProgressBar {
-        if !self.is_local_main_process() {
-            return ProgressBar::hidden();
+impl Tracker for MetricsFiles {
+    fn name(&self) -> &str {
+        "jsonl"
+    }
+
+    fn log(&mut self, step: u64, values: &[(&str, f64)]) -> Result<()> {
+        MetricsFiles::log(self, step, values)
+    }
+
+    fn store_init_configuration(&mut self, config: &serde_json::Value) -> Result<()> {
+        if self.files.is_none() {
+            return Ok(());
         }
-        let bar = ProgressBar::new(len);
-        if let Ok(style) = ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-        ) {
-            bar.set_style(style);
-        }
-        bar
+        let path = self.dir.join("hparams.json");
+        let text = serde_json::to_string_pretty(config).unwrap_or_default();
+        std::fs::write(&path, text + "\n").map_err(|source| Error::Io { path, source })
     }
 }
 
@@ -118,7 +124,7 @@ mod tests {
     fn records_go_to_both_files_and_unknown_columns_are_refused() {
         let acc = Accelerator::builder().cpu(true).build().unwrap();
         let dir = std::env::temp_dir().join(format!("accel-tracker-{}", std::process::id()));
-        let mut tracker = Tracker::new(&acc, &dir, false).unwrap();
+        let mut tracker = MetricsFiles::new(&acc, &dir, false).unwrap();
         tracker.log(1, &[("loss", 0.5), ("lr", 0.001)]).unwrap();
         tracker.log(2, &[("loss", 0.25)]).unwrap();
         let err = tracker.log(3, &[("accuracy", 0.9)]).unwrap_err();
@@ -128,7 +134,7 @@ mod tests {
         let csv = std::fs::read_to_string(dir.join("metrics.csv")).unwrap();
         assert_eq!(csv, "step,loss,lr\n1,0.5,0.001\n2,0.25,\n");
         drop(tracker);
-        let mut resumed = Tracker::new(&acc, &dir, true).unwrap();
+        let mut resumed = MetricsFiles::new(&acc, &dir, true).unwrap();
         resumed.log(3, &[("lr", 0.002)]).unwrap();
         let csv = std::fs::read_to_string(dir.join("metrics.csv")).unwrap();
         assert_eq!(csv, "step,loss,lr\n1,0.5,0.001\n2,0.25,\n3,,0.002\n");
