@@ -1,6 +1,7 @@
-//! A user's own crate, outside this workspace, set up exactly as the README says (the
-//! dependency lines and the one-line build script), links libtorch so that it runs without
-//! LD_LIBRARY_PATH and keeps libtorch_cuda loaded.
+//! A user's own crate, outside this workspace, set up as the README says — its dependency
+//! lines, then `accel setup`, which finds the libtorch, writes `.cargo/config.toml` and the
+//! one-line build script — builds with a plain `cargo build`, and links libtorch so that
+//! it runs without LD_LIBRARY_PATH and keeps libtorch_cuda loaded.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,11 +19,16 @@ tch = "=0.24.0"
 [workspace]
 "#;
 
-/// The README's build script, verbatim.
+/// The README's build script, verbatim (what `accel setup` writes).
 const BUILD_RS: &str = r#"fn main() {
     println!("cargo::rustc-link-arg={}", std::env::var("DEP_ACCEL_LINK_ARG").unwrap());
 }
 "#;
+
+/// target/debug (where this test binary's deps/ folder sits).
+fn build_dir() -> PathBuf {
+    std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().to_path_buf()
+}
 
 const MAIN_RS: &str = r#"fn main() {
     let cuda = accel_core::cuda::load_libtorch_cuda();
@@ -36,8 +42,9 @@ fn root() -> PathBuf {
 }
 
 #[test]
-fn a_crate_outside_the_workspace_builds_and_runs_without_ld_library_path() {
+fn a_crate_outside_the_workspace_is_set_up_by_accel_setup_and_runs_without_ld_library_path() {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("user-crate");
+    let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("src")).unwrap();
     let accel_core = root().join("accel-core");
     std::fs::write(
@@ -45,16 +52,51 @@ fn a_crate_outside_the_workspace_builds_and_runs_without_ld_library_path() {
         MANIFEST.replace("ACCEL_CORE", accel_core.to_str().unwrap()),
     )
     .unwrap();
-    std::fs::write(dir.join("build.rs"), BUILD_RS).unwrap();
     std::fs::write(dir.join("src/main.rs"), MAIN_RS).unwrap();
     // Same versions as the workspace, and no network.
     std::fs::copy(root().join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
+
+    // `accel setup`, as a user runs the installed binary: no LIBTORCH anywhere; the torch
+    // of the Python named.
+    let built = Command::new(env!("CARGO"))
+        .current_dir(root())
+        .args(["build", "--quiet", "-p", "accel-core", "--bin", "accel"])
+        .status()
+        .unwrap();
+    assert!(built.success());
+    let python = std::env::var_os("ACCEL_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv/bin/python"));
+    let setup = Command::new(build_dir().join("accel"))
+        .current_dir(&dir)
+        .arg("setup")
+        .arg("--python")
+        .arg(&python)
+        .env_remove("LIBTORCH")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&setup.stdout);
+    assert!(setup.status.success(), "{said}{}", String::from_utf8_lossy(&setup.stderr));
+    assert!(said.contains("found torch 2.11.0"), "{said}");
+    assert_eq!(std::fs::read_to_string(dir.join("build.rs")).unwrap(), BUILD_RS);
+    let config = std::fs::read_to_string(dir.join(".cargo/config.toml")).unwrap();
+    assert!(config.contains("[env]") && config.contains("LIBTORCH = "), "{config}");
+    // Run again: nothing changes, and it says so.
+    let again = Command::new(build_dir().join("accel"))
+        .current_dir(&dir)
+        .args(["setup", "--python"])
+        .arg(&python)
+        .env_remove("LIBTORCH")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&again.stdout);
+    assert!(said.contains("already sets LIBTORCH") && said.contains("already passes"), "{said}");
 
     let lib_dir = accel_core::cuda::libtorch_lib_dir();
     let status = Command::new(env!("CARGO"))
         .current_dir(&dir)
         .args(["build", "--offline", "--quiet"])
-        .env("LIBTORCH", lib_dir.parent().unwrap())
+        .env_remove("LIBTORCH")
         .env("CARGO_TARGET_DIR", dir.join("target"))
         .env_remove("RUSTFLAGS")
         .status()

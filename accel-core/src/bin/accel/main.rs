@@ -5,6 +5,7 @@ mod compare;
 mod env;
 mod estimate;
 mod selftest;
+mod setup;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -29,6 +30,17 @@ enum Command {
     /// Print versions, CUDA, NCCL, CPU and the distributed variables in effect: what to
     /// paste into a bug report.
     Env,
+    /// Set up the crate in DIR to build against accel: find or install libtorch 2.11.0, write
+    /// its .cargo/config.toml (LIBTORCH) and the one-line build.rs.
+    Setup {
+        /// The crate's folder.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// A Python whose torch to use (default: python3 on the PATH; without torch 2.11.0
+        /// there, a .venv is made in the crate).
+        #[arg(long)]
+        python: Option<PathBuf>,
+    },
     /// Start PROGRAM as the processes of a run (this machine's share).
     Launch(LaunchArgs),
     /// Write a launch config file: asks questions, or `accel config default`.
@@ -362,6 +374,13 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+        Command::Setup { dir, python } => match setup::run(&dir, python.as_deref()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("accel setup: {e}");
+                ExitCode::FAILURE
+            }
+        },
         Command::CompareWeights { a, b, tolerance } => match compare::weights(&a, &b, tolerance) {
             Ok(true) => ExitCode::SUCCESS,
             Ok(false) => ExitCode::FAILURE,
