@@ -29,6 +29,8 @@ pub struct AcceleratorBuilder {
     checkpoint_limit: Option<usize>,
     ddp: DdpOptions,
     sharding: ShardOptions,
+    /// Whether `.offload(..)` was called (it then wins over a config file's offload).
+    offload_set: bool,
     custom: Option<Arc<dyn crate::strategy::Strategy>>,
     log_with: Vec<crate::tracking::LogWith>,
     project_dir: Option<PathBuf>,
@@ -133,6 +135,7 @@ impl AcceleratorBuilder {
     /// fsdp; `build` refuses it with another strategy).
     pub fn offload(mut self, offload: bool) -> Self {
         self.sharding.offload = offload;
+        self.offload_set = true;
         self
     }
 
@@ -179,7 +182,12 @@ impl AcceleratorBuilder {
         let (process, given_mesh): (Topology, Option<DeviceMesh>) = (Topology::from_env()?, None);
         // Our YAML, Accelerate's, or a DeepSpeed JSON (whose other settings may also come
         // from the launcher, as ACCEL_DEEPSPEED_CONFIG).
-        let launch_file = match self.config_file.clone().or_else(config_file_from_env) {
+        let named = self
+            .config_file
+            .clone()
+            .or_else(config_file_from_env)
+            .or_else(|| std::env::var_os(DEEPSPEED_CONFIG_ENV).map(PathBuf::from));
+        let launch_file = match named {
             Some(path) => LaunchConfig::from_file(&path)?,
             None => LaunchConfig::default(),
         };
@@ -188,19 +196,22 @@ impl AcceleratorBuilder {
                 eprintln!("accel: {warning}");
             }
         }
-        let deepspeed = match launch_file
-            .deepspeed_config
-            .clone()
-            .or_else(|| std::env::var_os(DEEPSPEED_CONFIG_ENV).map(PathBuf::from))
-        {
-            Some(path) => Some(crate::launch::deepspeed::read(&path)?.settings),
+        let deepspeed = match &launch_file.deepspeed_config {
+            Some(path) => Some(crate::launch::deepspeed::read(path)?.settings),
             None => None,
         };
         let file = launch_file.training;
         let env = PartialConfig::from_env()?;
         let outside = file.overlay(&env);
         let conflicts = self.explicit.conflicts(&outside);
-        let config = outside.overlay(&self.explicit).build()?;
+        let mut wanted = outside.overlay(&self.explicit);
+        if wanted.accumulate.is_none() {
+            // DeepSpeed infers it from its batch sizes (train ÷ micro ÷ data-parallel ranks).
+            let partial = wanted.build()?;
+            let replicas = ParallelDims::for_run(&partial, &process)?.size(crate::mesh::Dim::Data);
+            wanted.accumulate = deepspeed.as_ref().and_then(|d| d.inferred_accumulation(replicas));
+        }
+        let config = wanted.build()?;
         if process.rank == 0 {
             for (key, ours, theirs) in conflicts {
                 eprintln!(
@@ -212,7 +223,17 @@ impl AcceleratorBuilder {
         let (mut sharding, mut ddp, mut scaler_config) =
             (self.sharding.clone(), self.ddp, ScalerConfig::default());
         if let Some(ds) = &deepspeed {
-            sharding.offload |= ds.offload;
+            if ds.offload && !self.offload_set {
+                if config.strategy.can_offload() {
+                    sharding.offload = true;
+                } else if process.rank == 0 {
+                    eprintln!(
+                        "accel: the DeepSpeed config's offload is not used: the strategy {} \
+                         set in code does not shard",
+                        config.strategy
+                    );
+                }
+            }
             if let Some(scaler) = ds.scaler {
                 scaler_config = scaler;
             }

@@ -253,8 +253,8 @@ impl ProcessGroup {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let tag = Tag { seq, op, kind, numel };
         let site = Location::caller();
-        self.ledger.record(seq, op, &what, site);
-        self.worker.submit(tag, Some(site), what, move |links| job(links, tag))
+        let epoch = self.ledger.record(seq, op, &what, site);
+        self.worker.submit(tag, Some((site, epoch)), what, move |links| job(links, tag))
     }
 
     /// The tag of the next point-to-point transfer of `tensor` with `peer` (numbered by

@@ -15,6 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::panic::Location;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -57,13 +58,19 @@ pub(crate) fn site_of(location: &Location<'_>) -> String {
 #[derive(Debug, Default)]
 pub struct Ledger {
     inner: Mutex<Pending>,
+    /// Checks so far (optimizer steps handed over): a collective issued now belongs to
+    /// step `epoch + 1`.
+    epoch: AtomicU64,
 }
 
 #[derive(Debug, Default)]
 struct Pending {
     entries: Vec<Entry>,
     count: u64,
+    /// Over operations, shapes, dtypes and call sites.
     hash: u64,
+    /// Over operations, shapes and dtypes only (`ACCEL_CHECK_COLLECTIVES=shapes`).
+    shape_hash: u64,
     last_seq: u64,
 }
 
@@ -79,25 +86,29 @@ fn fnv(mut hash: u64, bytes: &[u8]) -> u64 {
 }
 
 impl Ledger {
-    /// Notes collective `seq`, `op` on `what` ("[4] Float"), called at `site`.
-    pub(crate) fn record(&self, seq: u64, op: Op, what: &str, site: &Location<'_>) {
+    /// Notes collective `seq`, `op` on `what` ("[4] Float"), called at `site`; returns its
+    /// epoch (the checks before it), which progress posts carry.
+    pub(crate) fn record(&self, seq: u64, op: Op, what: &str, site: &Location<'_>) -> u64 {
         let entry = Entry { seq, call: format!("{op} of {what}"), site: site_of(site) };
         let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        p.shape_hash = fnv(p.shape_hash, entry.call.as_bytes());
         p.hash = fnv(fnv(p.hash, entry.call.as_bytes()), entry.site.as_bytes());
         p.count += 1;
         p.last_seq = seq;
         if p.entries.len() < KEPT {
             p.entries.push(entry);
         }
+        self.epoch.load(Ordering::SeqCst)
     }
 
-    /// Everything since the last call, and a fresh start.
-    fn take(&self) -> (Vec<Entry>, u64, u64, u64) {
+    /// Everything since the last call, and a fresh start (the next epoch).
+    fn take(&self) -> Pending {
         let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let last = p.last_seq;
         let taken = std::mem::take(&mut *p);
         *p = Pending { last_seq: last, ..Pending::default() };
-        (taken.entries, taken.count, taken.hash, last)
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        taken
     }
 }
 
@@ -119,6 +130,7 @@ struct Post {
     step: u64,
     count: u64,
     hash: u64,
+    shape_hash: u64,
     /// The sequence number of its last collective (overall, not just this step's).
     last_seq: u64,
     entries: Vec<Entry>,
@@ -150,6 +162,12 @@ pub fn enabled() -> bool {
     std::env::var("ACCEL_CHECK_COLLECTIVES").map_or(true, |v| v.trim() != "0")
 }
 
+/// `ACCEL_CHECK_COLLECTIVES=shapes`: compare operations, shapes and dtypes only, for
+/// programs whose ranks call the same collective from different lines on purpose.
+fn sites_compared() -> bool {
+    std::env::var("ACCEL_CHECK_COLLECTIVES").map_or(true, |v| v.trim() != "shapes")
+}
+
 impl SequenceChecker {
     /// Starts the thread on its own store connection (its waits hold up nobody).
     /// `timeout` bounds each wait for a peer (the run's collective timeout).
@@ -179,8 +197,16 @@ impl SequenceChecker {
         let groups = comms
             .into_iter()
             .filter_map(|(scope, comm)| {
-                let (entries, count, hash, last_seq) = comm.ledger()?.take();
-                Some((scope, Post { step, count, hash, last_seq, entries }, comm))
+                let p = comm.ledger()?.take();
+                let post = Post {
+                    step,
+                    count: p.count,
+                    hash: p.hash,
+                    shape_hash: p.shape_hash,
+                    last_seq: p.last_seq,
+                    entries: p.entries,
+                };
+                Some((scope, post, comm))
             })
             .collect();
         let _ =
@@ -215,9 +241,6 @@ fn run(
             let Ok(bytes) = serde_json::to_vec(post) else { continue };
             if store.set(&post_key(&scope.name, step, scope.rank), &bytes).is_err() {
                 return; // the store is gone: the run is ending, the collectives say why
-            }
-            if step >= 2 {
-                let _ = store.delete(&post_key(&scope.name, step - 2, scope.rank));
             }
         }
         let mut diverged = None;
@@ -261,18 +284,22 @@ fn compare(
     // Since when the peer has been past this rank's last collective without a post.
     let mut past_since: Option<Instant> = None;
     loop {
-        if let Ok(bytes) = store.get(&key, Duration::from_millis(250)) {
-            // This rank is the only reader of the peer's post.
-            store.delete(&key)?;
-            let theirs: Post = serde_json::from_slice(&bytes)
-                .map_err(|e| Error::Training(format!("unreadable ledger post: {e}")))?;
-            return Ok(diverging(scope, peer, mine, &theirs));
+        // This rank is the only reader of the peer's post: it takes it.
+        match store.take(&key, Duration::from_millis(250)) {
+            Ok(bytes) => {
+                let theirs: Post = serde_json::from_slice(&bytes)
+                    .map_err(|e| Error::Training(format!("unreadable ledger post: {e}")))?;
+                return Ok(diverging(scope, peer, mine, &theirs));
+            }
+            Err(e @ Error::StoreLost { .. }) => return Err(e),
+            Err(_) => {}
         }
         // Not posted: late, or blocked in a collective this rank never issued before the
-        // step. Its progress says which: past this rank's last collective and still without
-        // a post a second later (its own check thread posts within moments of its step).
+        // step. Its progress says which: a collective past this rank's last one, issued
+        // before the peer handed over this step (its epoch), and still no post a second
+        // later.
         match progress(store, &scope.name, peer) {
-            Some((seq, doing)) if seq > mine.last_seq => {
+            Some((seq, epoch, doing)) if seq > mine.last_seq && epoch < mine.step => {
                 let since = *past_since.get_or_insert_with(Instant::now);
                 if since.elapsed() >= STUCK_AFTER && !store.check(&key)? {
                     return Ok(Some(stuck(scope, peer, mine, seq, &doing)));
@@ -291,11 +318,12 @@ fn compare(
 const STUCK_AFTER: Duration = Duration::from_secs(1);
 
 /// A rank's last posted progress: the sequence number of the collective it entered last,
-/// and what it is.
-fn progress(store: &mut StoreClient, scope: &str, rank: usize) -> Option<(u64, String)> {
+/// its epoch, and what it is.
+fn progress(store: &mut StoreClient, scope: &str, rank: usize) -> Option<(u64, u64, String)> {
     let bytes = store.get(&format!("{scope}/progress/{rank}"), Duration::ZERO).ok()?;
     let seq = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    Some((seq, String::from_utf8_lossy(&bytes[8..]).into_owned()))
+    let epoch = u64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
+    Some((seq, epoch, String::from_utf8_lossy(&bytes[16..]).into_owned()))
 }
 
 fn who(scope: &Scope, rank: usize) -> String {
@@ -307,7 +335,9 @@ fn group_of(scope: &Scope) -> String {
 }
 
 fn diverging(scope: &Scope, peer: usize, mine: &Post, theirs: &Post) -> Option<String> {
-    if mine.hash == theirs.hash && mine.count == theirs.count {
+    let sites = sites_compared();
+    let same = if sites { mine.hash == theirs.hash } else { mine.shape_hash == theirs.shape_hash };
+    if same && mine.count == theirs.count {
         return None;
     }
     let (me, them) = (who(scope, scope.rank), who(scope, peer));
@@ -315,7 +345,7 @@ fn diverging(scope: &Scope, peer: usize, mine: &Post, theirs: &Post) -> Option<S
         .entries
         .iter()
         .zip(&theirs.entries)
-        .position(|(a, b)| a.call != b.call || a.site != b.site);
+        .position(|(a, b)| a.call != b.call || (sites && a.site != b.site));
     let detail = match first {
         Some(i) => format!(
             "the {} collective of the step differs: {me} issued {}, {them} issued {}",
@@ -344,11 +374,18 @@ fn diverging(scope: &Scope, peer: usize, mine: &Post, theirs: &Post) -> Option<S
             }
         }
     };
+    let same_call = first.is_some_and(|i| mine.entries[i].call == theirs.entries[i].call);
+    let hint = if sites && same_call {
+        " If the ranks call it from different lines on purpose, set \
+         ACCEL_CHECK_COLLECTIVES=shapes to compare operations, shapes and dtypes only."
+    } else {
+        ""
+    };
     Some(format!(
         "ranks issued different collectives before optimizer step {} in {}: {detail}. Every rank \
          of a group must issue the same collectives in the same order (a collective inside a \
          branch only some ranks take, or a loop that runs a different number of times, does \
-         this)",
+         this).{hint}",
         mine.step,
         group_of(scope)
     ))

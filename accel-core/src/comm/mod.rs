@@ -115,7 +115,10 @@ impl fmt::Debug for WorkState {
 
 /// What a backend's pending operation must offer (e.g. a CUDA event to wait on).
 pub trait WorkHandle: Send {
-    /// Blocks until the operation is complete on this rank, or reports its failure.
+    /// Returns once the operation's result may be used on this thread: for the cpu backend
+    /// when it is complete; for GPU backends when the current stream is ordered after it
+    /// (the host does not wait: reading the result on the host, or from another stream,
+    /// synchronises as any GPU result does). A failure known by then is returned.
     fn wait(self: Box<Self>) -> Result<()>;
 }
 

@@ -33,6 +33,7 @@ const OP_GET: u8 = 2;
 const OP_ADD: u8 = 3;
 const OP_CHECK: u8 = 4;
 const OP_DELETE: u8 = 5;
+const OP_TAKE: u8 = 6;
 const REPLY_OK: u8 = 0;
 const REPLY_ERR: u8 = 1;
 
@@ -338,13 +339,18 @@ fn handle(
             table.values.insert(key, value);
             shared.changed.notify_all();
         }
-        OP_GET => {
+        OP_GET | OP_TAKE => {
             let key = f.string().map_err(Handled::Malformed)?;
             let wait_ms = f.u64().map_err(Handled::Malformed)?;
             f.end().map_err(Handled::Malformed)?;
             let deadline = Instant::now() + Duration::from_millis(wait_ms);
             loop {
-                if let Some(value) = table.values.get(&key) {
+                if op == OP_TAKE {
+                    if let Some(value) = table.values.remove(&key) {
+                        put_bytes(&mut ok, &value);
+                        break;
+                    }
+                } else if let Some(value) = table.values.get(&key) {
                     put_bytes(&mut ok, value);
                     break;
                 }
@@ -517,6 +523,17 @@ impl StoreClient {
         Ok(f.bytes().map_err(Error::Rendezvous)?.to_vec())
     }
 
+    /// [`StoreClient::get`], removing the key as it is read (one round trip for a value
+    /// meant for one reader).
+    pub fn take(&mut self, key: &str, wait: Duration) -> Result<Vec<u8>> {
+        let mut body = vec![OP_TAKE];
+        put_bytes(&mut body, key.as_bytes());
+        body.extend_from_slice(&(wait.as_millis() as u64).to_le_bytes());
+        let reply = self.request(&body, wait)?;
+        let mut f = Fields(&reply);
+        Ok(f.bytes().map_err(Error::Rendezvous)?.to_vec())
+    }
+
     /// Adds `delta` to the integer at `key` (0 if unset); returns the new value.
     pub fn add(&mut self, key: &str, delta: i64) -> Result<i64> {
         let mut body = vec![OP_ADD];
@@ -599,6 +616,9 @@ mod tests {
         assert_eq!(b.add("n", 3).unwrap(), 5);
         assert!(b.check("k").unwrap() && !b.check("nope").unwrap());
         assert!(a.delete("n").unwrap() && !a.delete("n").unwrap() && !b.check("n").unwrap());
+        a.set("once", b"1").unwrap();
+        assert_eq!(b.take("once", Duration::ZERO).unwrap(), b"1");
+        assert!(!a.check("once").unwrap() && a.take("once", Duration::ZERO).is_err());
         let waiter = std::thread::spawn(move || b.get("later", Duration::from_secs(5)).unwrap());
         std::thread::sleep(Duration::from_millis(100));
         a.set("later", b"now").unwrap();

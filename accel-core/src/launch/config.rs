@@ -104,10 +104,50 @@ pub fn default_config_path() -> Option<PathBuf> {
     Some(dir.join("default_config.yaml"))
 }
 
+/// Accelerate's inline `deepspeed_config` keys beyond `zero_stage`,
+/// `gradient_accumulation_steps` and `deepspeed_config_file` (read by the caller): clipping
+/// is taken, launcher-only keys are ignored, and anything else is named in one error.
+fn deepspeed_inline(value: &serde_yaml_ng::Value, training: &mut PartialConfig) -> Result<()> {
+    let Some(map) = value.as_mapping() else { return Ok(()) };
+    let mut refused = Vec::new();
+    for (k, v) in map {
+        let key = k.as_str().unwrap_or_default();
+        match key {
+            "zero_stage" | "gradient_accumulation_steps" | "deepspeed_config_file" => {}
+            "zero3_init_flag"
+            | "zero3_save_16bit_model"
+            | "deepspeed_multinode_launcher"
+            | "deepspeed_hostfile"
+            | "deepspeed_exclusion_filter"
+            | "deepspeed_inclusion_filter" => {}
+            "gradient_clipping" => match v.as_f64() {
+                Some(max) if max > 0.0 => training.clip_grad_norm = Some(max),
+                Some(_) => {}
+                None => refused.push(format!("gradient_clipping = {v:?} (a number)")),
+            },
+            "offload_optimizer_device" | "offload_param_device" => {
+                if v.as_str().is_some_and(|d| d != "none") {
+                    refused.push(format!(
+                        "{key} = {v:?} (accel launch has no offload flag: put the offload in a \
+                         DeepSpeed JSON named by deepspeed_config_file, or call \
+                         .offload(true) on the builder)"
+                    ));
+                }
+            }
+            other => refused.push(format!("{other} (not implemented)")),
+        }
+    }
+    if refused.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::Config(format!("deepspeed_config: accel does not take {}", refused.join(", "))))
+    }
+}
+
 impl LaunchConfig {
     /// Reads a YAML file of our keys and/or Accelerate's, or a DeepSpeed JSON config
-    /// (`.json`). A YAML's `deepspeed_config_file` is read too (relative to the YAML's
-    /// folder); its values fill what the YAML leaves unset.
+    /// (`.json`). A YAML's `deepspeed_config_file` is read too (from the working directory,
+    /// else beside the YAML), and its values win over the YAML's, as in Accelerate.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
@@ -119,9 +159,16 @@ impl LaunchConfig {
             other => other,
         })?;
         if let Some(json) = config.deepspeed_config.take() {
-            let json = path.parent().map_or(json.clone(), |dir| dir.join(&json));
+            // As Accelerate: the path as given (from the working directory); else beside
+            // the YAML.
+            let json = match path.parent() {
+                Some(dir) if !json.exists() => dir.join(&json),
+                _ => json,
+            };
             let deepspeed = Self::from_deepspeed(&json)?;
-            config.training = deepspeed.training.overlay(&config.training);
+            // As Accelerate: with a DeepSpeed file, its settings win over the YAML's
+            // (`distributed_type: DEEPSPEED`'s zero2 default, `mixed_precision: no`).
+            config.training = config.training.overlay(&deepspeed.training);
             config.training.build()?;
             config.deepspeed_config = deepspeed.deepspeed_config;
             config.warnings.extend(deepspeed.warnings);
@@ -275,6 +322,7 @@ impl LaunchConfig {
                 }
                 "gradient_accumulation_steps" => accelerate_accumulate = Some(as_u32()?),
                 "deepspeed_config" => {
+                    deepspeed_inline(value, &mut config.training)?;
                     if let Some(file) = value.get("deepspeed_config_file") {
                         let file = file.as_str().ok_or_else(|| {
                             bad("deepspeed_config_file to be a path to a JSON file")
@@ -512,5 +560,43 @@ mod tests {
         assert_eq!(LaunchConfig::from_yaml(&c.to_yaml()).unwrap(), c);
         let err = LaunchConfig::from_yaml("accumulate: 0\n").unwrap_err().to_string();
         assert!(err.contains("accumulate = 0"), "{err}");
+    }
+
+    #[test]
+    fn a_deepspeed_file_named_by_an_accelerate_yaml_wins_over_the_yaml() {
+        let dir = std::env::temp_dir().join(format!("accel-ds-yaml-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("ds.json"),
+            r#"{"zero_optimization": {"stage": 3}, "fp16": {"enabled": true}}"#,
+        )
+        .unwrap();
+        let yaml = dir.join("accelerate.yaml");
+        std::fs::write(
+            &yaml,
+            "distributed_type: DEEPSPEED\nmixed_precision: 'no'\ndeepspeed_config:\n  \
+             deepspeed_config_file: ds.json\n  zero3_init_flag: true\n  gradient_clipping: 0.5\n",
+        )
+        .unwrap();
+        let c = LaunchConfig::from_file(&yaml).unwrap();
+        assert_eq!(
+            c.training.strategy,
+            Some(Strategy::Zero3),
+            "the JSON's stage, not DEEPSPEED's zero2"
+        );
+        assert_eq!(c.training.precision, Some(Precision::Fp16), "the JSON's fp16, not 'no'");
+        assert_eq!(c.training.clip_grad_norm, Some(0.5));
+        assert!(c.deepspeed_config.unwrap().ends_with("ds.json"));
+        let err = LaunchConfig::from_yaml(
+            "deepspeed_config:\n  offload_optimizer_device: cpu\n  nvme_x: 1\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("accel launch has no offload flag")
+                && err.contains("nvme_x (not implemented)"),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

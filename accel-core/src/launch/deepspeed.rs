@@ -63,7 +63,6 @@ const HINTS: &[&str] = &[
     "comet",
     "comms_logger",
     "fp16.auto_cast",
-    "fp16.consecutive_hysteresis",
     "zero_optimization.allgather_partitions",
     "zero_optimization.allgather_bucket_size",
     "zero_optimization.overlap_comm",
@@ -133,11 +132,9 @@ pub fn parse(text: &str) -> Result<DeepSpeedConfig> {
     let mut wrong: Vec<String> = Vec::new();
     for (key, value) in top {
         match key.as_str() {
-            "train_batch_size" => {
-                out.settings.train_batch_size = count(value, key, &mut wrong).map(|n| n as usize)
-            }
+            "train_batch_size" => out.settings.train_batch_size = positive(value, key, &mut wrong),
             "train_micro_batch_size_per_gpu" => {
-                out.settings.micro_batch_size = count(value, key, &mut wrong).map(|n| n as usize)
+                out.settings.micro_batch_size = positive(value, key, &mut wrong)
             }
             "gradient_accumulation_steps" => {
                 if let Some(n) = count(value, key, &mut wrong) {
@@ -215,6 +212,17 @@ fn count(v: &Value, key: &str, wrong: &mut Vec<String>) -> Option<u64> {
     }
 }
 
+/// A batch size: a positive integer (or "auto": `None`).
+fn positive(v: &Value, key: &str, wrong: &mut Vec<String>) -> Option<usize> {
+    match count(v, key, wrong) {
+        Some(0) => {
+            wrong.push(format!("`{key}` must be at least 1"));
+            None
+        }
+        n => n.map(|n| n as usize),
+    }
+}
+
 fn sub_keys(v: &Value) -> impl Iterator<Item = &str> {
     v.as_object().into_iter().flat_map(|m| m.keys().map(String::as_str))
 }
@@ -276,7 +284,11 @@ fn fp16(
                 scaler.hysteresis = h as u32;
             }
             ("min_loss_scale", Some(m)) if m > 0.0 => scaler.min_scale = m,
-            ("auto_cast" | "consecutive_hysteresis", _) => out.ignored.push(key),
+            ("consecutive_hysteresis", _) => match v.as_bool() {
+                Some(b) => scaler.consecutive_hysteresis = b,
+                None => wrong.push(format!("`{key}` must be true or false, not {v}")),
+            },
+            ("auto_cast", _) => out.ignored.push(key),
             (
                 "loss_scale"
                 | "initial_scale_power"
@@ -302,6 +314,7 @@ fn zero(
         return;
     };
     let mut stage = None;
+    let mut offload_param = false;
     for (k, v) in map {
         let key = format!("zero_optimization.{k}");
         match k.as_str() {
@@ -322,7 +335,10 @@ fn zero(
                     let subkey = format!("{key}.{sub}");
                     match sub.as_str() {
                         "device" => match sv.as_str() {
-                            Some("cpu") => out.settings.offload = true,
+                            Some("cpu") => {
+                                out.settings.offload = true;
+                                offload_param |= k == "offload_param";
+                            }
                             Some("none") => {}
                             Some("nvme") => refused.push(format!("{subkey} = nvme")),
                             _ if sv.is_null() => {}
@@ -347,7 +363,13 @@ fn zero(
             _ => Strategy::Zero3,
         });
     }
-    if out.settings.offload && !matches!(stage, Some(2 | 3)) {
+    if offload_param && stage != Some(3) {
+        wrong.push(
+            "offload_param moves the parameters themselves, which only ZeRO stage 3 shards: set \
+             stage 3, or offload the optimizer state only (offload_optimizer)"
+                .into(),
+        );
+    } else if out.settings.offload && !matches!(stage, Some(2 | 3)) {
         wrong.push(format!(
             "offload to cpu needs ZeRO stage 2 or 3 (the config's stage is {})",
             stage.map_or("not given".into(), |s| s.to_string())
@@ -365,6 +387,14 @@ fn zero(
 }
 
 impl DeepSpeedSettings {
+    /// The accumulation DeepSpeed infers from `train_batch_size` ÷ (micro batch ×
+    /// data-parallel processes), when both are given and it divides.
+    pub fn inferred_accumulation(&self, replicas: usize) -> Option<u32> {
+        let (micro, train) = (self.micro_batch_size?, self.train_batch_size?);
+        let per_step = micro.checked_mul(replicas)?;
+        (train % per_step == 0).then(|| u32::try_from(train / per_step).ok()).flatten()
+    }
+
     /// Checks DeepSpeed's arithmetic, `train_batch_size = micro × accumulate × data-parallel
     /// processes`, filling in what is `"auto"`; returns the micro batch size when known.
     pub fn check_batch_sizes(&self, accumulate: u32, replicas: usize) -> Result<Option<usize>> {
@@ -510,5 +540,18 @@ mod tests {
         assert!(err.contains("train_batch_size 30 ≠ train_micro_batch_size_per_gpu 4 × gradient_accumulation_steps 2 × 4 data-parallel process(es) = 32"), "{err}");
         let err = s(None, Some(30)).check_batch_sizes(2, 4).unwrap_err().to_string();
         assert!(err.contains("not a multiple"), "{err}");
+        // DeepSpeed's inference of the accumulation: 64 = 8 × gas × 4.
+        assert_eq!(s(Some(8), Some(64)).inferred_accumulation(4), Some(2));
+        assert_eq!(s(Some(8), Some(60)).inferred_accumulation(4), None);
+        assert_eq!(s(Some(8), None).inferred_accumulation(4), None);
+        let err = parse(r#"{"train_batch_size": 0}"#).unwrap_err().to_string();
+        assert!(err.contains("`train_batch_size` must be at least 1"), "{err}");
+        let err =
+            parse(r#"{"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}"#)
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("offload_param moves the parameters themselves"), "{err}");
+        let c = parse(r#"{"fp16": {"enabled": true, "consecutive_hysteresis": true}}"#).unwrap();
+        assert!(c.settings.scaler.unwrap().consecutive_hysteresis);
     }
 }

@@ -32,6 +32,10 @@ pub struct ScalerConfig {
     /// Whether the scale changes at all (DeepSpeed's `loss_scale` > 0 fixes it).
     #[serde(default = "yes")]
     pub dynamic: bool,
+    /// A clean step restores the hysteresis allowance (DeepSpeed's
+    /// `consecutive_hysteresis`: only consecutive overflows back off).
+    #[serde(default)]
+    pub consecutive_hysteresis: bool,
 }
 
 fn one() -> u32 {
@@ -52,6 +56,7 @@ impl Default for ScalerConfig {
             hysteresis: 1,
             min_scale: 0.0,
             dynamic: true,
+            consecutive_hysteresis: false,
         }
     }
 }
@@ -59,7 +64,10 @@ impl Default for ScalerConfig {
 impl ScalerConfig {
     /// Whether torch's own update kernel does it (no hysteresis, floor or static scale).
     fn is_torchs(&self) -> bool {
-        self.hysteresis <= 1 && self.min_scale <= 0.0 && self.dynamic
+        self.hysteresis <= 1
+            && self.min_scale <= 0.0
+            && self.dynamic
+            && !self.consecutive_hysteresis
     }
 }
 
@@ -184,12 +192,23 @@ impl GradScaler {
         let (mut scale, mut clean) = (self.scale(), self.growth_tracker.int64_value(&[0]));
         if found_inf.double_value(&[0]) != 0.0 {
             if self.hysteresis_left <= 1 {
+                if c.min_scale > 0.0 && scale <= c.min_scale {
+                    // DeepSpeed's raise_error_at_min_scale: skipping forever helps nobody.
+                    return Err(crate::Error::Training(format!(
+                        "fp16: the loss scale is at its minimum ({}) and the gradients still \
+                         overflow: training has diverged; lower the learning rate, or use bf16",
+                        c.min_scale
+                    )));
+                }
                 scale = (scale * c.backoff_factor).max(c.min_scale);
             } else {
                 self.hysteresis_left -= 1;
             }
             clean = 0;
         } else {
+            if c.consecutive_hysteresis {
+                self.hysteresis_left = c.hysteresis.max(1);
+            }
             clean += 1;
             if clean >= c.growth_interval {
                 scale *= c.growth_factor;
@@ -242,17 +261,25 @@ mod tests {
         let mut scaler = GradScaler::new(config, Device::Cpu);
         let param = Tensor::zeros([1], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let mut scales = Vec::new();
-        for overflow in [true, true, false, false, false, true, true, true, true] {
+        for overflow in [true, true, false, false, false, true, true, true] {
             let grad = Tensor::from_slice(&[if overflow { f32::INFINITY } else { 1.0 }]);
             crate::shim::set_grad(&param, Some(&grad)).unwrap();
             assert_eq!(scaler.found_inf(&[param.shallow_clone()]).unwrap(), overflow);
             scaler.update().unwrap();
             scales.push(scaler.scale());
         }
-        assert_eq!(scales, [8.0, 4.0, 4.0, 4.0, 8.0, 8.0, 4.0, 2.0, 2.0]);
+        assert_eq!(scales, [8.0, 4.0, 4.0, 4.0, 8.0, 8.0, 4.0, 2.0]);
         // The allowance left travels with a checkpoint.
         let state = scaler.state();
         assert_eq!(state.hysteresis_left, Some(1));
+        // At the floor with no allowance left, one more overflow stops training (DeepSpeed's
+        // raise_error_at_min_scale) instead of skipping every step from then on.
+        let mut stuck = GradScaler::new(config, Device::Cpu);
+        stuck.load_state(state).unwrap();
+        crate::shim::set_grad(&param, Some(&Tensor::from_slice(&[f32::INFINITY]))).unwrap();
+        assert!(stuck.found_inf(&[param.shallow_clone()]).unwrap());
+        let err = stuck.update().unwrap_err().to_string();
+        assert!(err.contains("loss scale is at its minimum (2)"), "{err}");
         let mut resumed = GradScaler::new(config, Device::Cpu);
         resumed.load_state(state).unwrap();
         assert_eq!(resumed.state(), state);

@@ -190,7 +190,19 @@ impl Strategy for Auto {
                 .map(|p| p.tensor.numel() as i64)
                 .sum();
             let n = self.mesh.dims().size(Dim::Data);
-            let (memory, where_) = memory_of(cx.device(), self.local_processes);
+            let (mut memory, mut where_) = memory_of(cx.device(), self.local_processes);
+            // Every rank must choose the same: the largest share of the model (pipeline
+            // stages differ) and the smallest memory of any rank decide.
+            let mut count = count;
+            if let Some(world) = self.mesh.world() {
+                let all: Vec<(i64, f64)> = world.all_gather_objects(&(count, memory))?;
+                count = all.iter().map(|a| a.0).max().unwrap_or(count);
+                let least = all.iter().map(|a| a.1).fold(f64::INFINITY, f64::min);
+                if least < memory {
+                    where_ = format!("the least of any rank; here {where_}");
+                }
+                memory = least;
+            }
             let choice = choose(count as f64, n, memory, &where_, self.sharding.offload);
             if self.mesh.rank() == 0 {
                 eprintln!(

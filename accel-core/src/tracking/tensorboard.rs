@@ -188,8 +188,14 @@ impl TensorBoard {
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_owned())
             .unwrap_or_else(|_| "localhost".into());
-        let path =
-            dir.join(format!("events.out.tfevents.{}.{host}.{}", now() as u64, std::process::id()));
+        // Unique per writer: two in one folder within a second must not share a file.
+        static WRITERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let path = dir.join(format!(
+            "events.out.tfevents.{}.{host}.{}.{}",
+            now() as u64,
+            std::process::id(),
+            WRITERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
         let mut board = Self { path, out: None, tags: Vec::new(), hparams: Vec::new() };
         if main {
             std::fs::create_dir_all(dir)
@@ -269,6 +275,7 @@ impl Tracker for TensorBoard {
     fn store_init_configuration(&mut self, config: &serde_json::Value) -> Result<()> {
         let mut flat = Vec::new();
         flatten("", config, &mut flat);
+        self.hparams.clear();
         let mut hparams = std::collections::HashMap::new();
         for (name, value) in flat {
             let (kind, ty) = match value {

@@ -20,18 +20,20 @@ type Job = Box<dyn FnOnce(&Links) -> FaultResult<()> + Send>;
 
 struct Queued {
     tag: Tag,
-    /// Where a collective was called; collectives advance the rank's posted progress,
-    /// point-to-point messages (`None`) do not.
-    site: Option<&'static Location<'static>>,
+    /// Where a collective was called and its epoch; collectives advance the rank's posted
+    /// progress, point-to-point messages (`None`) do not.
+    site: Option<(&'static Location<'static>, u64)>,
     what: String,
     job: Job,
     done: Sender<Result<()>>,
 }
 
-/// A progress post: the collective's sequence number (8 bytes, little-endian), then what it
-/// is and where it was called, as text.
-pub(crate) fn progress_value(seq: u64, described: &str) -> Vec<u8> {
+/// A progress post: the collective's sequence number and its epoch (8 bytes each,
+/// little-endian; see `ledger::Ledger::record`), then what it is and where it was called,
+/// as text.
+pub(crate) fn progress_value(seq: u64, epoch: u64, described: &str) -> Vec<u8> {
     let mut value = seq.to_le_bytes().to_vec();
+    value.extend_from_slice(&epoch.to_le_bytes());
     value.extend_from_slice(described.as_bytes());
     value
 }
@@ -53,7 +55,7 @@ impl Worker {
     /// Starts the worker over `links`, and the thread that posts its progress to `store`.
     pub fn start(links: Links, who: Identity, store: Arc<Mutex<StoreClient>>) -> Result<Self> {
         let (jobs, queue) = channel::<Queued>();
-        let progress = Arc::new(Mutex::new((0u64, String::new())));
+        let progress = Arc::new(Mutex::new((0u64, 0u64, String::new())));
         {
             let (progress, store) = (Arc::downgrade(&progress), store.clone());
             let key = progress_key(&format!("group{}", who.group), who.rank);
@@ -62,12 +64,13 @@ impl Worker {
                 .spawn(move || {
                     let mut posted = 0;
                     while let Some(progress) = progress.upgrade() {
-                        let (seq, described) =
+                        let (seq, epoch, described) =
                             progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
                         drop(progress);
                         if seq != posted {
                             if let Ok(mut store) = store.lock() {
-                                if store.set(&key, &progress_value(seq, &described)).is_ok() {
+                                let value = progress_value(seq, epoch, &described);
+                                if store.set(&key, &value).is_ok() {
                                     posted = seq;
                                 }
                             }
@@ -88,9 +91,10 @@ impl Worker {
                     timeout: who.timeout,
                 };
                 for Queued { tag, site, what, job, done } in queue {
-                    if let Some(site) = site {
+                    if let Some((site, epoch)) = site {
                         let described = format!("{} of {what} at {}", tag.op, site_of(site));
-                        *progress.lock().unwrap_or_else(|e| e.into_inner()) = (tag.seq, described);
+                        *progress.lock().unwrap_or_else(|e| e.into_inner()) =
+                            (tag.seq, epoch, described);
                     }
                     // In a profile, each transfer is a range on this thread.
                     crate::shim::profiler_follow_main();
@@ -109,7 +113,7 @@ impl Worker {
     pub fn submit(
         &self,
         tag: Tag,
-        site: Option<&'static Location<'static>>,
+        site: Option<(&'static Location<'static>, u64)>,
         what: String,
         job: impl FnOnce(&Links) -> FaultResult<()> + Send + 'static,
     ) -> Work {

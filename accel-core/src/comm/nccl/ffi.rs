@@ -1,5 +1,5 @@
 //! NCCL's C ABI (`nccl.h` of NCCL 2.28, whose values have been stable since 2.x): the
-//! enums, `ncclUniqueId`, the 2.14 layout of `ncclConfig_t`, and the table of functions,
+//! enums, `ncclUniqueId`, the 2.17 layout of `ncclConfig_t`, and the table of functions,
 //! resolved once when the library is loaded.
 
 use std::collections::HashMap;
@@ -50,10 +50,10 @@ pub(crate) struct UniqueId {
 /// `NCCL_CONFIG_UNDEF_INT`.
 const UNDEF_INT: c_int = c_int::MIN;
 
-/// `ncclConfig_t` as NCCL 2.14 laid it out (size, magic, version, then the fields of that
+/// `ncclConfig_t` as NCCL 2.17 laid it out (size, magic, version, then the fields of that
 /// release). NCCL reads a config by the `size` and `version` it carries, so this older
-/// layout is understood by every release since 2.14, newer ones included, and fields
-/// added later keep their defaults.
+/// layout is understood by every later release, and fields added since keep their
+/// defaults.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Config {
@@ -67,8 +67,9 @@ pub(crate) struct Config {
     net_name: *const c_char,
 }
 
-/// `NCCL_VERSION(2, 14, 0)`: the release whose layout [`Config`] has.
-pub(crate) const CONFIG_VERSION: u32 = 21400;
+/// `NCCL_VERSION(2, 17, 0)`: the release whose layout [`Config`] has (NCCL resets fields a
+/// config's version predates to their defaults).
+pub(crate) const CONFIG_VERSION: u32 = 21700;
 
 impl Config {
     /// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`: calls return at once (possibly with

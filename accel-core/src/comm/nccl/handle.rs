@@ -2,18 +2,32 @@
 //! and split, every call's status checked (waiting out `ncclInProgress` within a bound),
 //! asynchronous errors, and the way out: `ncclCommAbort` on failure, else
 //! `ncclCommFinalize` then `ncclCommDestroy`. Knows nothing of tensors or streams.
+//!
+//! `ncclCommAbort` frees the communicator, so it must not run while another thread is
+//! inside a call on it (the watchdog and the sequence check abort from their own threads).
+//! Every call is made under a [`Use`]; an abort requested while some are open is carried
+//! out by the last one to close, and no new one opens after it.
 
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::ffi::{Config, IN_PROGRESS, Nccl, RawComm, SUCCESS, UniqueId};
 use crate::error::{Error, Result};
 
-/// An NCCL communicator. Calls on it are serialised by [`Handle::lock`] (NCCL does not
-/// allow concurrent calls on one communicator); status queries and abort are not, as NCCL
-/// allows them from any thread at any time.
+/// Who is using the communicator, and whether it is still there.
+#[derive(Debug, Default)]
+struct Life {
+    /// Calls under way (any thread).
+    users: usize,
+    /// An abort was asked for: no new call starts.
+    abort_pending: bool,
+    /// `ncclCommAbort` ran: the communicator is gone.
+    freed: bool,
+}
+
+/// An NCCL communicator. Calls that must not overlap (everything but status queries) are
+/// serialised by [`Handle::lock`].
 pub(crate) struct Handle {
     pub nccl: &'static Nccl,
     comm: RawComm,
@@ -24,13 +38,14 @@ pub(crate) struct Handle {
     pub global_rank: usize,
     /// How long a call may stay `ncclInProgress`.
     pub timeout: Duration,
-    aborted: AtomicBool,
+    life: Mutex<Life>,
     calls: Mutex<()>,
 }
 
 // SAFETY: NCCL communicators may be used from any thread; calls that must not overlap are
-// serialised by `calls`, and ncclCommGetAsyncError / ncclCommAbort are documented as safe to
-// call concurrently with the others.
+// serialised by `calls`; `ncclCommGetAsyncError` may run beside them (it reads an atomic);
+// `ncclCommAbort`, which frees the communicator, runs only when no call is under way
+// (`life`).
 unsafe impl Send for Handle {}
 // SAFETY: as above.
 unsafe impl Sync for Handle {}
@@ -44,6 +59,30 @@ impl std::fmt::Debug for Handle {
 /// Where a failed call was made, for its message: " in collective #12 all_reduce(sum) of
 /// [4] Float".
 pub(crate) type During<'a> = Option<&'a str>;
+
+/// A call (or a run of them) on a live communicator; see the module's comment.
+pub(crate) struct Use<'a> {
+    handle: &'a Handle,
+}
+
+impl Drop for Use<'_> {
+    fn drop(&mut self) {
+        let mut life = self.handle.life();
+        life.users -= 1;
+        if life.users == 0 && life.abort_pending && !life.freed {
+            life.freed = true;
+            // SAFETY: the last call on the communicator just ended and no other can start
+            // (abort_pending); it is freed once (freed).
+            unsafe { (self.handle.nccl.comm_abort)(self.handle.comm) };
+        }
+    }
+}
+
+/// The serialised use of a communicator for launching work ([`Handle::lock`]).
+pub(crate) struct Calls<'a> {
+    _use: Use<'a>,
+    _calls: MutexGuard<'a, ()>,
+}
 
 impl Handle {
     /// `ncclCommInitRankConfig` with a non-blocking config, waited for (at most `timeout`).
@@ -71,11 +110,11 @@ impl Handle {
     pub fn split(&self, color: i32, key: usize, size: usize) -> Result<Option<Self>> {
         let mut comm: RawComm = std::ptr::null_mut();
         let mut config = Config::non_blocking();
-        let status = {
-            let _calls = self.lock();
-            // SAFETY: `self.comm` is live (checked by `lock` not being poisoned by abort);
-            // out-pointer and config are live locals.
-            unsafe {
+        {
+            // The parent is in progress until the split is done: no other call on it meanwhile.
+            let _calls = self.lock()?;
+            // SAFETY: the communicator is live (`lock`); out-pointer and config are locals.
+            let status = unsafe {
                 (self.nccl.comm_split)(
                     self.comm,
                     color.max(-1),
@@ -83,10 +122,9 @@ impl Handle {
                     &mut comm,
                     &mut config,
                 )
-            }
-        };
-        // The parent finishes its part of the split like any call.
-        self.check(status, "ncclCommSplit", None)?;
+            };
+            self.check(status, "ncclCommSplit", None)?;
+        }
         if color < 0 {
             return Ok(None);
         }
@@ -114,28 +152,23 @@ impl Handle {
         global_rank: usize,
         timeout: Duration,
     ) -> Result<Self> {
+        let error = |code, message| Error::Nccl {
+            call: call.into(),
+            code,
+            rank: global_rank,
+            during: String::new(),
+            message,
+        };
         if status != SUCCESS && status != IN_PROGRESS {
             let message = nccl.describe(status, comm);
             if !comm.is_null() {
                 // SAFETY: a communicator NCCL handed out, abandoned here once.
                 unsafe { (nccl.comm_abort)(comm) };
             }
-            return Err(Error::Nccl {
-                call: call.into(),
-                code: status,
-                rank: global_rank,
-                during: String::new(),
-                message,
-            });
+            return Err(error(status, message));
         }
         if comm.is_null() {
-            return Err(Error::Nccl {
-                call: call.into(),
-                code: status,
-                rank: global_rank,
-                during: String::new(),
-                message: "NCCL returned no communicator".into(),
-            });
+            return Err(error(status, "NCCL returned no communicator".into()));
         }
         let handle = Self {
             nccl,
@@ -144,11 +177,25 @@ impl Handle {
             size,
             global_rank,
             timeout,
-            aborted: AtomicBool::new(false),
+            life: Mutex::new(Life::default()),
             calls: Mutex::new(()),
         };
         handle.wait_ready(call, None)?;
         Ok(handle)
+    }
+
+    fn life(&self) -> MutexGuard<'_, Life> {
+        self.life.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A use of the communicator, refused once an abort was asked for.
+    fn enter(&self) -> Result<Use<'_>> {
+        let mut life = self.life();
+        if life.abort_pending || life.freed {
+            return Err(self.aborted_error());
+        }
+        life.users += 1;
+        Ok(Use { handle: self })
     }
 
     /// The raw communicator, for calls made under [`Handle::lock`].
@@ -156,9 +203,10 @@ impl Handle {
         self.comm
     }
 
-    /// Serialises calls on the communicator.
-    pub fn lock(&self) -> MutexGuard<'_, ()> {
-        self.calls.lock().unwrap_or_else(|e| e.into_inner())
+    /// Serialises calls on the communicator, and keeps it alive while they run.
+    pub fn lock(&self) -> Result<Calls<'_>> {
+        let calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(Calls { _use: self.enter()?, _calls: calls })
     }
 
     /// Turns a call's status into a result; `ncclInProgress` is waited out (non-blocking
@@ -205,12 +253,10 @@ impl Handle {
     /// `ncclCommGetAsyncError`: `SUCCESS`, `IN_PROGRESS`, or the error that broke the
     /// communicator (a peer lost, a remote error...).
     pub fn async_error(&self) -> Result<c_int> {
-        if self.aborted.load(Ordering::SeqCst) {
-            return Err(self.aborted_error());
-        }
+        let _use = self.enter()?;
         let mut state = SUCCESS;
-        // SAFETY: live communicator (not aborted, checked above; abort and this query may
-        // race, which NCCL allows); out-pointer to a local.
+        // SAFETY: the communicator is live while `_use` is (no abort frees it meanwhile);
+        // out-pointer to a local.
         let status = unsafe { (self.nccl.comm_get_async_error)(self.comm, &mut state) };
         if status != SUCCESS {
             return Err(self.error("ncclCommGetAsyncError", status, None));
@@ -238,16 +284,20 @@ impl Handle {
         }
     }
 
-    /// Whether [`Handle::abort`] ran.
+    /// Whether [`Handle::abort`] was asked for.
     pub fn is_aborted(&self) -> bool {
-        self.aborted.load(Ordering::SeqCst)
+        self.life().abort_pending
     }
 
-    /// `ncclCommAbort`, once: operations in flight end with an error, peers waiting on
-    /// this rank see it fail, and the communicator's resources are freed.
+    /// `ncclCommAbort`, once, from any thread: at once when no call is under way, else
+    /// when the last one ends; no call starts after this. Operations in flight end with an
+    /// error, peers waiting on this rank see it fail, and the communicator is freed.
     pub fn abort(&self) {
-        if !self.aborted.swap(true, Ordering::SeqCst) {
-            // SAFETY: live communicator, abandoned once (guarded by `aborted`).
+        let mut life = self.life();
+        life.abort_pending = true;
+        if life.users == 0 && !life.freed {
+            life.freed = true;
+            // SAFETY: no call is under way and none can start; freed once.
             unsafe { (self.nccl.comm_abort)(self.comm) };
         }
     }
@@ -261,7 +311,7 @@ impl Drop for Handle {
         if self.is_aborted() {
             return;
         }
-        // SAFETY: live communicator, finalized once.
+        // SAFETY: live communicator (no use can be open: we are dropping it), finalized once.
         let status = unsafe { (self.nccl.comm_finalize)(self.comm) };
         if self.check(status, "ncclCommFinalize", None).is_err() {
             self.abort();

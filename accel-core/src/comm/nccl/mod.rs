@@ -75,6 +75,8 @@ pub struct NcclComm {
     /// Store prefix of this communicator ("nccl{id}").
     scope: String,
     seq: AtomicU64,
+    /// Point-to-point transfers are numbered apart (not every rank takes part in each).
+    p2p_seq: AtomicU64,
     ledger: Ledger,
     watchdog: Watchdog,
 }
@@ -153,6 +155,7 @@ impl NcclComm {
             timeout: handle.timeout,
             poll: Duration::from_millis(100),
             on_failure: super::exit_after_grace(handle.global_rank),
+            device_index: Some(device_index),
             behind: {
                 let (store, scope, members) =
                     (store.clone(), scope.clone(), control.members().to_vec());
@@ -170,9 +173,9 @@ impl NcclComm {
             },
             post_progress: {
                 let key = progress_key(&scope, control.rank());
-                Arc::new(move |seq| {
+                Arc::new(move |seq, epoch| {
                     if let Ok(mut store) = store.lock() {
-                        let _ = store.set(&key, &progress_value(seq, ""));
+                        let _ = store.set(&key, &progress_value(seq, epoch, ""));
                     }
                 })
             },
@@ -185,6 +188,7 @@ impl NcclComm {
             control,
             scope,
             seq: AtomicU64::new(1),
+            p2p_seq: AtomicU64::new(1),
             ledger: Ledger::default(),
             watchdog,
         })
@@ -239,37 +243,41 @@ impl NcclComm {
             self.check_tensor(t)?;
         }
         let what = tensors.first().map(|t| describe(t)).unwrap_or_default();
-        let current = Stream::current(self.device_index)?;
-        Event::record(&current)?.block(&self.stream)?;
-        let seq = if op == Op::SendRecv {
-            0
-        } else {
-            let seq = self.seq.fetch_add(1, Ordering::SeqCst);
-            self.ledger.record(seq, op, &what, Location::caller());
-            seq
-        };
-        let during = format!("collective #{seq} {op} of {what}");
         // In a profile: the enqueue on the host (the kernel is CUDA activity of its own).
         let _range = crate::shim::recording()
             .then(|| crate::shim::range(&format!("accel::nccl {op} {what}")));
-        {
-            let _calls = self.handle.lock();
-            let status = launch(self.handle.nccl, self.handle.raw(), self.stream.native());
-            self.handle.check(status, call, Some(&during))?;
-        }
+        // Everything from numbering to tracking under the lock: the stream, the numbers and
+        // the watchdog's queue then agree on the order of the operations.
+        let _calls = self.handle.lock()?;
+        let current = Stream::current(self.device_index)?;
+        Event::record(&current)?.block(&self.stream)?;
+        let collective = op != Op::SendRecv;
+        let (seq, epoch) = if collective {
+            let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+            (seq, self.ledger.record(seq, op, &what, Location::caller()))
+        } else {
+            (self.p2p_seq.fetch_add(1, Ordering::SeqCst), 0)
+        };
+        let during = if collective {
+            format!("collective #{seq} {op} of {what}")
+        } else {
+            format!("point-to-point transfer #{seq} of {what}")
+        };
+        let status = launch(self.handle.nccl, self.handle.raw(), self.stream.native());
+        self.handle.check(status, call, Some(&during))?;
         for t in tensors {
             record_stream(t, &self.stream)?;
         }
         let done = Arc::new(Event::record(&self.stream)?);
-        if op != Op::SendRecv {
-            self.watchdog.track(Tracked {
-                seq,
-                op,
-                what,
-                started: Instant::now(),
-                done: done.clone(),
-            });
-        }
+        self.watchdog.track(Tracked {
+            seq,
+            epoch,
+            op,
+            collective,
+            what,
+            started: Instant::now(),
+            done: done.clone(),
+        });
         Ok(Work::from_handle(Box::new(NcclWork {
             done,
             device_index: self.device_index,

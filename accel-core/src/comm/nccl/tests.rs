@@ -126,7 +126,7 @@ fn ffi_tables_equal_the_values_of_the_nccl_h_beside_torch() {
     }
     assert_eq!(header_value(&header, "NCCL_UNIQUE_ID_BYTES"), Some(128));
     assert_eq!(std::mem::size_of::<UniqueId>(), 128);
-    // The 2.14 head of ncclConfig_t: size, magic, version, blocking, cgaClusterSize,
+    // The 2.17 head of ncclConfig_t: size, magic, version, blocking, cgaClusterSize,
     // minCTAs, maxCTAs, netName — in this order in today's header too.
     let config = &header[header.find("typedef struct ncclConfig_v").unwrap()..];
     let fields = [
@@ -187,16 +187,16 @@ fn creation_is_non_blocking_and_polled_and_failed_calls_name_rank_operation_and_
     let controls = Controls::of(&path);
     let handle = init(nccl, Duration::from_secs(5)).unwrap();
     let log = controls.log();
-    // The 2.14 config, non-blocking; the id passed by value.
+    // The 2.17 config, non-blocking; the id passed by value.
     assert!(
-        log.contains("ncclCommInitRankConfig nranks=1 rank=0 id1=1 size=40 magic=cafebeef version=21400 blocking=0"),
+        log.contains("ncclCommInitRankConfig nranks=1 rank=0 id1=1 size=40 magic=cafebeef version=21700 blocking=0"),
         "{log}"
     );
     // A failing call: its code's name, NCCL's text, the rank in the run, the collective.
     controls.set("fail_count", 13);
     let mut data = [0f32; 13];
     let status = {
-        let _calls = handle.lock();
+        let _calls = handle.lock().unwrap();
         // SAFETY: the stub's ncclAllReduce on host memory of 13 floats.
         unsafe {
             (nccl.all_reduce)(
@@ -290,8 +290,9 @@ fn watched(timeout: Duration) -> Watched {
         behind: Arc::new(|seq| format!("; not arrived: rank 1 (last at #{})", seq - 1)),
         post_progress: {
             let posted = posted.clone();
-            Arc::new(move |seq| posted.store(seq, Ordering::SeqCst))
+            Arc::new(move |seq, _epoch| posted.store(seq, Ordering::SeqCst))
         },
+        device_index: None,
     };
     let watchdog = Watchdog::start(handle.clone(), options).unwrap();
     (handle, watchdog, controls, reports, posted)
@@ -311,7 +312,9 @@ fn the_watchdog_aborts_on_an_asynchronous_error_and_every_later_call_fails() {
     let op = Arc::new(Flag(AtomicBool::new(false)));
     watchdog.track(Tracked {
         seq: 4,
+        epoch: 0,
         op: Op::AllGather,
+        collective: true,
         what: "[8] BFloat16".into(),
         started: Instant::now(),
         done: op,
@@ -341,7 +344,9 @@ fn an_operation_that_does_not_complete_in_time_is_reported_with_the_ranks_behind
     for (seq, done) in [(6, finished.clone()), (7, hung.clone())] {
         watchdog.track(Tracked {
             seq,
+            epoch: 0,
             op: Op::AllReduce(ReduceOp::Avg),
+            collective: true,
             what: "[4] Float".into(),
             started: Instant::now(),
             done,

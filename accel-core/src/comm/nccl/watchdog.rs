@@ -7,7 +7,7 @@
 //! which is how a timeout names the ranks that did not arrive.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -31,8 +31,13 @@ impl Completion for crate::shim::cuda::Event {
 
 /// An operation in flight.
 pub(crate) struct Tracked {
+    /// Its number: among collectives, or among point-to-point transfers.
     pub seq: u64,
+    /// Optimizer steps handed to the sequence check before it was issued (collectives).
+    pub epoch: u64,
     pub op: Op,
+    /// A collective (else a point-to-point transfer, numbered apart, not posted).
+    pub collective: bool,
     /// Shape and dtype.
     pub what: String,
     pub started: Instant,
@@ -52,15 +57,20 @@ pub(crate) struct WatchdogOptions {
     pub on_failure: Arc<dyn Fn(&str) + Send + Sync>,
     /// "; not arrived: rank 2 (last at #14)" for a timeout of operation `seq`.
     pub behind: Arc<dyn Fn(u64) -> String + Send + Sync>,
-    /// Posts the last operation enqueued (called when it changed, at most every poll).
-    pub post_progress: Arc<dyn Fn(u64) + Send + Sync>,
+    /// Posts the last collective enqueued and its epoch (called when it changed, at most
+    /// every poll).
+    pub post_progress: Arc<dyn Fn(u64, u64) + Send + Sync>,
+    /// The communicator's GPU: the watchdog's own CUDA calls (event queries and frees, the
+    /// abort) must land there, not on device 0 (`None`: no GPU, the tests' stub).
+    pub device_index: Option<usize>,
 }
 
 struct Shared {
     handle: Arc<Handle>,
     pending: Mutex<VecDeque<Tracked>>,
     failure: Mutex<Option<String>>,
-    enqueued: AtomicU64,
+    /// The last collective enqueued and its epoch.
+    enqueued: Mutex<(u64, u64)>,
     stop: AtomicBool,
 }
 
@@ -83,7 +93,7 @@ impl Watchdog {
             handle,
             pending: Mutex::new(VecDeque::new()),
             failure: Mutex::new(None),
-            enqueued: AtomicU64::new(0),
+            enqueued: Mutex::new((0, 0)),
             stop: AtomicBool::new(false),
         });
         let thread = {
@@ -98,7 +108,12 @@ impl Watchdog {
 
     /// Watches `op` until it completes.
     pub fn track(&self, op: Tracked) {
-        self.shared.enqueued.fetch_max(op.seq, Ordering::SeqCst);
+        if op.collective {
+            let mut enqueued = self.shared.enqueued.lock().unwrap_or_else(|e| e.into_inner());
+            if op.seq > enqueued.0 {
+                *enqueued = (op.seq, op.epoch);
+            }
+        }
         self.shared.pending.lock().unwrap_or_else(|e| e.into_inner()).push_back(op);
     }
 
@@ -126,6 +141,9 @@ impl Drop for Watchdog {
 }
 
 fn watch(shared: &Shared, options: &WatchdogOptions) {
+    if let Some(index) = options.device_index {
+        let _ = crate::shim::set_cuda_device(index);
+    }
     let rank = shared.handle.global_rank;
     let mut posted = 0;
     while !shared.stop.load(Ordering::SeqCst) {
@@ -135,10 +153,10 @@ fn watch(shared: &Shared, options: &WatchdogOptions) {
             shared.handle.abort();
             return;
         }
-        let enqueued = shared.enqueued.load(Ordering::SeqCst);
-        if enqueued != posted {
-            (options.post_progress)(enqueued);
-            posted = enqueued;
+        let (seq, epoch) = *shared.enqueued.lock().unwrap_or_else(|e| e.into_inner());
+        if seq != posted {
+            (options.post_progress)(seq, epoch);
+            posted = seq;
         }
         std::thread::sleep(options.poll);
     }
@@ -170,8 +188,10 @@ fn inspect(shared: &Shared, options: &WatchdogOptions, rank: usize) -> Option<St
             }
             Ok(false) if oldest.started.elapsed() > options.timeout => {
                 let (seq, op, what) = (oldest.seq, oldest.op, oldest.what.clone());
+                let collective = oldest.collective;
                 drop(pending);
-                let behind = (options.behind)(seq);
+                // Progress posts count collectives: they say who is behind in those only.
+                let behind = if collective { (options.behind)(seq) } else { String::new() };
                 return Some(
                     Error::Collective {
                         op,
