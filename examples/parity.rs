@@ -81,6 +81,10 @@ struct Args {
     /// zero2/zero3: reduce-scatter gradients in bf16.
     #[arg(long)]
     bf16_reductions: bool,
+    /// zero3: gather and compute the layers' parameters in bf16 (FSDP's
+    /// `MixedPrecision(param_dtype)`); needs `--precision bf16`.
+    #[arg(long)]
+    bf16_parameters: bool,
     /// Continue from a state saved by `--state` (any strategy, any number of processes).
     #[arg(long)]
     resume: Option<PathBuf>,
@@ -140,9 +144,13 @@ fn main() -> Result<()> {
     if let Some(every) = args.local_sgd {
         builder = builder.custom_strategy(accel_examples::local_sgd::LocalSgd::new(every));
     }
-    if args.bf16_reductions {
-        let reduce_dtype = Some(tch::Kind::BFloat16);
-        builder = builder.sharding(ShardOptions { reduce_dtype, ..Default::default() });
+    if args.bf16_reductions || args.bf16_parameters {
+        let bf16 = |on: bool| on.then_some(tch::Kind::BFloat16);
+        builder = builder.sharding(ShardOptions {
+            reduce_dtype: bf16(args.bf16_reductions),
+            param_dtype: bf16(args.bf16_parameters),
+            ..Default::default()
+        });
     }
     let acc = builder.build()?;
     acc.print(format!(

@@ -648,6 +648,7 @@ fn sharded_checkpoints_resume_exactly_and_load_into_another_world_size_and_strat
 fn mixed_precision_inside_sharding_trains_like_ddp() {
     let dir = scratch("zero-mixed");
     make_weights_and_data(&dir, 2);
+    let mut ddp_runs = BTreeMap::new();
     for precision in ["bf16", "fp16"] {
         let ddp =
             run_parity(&dir, 2, "ddp", &format!("ddp-{precision}"), &["--precision", precision]);
@@ -663,12 +664,26 @@ fn mixed_precision_inside_sharding_trains_like_ddp() {
         // steps (the scaler's verdict is shared across shards).
         let diff = max_diff(&ddp, &zero3);
         assert!(diff <= 1e-4, "{precision}: zero3 differs from ddp by {diff}");
+        ddp_runs.insert(precision, ddp);
     }
     // Gradients reduce-scattered in bf16 (8 bits of mantissa): close to fp32, not equal.
     let ddp = run_parity(&dir, 2, "ddp", "ddp-fp32", &[]);
     let zero2 = run_parity(&dir, 2, "zero2", "zero2-bf16-reduce", &["--bf16-reductions"]);
     let diff = max_diff(&ddp, &zero2);
     assert!(diff > 0.0 && diff <= 1e-2, "zero2 with bf16 reductions vs fp32 ddp: {diff}");
+    // Parameters gathered in bf16 compute what autocast computes from fp32 ones (the same
+    // rounding); their gradients come out, and are reduced, in bf16, while the masters
+    // step in fp32 and the saved weights are fp32.
+    let ddp = &ddp_runs["bf16"];
+    let zero3 = run_parity(
+        &dir,
+        2,
+        "zero3",
+        "zero3-bf16-params",
+        &["--precision", "bf16", "--bf16-parameters"],
+    );
+    let diff = max_diff(ddp, &zero3);
+    assert!(diff > 0.0 && diff <= 1e-2, "zero3 with bf16 parameters vs bf16 ddp: {diff}");
 }
 
 #[test]

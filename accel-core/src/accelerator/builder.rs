@@ -254,6 +254,9 @@ impl AcceleratorBuilder {
                 config.strategy
             )));
         }
+        if let Some(kind) = sharding.param_dtype {
+            check_param_dtype(kind, config.strategy, config.precision)?;
+        }
         let device = self.device.unwrap_or_else(|| default_device(&config, &process));
         let device = crate::cuda::check_device(device)?;
         precision::check_precision(config.precision, device)?;
@@ -339,4 +342,53 @@ fn default_device(config: &Config, process: &Topology) -> Device {
     }
     crate::cuda::load_libtorch_cuda();
     if tch::Cuda::is_available() { Device::Cuda(process.local_rank) } else { Device::Cpu }
+}
+
+/// `ShardOptions::param_dtype` is FSDP's `MixedPrecision(param_dtype)`: it needs units that
+/// are gathered per use and autocast for the operations between them.
+fn check_param_dtype(kind: tch::Kind, strategy: Strategy, precision: Precision) -> Result<()> {
+    if !matches!(kind, tch::Kind::BFloat16 | tch::Kind::Half) {
+        return Err(Error::Config(format!(
+            "ShardOptions::param_dtype is {kind:?}; it must be BFloat16 or Half"
+        )));
+    }
+    if !matches!(
+        strategy,
+        Strategy::Zero3 | Strategy::Fsdp | Strategy::HybridShard | Strategy::Auto
+    ) {
+        return Err(Error::Config(format!(
+            "ShardOptions::param_dtype applies to parameters gathered per unit (strategy zero3, \
+             fsdp or hybrid_shard); the strategy is {strategy}"
+        )));
+    }
+    if precision == Precision::No {
+        return Err(Error::Config(format!(
+            "ShardOptions::param_dtype {kind:?} needs autocast between the units: set precision \
+             bf16 or fp16 (it is \"no\")"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn param_dtype_needs_a_half_dtype_a_gathering_strategy_and_autocast() {
+        use tch::Kind::{BFloat16, Float};
+        check_param_dtype(BFloat16, Strategy::Zero3, Precision::Bf16).unwrap();
+        let text = |r: Result<()>| r.unwrap_err().to_string();
+        assert!(
+            text(check_param_dtype(Float, Strategy::Zero3, Precision::Bf16))
+                .contains("BFloat16 or Half")
+        );
+        assert!(
+            text(check_param_dtype(BFloat16, Strategy::Zero2, Precision::Bf16)).contains("zero2")
+        );
+        assert!(
+            text(check_param_dtype(BFloat16, Strategy::Fsdp, Precision::No))
+                .contains("precision bf16")
+        );
+    }
 }

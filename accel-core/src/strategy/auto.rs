@@ -213,6 +213,12 @@ impl Strategy for Auto {
                 for reason in &choice.reasons {
                     eprintln!("accel:   {reason}");
                 }
+                if self.sharding.param_dtype.is_some() && choice.strategy != StrategyName::Zero3 {
+                    eprintln!(
+                        "accel:   ShardOptions::param_dtype is not used: {} gathers no units",
+                        choice.strategy
+                    );
+                }
             }
             let sharding = ShardOptions { offload: choice.offload, ..self.sharding.clone() };
             let chosen = super::builtin(choice.strategy, &self.mesh, sharding);

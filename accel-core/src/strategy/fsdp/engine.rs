@@ -71,7 +71,7 @@ impl ShardedModel {
         let mut shards = Vec::new();
         let mut units: Vec<UnitState> = Vec::new();
         for p in params.iter().filter(|p| p.tensor.requires_grad()) {
-            let numel = p.tensor.numel() as i64;
+            let (numel, kind) = (p.tensor.numel() as i64, p.tensor.kind());
             let chunk = (numel + world - 1) / world;
             // Zero2 in fp32 keeps whole parameters anyway: a share that needs no padding can
             // be a view of its own parameter instead of a copy (ZeRO-2's 4Ψ + 12Ψ/N, not 16Ψ/N).
@@ -120,6 +120,13 @@ impl ShardedModel {
                 }
             };
             let unit = &mut units[u];
+            if let (true, Some(compute)) = (unit.managed, options.param_dtype) {
+                // FSDP's MixedPrecision(param_dtype): the module computes (and its gradients
+                // come out) in `compute`; the fp32 master above is what the optimizer steps.
+                let mut param = p.tensor.shallow_clone();
+                let low = tch::no_grad(|| p.tensor.f_detach()?.f_to_kind(compute))?;
+                param.f_set_data(&low)?;
+            }
             unit.members.push(shards.len());
             unit.offsets.push(unit.segment);
             unit.segment += chunk;
@@ -131,6 +138,7 @@ impl ShardedModel {
                 master,
                 numel,
                 chunk,
+                kind,
             });
         }
         let device = params.first().map_or(Device::Cpu, |p| p.tensor.device());
@@ -365,14 +373,15 @@ impl ShardedModel {
     }
 
     /// The full value of every sharded parameter by [`shim::tensor_id`], gathered from the
-    /// master shards (a collective: every rank must call it).
+    /// master shards, in the dtype the model made it (a collective: every rank must call it).
     pub(crate) fn full_parameters(&self) -> Result<Vec<(usize, Tensor)>> {
         let mut engine = lock(&self.engine);
         let mut out = Vec::new();
         for u in 0..engine.units.len() {
             let full = engine.gathered(u)?;
             for (s, full) in engine.units[u].members.iter().zip(full) {
-                out.push((engine.shards[*s].id, full));
+                let shard = &engine.shards[*s];
+                out.push((shard.id, full.f_to_kind(shard.kind)?));
             }
         }
         Ok(out)

@@ -23,6 +23,8 @@ pub(super) struct Shard {
     pub(super) master: Tensor,
     pub(super) numel: i64,
     pub(super) chunk: i64,
+    /// The parameter's dtype as the model made it (before any `param_dtype`).
+    pub(super) kind: Kind,
 }
 
 pub(super) struct UnitState {
@@ -149,11 +151,20 @@ impl Engine {
         })
     }
 
-    /// The unit's flat buffer holding this rank's master shards in its segment.
-    fn own_shards_buffer(&self, u: usize) -> Result<Tensor> {
+    /// The dtype unit `u`'s parameters are gathered and computed in: `param_dtype` for
+    /// zero3 units, fp32 for the rest.
+    fn compute_kind(&self, u: usize) -> Kind {
+        match (self.units[u].managed, self.options.param_dtype) {
+            (true, Some(kind)) => kind,
+            _ => Kind::Float,
+        }
+    }
+
+    /// The unit's flat buffer (in `kind`) holding this rank's master shards in its segment.
+    fn own_shards_buffer(&self, u: usize, kind: Kind) -> Result<Tensor> {
         let unit = &self.units[u];
         let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
-        let buffer = Tensor::f_empty([world * unit.segment], (Kind::Float, self.device))?;
+        let buffer = Tensor::f_empty([world * unit.segment], (kind, self.device))?;
         let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
         for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
             let shard = &self.shards[s];
@@ -162,21 +173,25 @@ impl Engine {
         Ok(buffer)
     }
 
-    /// The unit's flat buffer with every rank's master shards, all-gathered (or the
-    /// prefetched one).
-    fn all_gathered(&mut self, u: usize) -> Result<Tensor> {
+    /// The unit's flat buffer with every rank's master shards, all-gathered in `kind` (or
+    /// the prefetched one, if it is in `kind`).
+    fn all_gathered(&mut self, u: usize, kind: Kind) -> Result<Tensor> {
         if let Some((work, buffer)) = self.units[u].prefetched.take() {
+            // Every rank launched it: it completes even when its dtype is not the one wanted.
             work.wait()?;
-            return Ok(buffer);
+            if buffer.kind() == kind {
+                return Ok(buffer);
+            }
         }
-        let buffer = self.own_shards_buffer(u)?;
+        let buffer = self.own_shards_buffer(u, kind)?;
         self.group.all_gather_in_place_async(&buffer)?.wait()?;
         Ok(buffer)
     }
 
-    /// The unit's full parameters as new tensors.
+    /// The unit's full parameters as new fp32 tensors (the masters' values, whatever dtype
+    /// the unit computes in).
     pub(super) fn gathered(&mut self, u: usize) -> Result<Vec<Tensor>> {
-        let buffer = self.all_gathered(u)?;
+        let buffer = self.all_gathered(u, Kind::Float)?;
         let unit = &self.units[u];
         let world = self.group.size() as i64;
         unit.members
@@ -195,7 +210,7 @@ impl Engine {
     /// Writes the gathered values into the unit's parameters (allocating them first if
     /// they were released).
     pub(super) fn gather(&mut self, u: usize) -> Result<()> {
-        let buffer = self.all_gathered(u)?;
+        let buffer = self.all_gathered(u, self.compute_kind(u))?;
         let unit = &self.units[u];
         let world = self.group.size() as i64;
         tch::no_grad(|| -> Result<()> {
@@ -224,7 +239,7 @@ impl Engine {
         if !unit.managed || unit.gathered || unit.prefetched.is_some() {
             return Ok(());
         }
-        let buffer = self.own_shards_buffer(u)?;
+        let buffer = self.own_shards_buffer(u, self.compute_kind(u))?;
         let work = self.group.all_gather_in_place_async(&buffer)?;
         self.units[u].prefetched = Some((work, buffer));
         Ok(())

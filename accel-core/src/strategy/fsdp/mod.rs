@@ -36,6 +36,12 @@ pub struct ShardOptions {
     pub offload: bool,
     /// Reduce-scatter gradients in this dtype (bf16 or f16) instead of their own.
     pub reduce_dtype: Option<Kind>,
+    /// FSDP's `MixedPrecision(param_dtype)`: zero3 units (wrapped in [`Unit`]) are
+    /// all-gathered and computed in this dtype (bf16 or f16: half the bytes of both), while
+    /// the master shards the optimizer steps stay fp32. Their gradients come out in it and
+    /// are reduce-scattered in it unless `reduce_dtype` says otherwise. Needs autocast
+    /// (precision bf16 or fp16) for the operations between units.
+    pub param_dtype: Option<Kind>,
     /// Parameters may go without a gradient in a step (they contribute zeros).
     pub allow_unused: bool,
 }
@@ -214,7 +220,7 @@ impl Strategy for Sharded {
             .iter()
             .zip(ids)
             .map(|(p, id)| match gathered.remove(&id) {
-                Some(v) => Ok(v.f_to_kind(p.tensor.kind())?),
+                Some(v) => Ok(v),
                 None => Ok(p.tensor.f_detach_copy()?),
             })
             .collect()

@@ -244,3 +244,58 @@ fn a_gather_that_fails_inside_module_forward_comes_back_as_an_error_not_a_panic(
     // One failed collective, not one timeout per unit.
     assert!(took < Duration::from_secs(9), "{took:?}");
 }
+
+#[test]
+fn param_dtype_gathers_and_computes_in_bf16_while_masters_and_full_weights_stay_fp32() {
+    let results = on_ranks(2, Duration::from_secs(20), |group| {
+        let rank = group.rank();
+        let params = model(rank);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let unit = Unit::new(&(vs.root() / "blocks" / 0), ());
+        let options = ShardOptions { param_dtype: Some(Kind::BFloat16), ..Default::default() };
+        let sharded = sharded(&params, &group, options);
+        let (weight, bias, head) = (&params[1], &params[0], &params[2]);
+        assert_eq!(weight.tensor.kind(), Kind::BFloat16, "the unit computes in bf16");
+        assert_eq!(head.tensor.kind(), Kind::Float, "the root is not a unit: it stays fp32");
+        let master = |p: &Param| sharded.master_of(shim::tensor_id(&p.tensor).unwrap()).unwrap();
+        assert_eq!(master(weight).kind(), Kind::Float);
+
+        let (x, y) = batch(rank);
+        let hidden = unit
+            .try_run(|()| {
+                // Half the bytes of fp32: the all-gather moved bf16.
+                assert_eq!(shim::storage_nbytes(&weight.tensor).unwrap(), 30);
+                x.to_kind(Kind::BFloat16)
+                    .linear(&weight.tensor, Some(&bias.tensor))
+                    .relu()
+                    .to_kind(Kind::Float)
+            })
+            .unwrap();
+        let loss = (hidden.linear::<Tensor>(&head.tensor, None) - y).square().mean(Kind::Float);
+        loss.backward();
+        sharded.finish().unwrap();
+        let grad = master(weight).grad();
+        assert_eq!(grad.kind(), Kind::Float, "the master's gradient is fp32");
+        // The whole weights come from the fp32 masters, not from a bf16 gather.
+        let full = sharded.full_parameters().unwrap();
+        let whole = &full.iter().find(|(id, _)| *id == shim::tensor_id(&weight.tensor).unwrap());
+        let whole = whole.expect("the weight is sharded").1.shallow_clone();
+        assert_eq!(whole.kind(), Kind::Float);
+        (Vec::<f32>::try_from(grad).unwrap(), Vec::<f32>::try_from(whole.reshape([-1])).unwrap())
+    });
+    let params = model(0);
+    let exact = Vec::<f32>::try_from(params[1].tensor.reshape([-1])).unwrap();
+    assert_eq!(results[0].1, exact, "full weights equal rank 0's fp32 values bit for bit");
+    let total = (0..2).map(|r| {
+        let (x, y) = batch(r);
+        loss(&params, &x, &y, |_| {})
+    });
+    (total.fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, b| a + b) / 2.0).backward();
+    let full = Vec::<f32>::try_from(params[1].tensor.grad().reshape([-1])).unwrap();
+    let sharded: Vec<f32> = results.iter().flat_map(|r| r.0.clone()).collect();
+    let scale = full.iter().fold(0f32, |m, g| m.max(g.abs()));
+    for (a, b) in full.iter().zip(&sharded) {
+        // bf16 has 8 bits of mantissa: within a few hundredths of the largest gradient.
+        assert!((a - b).abs() <= 0.03 * scale, "{a} vs {b} (largest {scale})");
+    }
+}
