@@ -89,6 +89,16 @@ check "parity on CPU, one process (the reference)" parity cpu-1 --num-processes 
 for s in ddp zero1 zero2 zero3; do
   check "$s at world size 1 through NCCL on cuda:0 = CPU (1e-4)" at_one "$s"
 done
+# FSDP's MixedPrecision(param_dtype): zero3 units gathered and computed in bf16.
+bf16_parameters() {
+  ACCEL_GROUP_OF_ONE=1 parity gpu1-ddp-bf16 --num-processes 1 -- --device cuda --strategy ddp \
+    --precision bf16 &&
+    ACCEL_GROUP_OF_ONE=1 parity gpu1-zero3-bf16-params --num-processes 1 -- --device cuda \
+      --strategy zero3 --precision bf16 --bf16-parameters &&
+    "$bin/accel" compare-weights "$out/gpu1-ddp-bf16.safetensors" \
+      "$out/gpu1-zero3-bf16-params.safetensors" --tolerance 1e-2
+}
+check "zero3 with bf16 parameters on cuda:0 near bf16 DDP (1e-2)" bf16_parameters
 
 if [ "$gpus" -ge 2 ]; then
   check "parity on CPU, DDP on $gpus processes (the reference)" \
