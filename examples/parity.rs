@@ -113,7 +113,7 @@ struct Args {
     #[arg(long)]
     losses: PathBuf,
     /// `cpu`, or `cuda` (each process on its own GPU; scripts/gpu-check.sh).
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     device: String,
     /// Profile the training into DIR/trace_rank{r}.json (`accel profile summary` reads it).
     #[arg(long, value_name = "DIR")]
@@ -179,9 +179,6 @@ fn main() -> Result<()> {
         bail!("--hidden {hidden:?} does not match the weights' hidden widths {widths:?}");
     }
 
-    if !["cpu", "cuda"].contains(&args.device.as_str()) {
-        bail!("unknown --device `{}`; use cpu or cuda", args.device);
-    }
     let vs = nn::VarStore::new(acc.device());
     let net = build(&acc, &vs, &init, layers)?;
     acc.prepare_model(&vs)?;

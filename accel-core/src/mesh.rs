@@ -357,13 +357,6 @@ impl DeviceMesh {
         Self { dims, rank, world, comms: all, everyone, checker: None, steps: Arc::default() }
     }
 
-    /// Compares the ranks' collectives at every optimizer step through `checker` (tests
-    /// give one of their own).
-    pub fn with_checker(mut self, checker: Arc<SequenceChecker>) -> Self {
-        self.checker = Some(checker);
-        self
-    }
-
     /// The sizes of the dimensions.
     pub fn dims(&self) -> ParallelDims {
         self.dims

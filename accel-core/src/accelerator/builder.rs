@@ -205,11 +205,11 @@ impl AcceleratorBuilder {
         let outside = file.overlay(&env);
         let conflicts = self.explicit.conflicts(&outside);
         let mut wanted = outside.overlay(&self.explicit);
-        if wanted.accumulate.is_none() {
+        if let (None, Some(ds)) = (wanted.accumulate, &deepspeed) {
             // DeepSpeed infers it from its batch sizes (train ÷ micro ÷ data-parallel ranks).
             let partial = wanted.build()?;
             let replicas = ParallelDims::for_run(&partial, &process)?.size(crate::mesh::Dim::Data);
-            wanted.accumulate = deepspeed.as_ref().and_then(|d| d.inferred_accumulation(replicas));
+            wanted.accumulate = ds.inferred_accumulation(replicas);
         }
         let config = wanted.build()?;
         if process.rank == 0 {
@@ -282,10 +282,9 @@ impl AcceleratorBuilder {
         };
         let strategy = match self.custom {
             Some(custom) => custom,
-            None if config.strategy == Strategy::Auto && mesh.dims().world() > 1 => Arc::new(
-                crate::strategy::auto::Auto::new(&mesh, sharding, process.local_world_size),
-            ),
-            None => crate::strategy::builtin(config.strategy, &mesh, sharding),
+            None => {
+                crate::strategy::builtin(config.strategy, &mesh, sharding, process.local_world_size)
+            }
         };
         if let Some(seed) = config.seed {
             tch::manual_seed(seed as i64);

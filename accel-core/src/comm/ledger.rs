@@ -22,6 +22,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::cpu::diagnosis::progress_key;
+use super::cpu::worker::parse_progress;
 use super::store::StoreClient;
 use super::{Communicator, Op};
 use crate::error::{Error, Result};
@@ -55,12 +57,21 @@ pub(crate) fn site_of(location: &Location<'_>) -> String {
 }
 
 /// What a communicator issued since its last check.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Ledger {
     inner: Mutex<Pending>,
     /// Checks so far (optimizer steps handed over): a collective issued now belongs to
     /// step `epoch + 1`.
     epoch: AtomicU64,
+    /// The check is on (`ACCEL_CHECK_COLLECTIVES`, read when the communicator is made):
+    /// off, collectives are not recorded at all.
+    on: bool,
+}
+
+impl Default for Ledger {
+    fn default() -> Self {
+        Self { inner: Mutex::default(), epoch: AtomicU64::default(), on: enabled() }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -89,6 +100,9 @@ impl Ledger {
     /// Notes collective `seq`, `op` on `what` ("[4] Float"), called at `site`; returns its
     /// epoch (the checks before it), which progress posts carry.
     pub(crate) fn record(&self, seq: u64, op: Op, what: &str, site: &Location<'_>) -> u64 {
+        if !self.on {
+            return 0;
+        }
         let entry = Entry { seq, call: format!("{op} of {what}"), site: site_of(site) };
         let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         p.shape_hash = fnv(p.shape_hash, entry.call.as_bytes());
@@ -99,6 +113,13 @@ impl Ledger {
             p.entries.push(entry);
         }
         self.epoch.load(Ordering::SeqCst)
+    }
+
+    /// The call sites recorded since the last check, in order (tests).
+    #[cfg(test)]
+    pub(crate) fn sites(&self) -> Vec<String> {
+        let p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        p.entries.iter().map(|e| e.site.clone()).collect()
     }
 
     /// Everything since the last call, and a fresh start (the next epoch).
@@ -143,7 +164,7 @@ struct Submitted {
 
 /// The thread that compares the ranks' ledgers (one per process).
 pub struct SequenceChecker {
-    jobs: Mutex<Sender<Submitted>>,
+    jobs: Sender<Submitted>,
     failure: Arc<Mutex<Option<String>>>,
 }
 
@@ -183,7 +204,7 @@ impl SequenceChecker {
             .name("accel-sequence-check".into())
             .spawn(move || run(store, queue, timeout, &kept, &on_divergence))
             .map_err(|e| Error::Training(format!("cannot start the sequence check: {e}")))?;
-        Ok(Self { jobs: Mutex::new(jobs), failure })
+        Ok(Self { jobs, failure })
     }
 
     /// Hands over the ledgers of `comms` (each with its scope) for optimizer step `step`;
@@ -209,8 +230,7 @@ impl SequenceChecker {
                 Some((scope, post, comm))
             })
             .collect();
-        let _ =
-            self.jobs.lock().unwrap_or_else(|e| e.into_inner()).send(Submitted { step, groups });
+        let _ = self.jobs.send(Submitted { step, groups });
         Ok(())
     }
 
@@ -320,10 +340,8 @@ const STUCK_AFTER: Duration = Duration::from_secs(1);
 /// A rank's last posted progress: the sequence number of the collective it entered last,
 /// its epoch, and what it is.
 fn progress(store: &mut StoreClient, scope: &str, rank: usize) -> Option<(u64, u64, String)> {
-    let bytes = store.get(&format!("{scope}/progress/{rank}"), Duration::ZERO).ok()?;
-    let seq = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    let epoch = u64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
-    Some((seq, epoch, String::from_utf8_lossy(&bytes[16..]).into_owned()))
+    let bytes = store.get(&progress_key(scope, rank), Duration::ZERO).ok()?;
+    parse_progress(&bytes)
 }
 
 fn who(scope: &Scope, rank: usize) -> String {

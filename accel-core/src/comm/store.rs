@@ -515,18 +515,18 @@ impl StoreClient {
 
     /// The value of `key`, waiting up to `wait` for it to be set.
     pub fn get(&mut self, key: &str, wait: Duration) -> Result<Vec<u8>> {
-        let mut body = vec![OP_GET];
-        put_bytes(&mut body, key.as_bytes());
-        body.extend_from_slice(&(wait.as_millis() as u64).to_le_bytes());
-        let reply = self.request(&body, wait)?;
-        let mut f = Fields(&reply);
-        Ok(f.bytes().map_err(Error::Rendezvous)?.to_vec())
+        self.wait_for(OP_GET, key, wait)
     }
 
     /// [`StoreClient::get`], removing the key as it is read (one round trip for a value
     /// meant for one reader).
     pub fn take(&mut self, key: &str, wait: Duration) -> Result<Vec<u8>> {
-        let mut body = vec![OP_TAKE];
+        self.wait_for(OP_TAKE, key, wait)
+    }
+
+    /// A request (`op`: get or take) for `key`'s value that the store answers once it is set.
+    fn wait_for(&mut self, op: u8, key: &str, wait: Duration) -> Result<Vec<u8>> {
+        let mut body = vec![op];
         put_bytes(&mut body, key.as_bytes());
         body.extend_from_slice(&(wait.as_millis() as u64).to_le_bytes());
         let reply = self.request(&body, wait)?;

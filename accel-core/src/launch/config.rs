@@ -149,11 +149,11 @@ impl LaunchConfig {
     /// (`.json`). A YAML's `deepspeed_config_file` is read too (from the working directory,
     /// else beside the YAML), and its values win over the YAML's, as in Accelerate.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
         if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
             return Self::from_deepspeed(path);
         }
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
         let mut config = Self::from_yaml(&text).map_err(|e| match e {
             Error::Config(m) => Error::Config(format!("{}: {m}", path.display())),
             other => other,

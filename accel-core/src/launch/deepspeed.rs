@@ -8,7 +8,7 @@
 //! performance (overlap, buffer counts, prefetch sizes...) are named in one warning and
 //! otherwise ignored.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde_json::Value;
 use tch::Kind;
@@ -37,8 +37,6 @@ pub struct DeepSpeedSettings {
 /// A DeepSpeed config, read.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct DeepSpeedConfig {
-    /// The file.
-    pub path: PathBuf,
     /// What maps onto accel's own settings.
     pub training: PartialConfig,
     /// The rest.
@@ -112,12 +110,10 @@ fn is_auto(v: &Value) -> bool {
 pub fn read(path: &Path) -> Result<DeepSpeedConfig> {
     let text = std::fs::read_to_string(path)
         .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    let mut config = parse(&text).map_err(|e| match e {
+    parse(&text).map_err(|e| match e {
         Error::Config(m) => Error::Config(format!("DeepSpeed config {}: {m}", path.display())),
         other => other,
-    })?;
-    config.path = path.to_path_buf();
-    Ok(config)
+    })
 }
 
 /// Parses DeepSpeed JSON text.

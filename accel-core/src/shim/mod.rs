@@ -170,8 +170,11 @@ pub fn recording() -> bool {
     unsafe { ffi::accel_recording() }
 }
 
-/// Opens a [`Range`] named `name`.
+/// Opens a [`Range`] named `name` (nothing, and no allocation, when nothing records).
 pub fn range(name: &str) -> Range {
+    if !recording() {
+        return Range(std::ptr::null_mut());
+    }
     let Ok(c) = std::ffi::CString::new(name) else { return Range(std::ptr::null_mut()) };
     let mut ptr = std::ptr::null_mut();
     // SAFETY: NUL-terminated name alive for the call (the shim copies it); out-pointer to a

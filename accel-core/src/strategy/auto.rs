@@ -27,15 +27,26 @@ const ADAM_STATE: f64 = 8.0;
 /// parameter) for `params` parameters over `n` processes: 4Ψ+4Ψ+kΨ for ddp, then the ZeRO
 /// stages shard the state, the gradients, the parameters.
 pub fn model_state_bytes(strategy: StrategyName, params: f64, n: f64, state: f64) -> f64 {
-    let (p, g, s) = match strategy {
+    let (p, g, s) = model_state_parts(strategy, params, n, state);
+    p + g + s
+}
+
+/// [`model_state_bytes`] as (parameters, gradients, optimizer state) bytes
+/// (`accel estimate-memory` prints them apart).
+pub fn model_state_parts(
+    strategy: StrategyName,
+    params: f64,
+    n: f64,
+    state: f64,
+) -> (f64, f64, f64) {
+    match strategy {
         StrategyName::Zero1 => (4.0 * params, 4.0 * params, state * params / n),
         StrategyName::Zero2 => (4.0 * params, 4.0 * params / n, state * params / n),
         StrategyName::Zero3 | StrategyName::Fsdp | StrategyName::HybridShard => {
             (4.0 * params / n, 4.0 * params / n, state * params / n)
         }
         _ => (4.0 * params, 4.0 * params, state * params),
-    };
-    p + g + s
+    }
 }
 
 /// The formula of [`model_state_bytes`], as printed.
@@ -221,7 +232,8 @@ impl Strategy for Auto {
                 }
             }
             let sharding = ShardOptions { offload: choice.offload, ..self.sharding.clone() };
-            let chosen = super::builtin(choice.strategy, &self.mesh, sharding);
+            let chosen =
+                super::builtin(choice.strategy, &self.mesh, sharding, self.local_processes);
             let _ = self.chosen.set(chosen);
         }
         self.inner()?.prepare_model(cx, params, options)

@@ -278,11 +278,13 @@ impl Strategy for Single {
     }
 }
 
-/// The built-in strategy a configuration names, over `mesh`.
+/// The built-in strategy a configuration names, over `mesh` (`local_processes`: this
+/// machine's, whose memory `auto` shares among them).
 pub(crate) fn builtin(
     name: StrategyName,
     mesh: &DeviceMesh,
     sharding: fsdp::ShardOptions,
+    local_processes: usize,
 ) -> Arc<dyn Strategy> {
     if mesh.dims().world() == 1 && mesh.world().is_none() {
         return Arc::new(Single);
@@ -295,7 +297,10 @@ pub(crate) fn builtin(
         StrategyName::Zero3 | StrategyName::Fsdp | StrategyName::HybridShard => {
             Arc::new(fsdp::Sharded::new(mesh, fsdp::Stage::Parameters, sharding))
         }
-        // Resolved by the builder (strategy/auto.rs); here only as a fallback of one kind.
+        StrategyName::Auto if mesh.dims().world() > 1 => {
+            Arc::new(auto::Auto::new(mesh, sharding, local_processes))
+        }
+        // A group of one: nothing to choose between.
         StrategyName::Auto => Arc::new(ddp::DdpStrategy::new(data)),
     }
 }

@@ -4,6 +4,9 @@
 use std::io::Read;
 use std::path::Path;
 
+use accel_core::Strategy;
+use accel_core::strategy::auto::model_state_parts;
+
 /// Parameters in a safetensors file, from its header alone (the tensors are not read).
 pub(crate) fn count_parameters(path: &Path) -> accel_core::Result<u64> {
     let io = |source| accel_core::Error::Io { path: path.to_path_buf(), source };
@@ -86,12 +89,9 @@ pub(crate) fn table(
     ));
     for &n in processes {
         let n_f = n as f64;
-        for (name, params_b, grads_b, state_b) in [
-            ("ddp", 4.0 * p, 4.0 * p, k * p),
-            ("zero1", 4.0 * p, 4.0 * p, k * p / n_f),
-            ("zero2", 4.0 * p, 4.0 * p / n_f, k * p / n_f),
-            ("zero3", 4.0 * p / n_f, 4.0 * p / n_f, k * p / n_f),
-        ] {
+        for strategy in [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
+            let (params_b, grads_b, state_b) = model_state_parts(strategy, p, n_f, k);
+            let name = strategy.as_str();
             out.push_str(&format!(
                 "{name:<8} {n:>4} {:>12} {:>12} {:>12} {:>12}\n",
                 human(params_b),

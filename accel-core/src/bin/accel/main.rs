@@ -457,8 +457,8 @@ fn main() -> ExitCode {
             let result = match what.as_str() {
                 "test" => selftest::run(),
                 "allreduce" => bench::worker(&sizes, &dtype, &backend),
-                "spin" => selftest::spin(),
-                "spin-nccl" => selftest::spin_nccl(),
+                "spin" => selftest::spin(false),
+                "spin-nccl" => selftest::spin(true),
                 "ddp" => selftest::ddp(),
                 "nccl" => selftest::nccl(),
                 other => Err(accel_core::Error::Config(format!("unknown worker `{other}`"))),

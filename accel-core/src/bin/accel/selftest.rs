@@ -201,28 +201,20 @@ fn parity(g: &ProcessGroup) -> accel_core::Result<bool> {
 }
 
 /// For the launcher's fault tests: writes its pid to `$ACCEL_PID_DIR/$RANK`, then
-/// all-reduces forever.
-pub(crate) fn spin() -> accel_core::Result<bool> {
+/// all-reduces forever, over the cpu backend or (`nccl`; scripts/gpu-check.sh kills a rank
+/// in the middle of it) over NCCL, each all-reduce waited for by the host.
+pub(crate) fn spin(nccl: bool) -> accel_core::Result<bool> {
     let topology = Topology::from_env()?;
     let group = ProcessGroup::new(&topology, GroupOptions::from_env()?)?;
     if let Some(dir) = std::env::var_os("ACCEL_PID_DIR") {
         let path = std::path::Path::new(&dir).join(topology.rank.to_string());
         let _ = std::fs::write(path, std::process::id().to_string());
     }
-    let t = Tensor::ones([1 << 20], (Kind::Float, Device::Cpu));
-    loop {
-        group.all_reduce(&t, ReduceOp::Avg)?;
-    }
-}
-
-/// An endless NCCL all-reduce, each waited for by the host (scripts/gpu-check.sh kills a
-/// rank in the middle of it).
-pub(crate) fn spin_nccl() -> accel_core::Result<bool> {
-    let topology = Topology::from_env()?;
-    let group = ProcessGroup::new(&topology, GroupOptions::from_env()?)?;
-    if let Some(dir) = std::env::var_os("ACCEL_PID_DIR") {
-        let path = std::path::Path::new(&dir).join(topology.rank.to_string());
-        let _ = std::fs::write(path, std::process::id().to_string());
+    if !nccl {
+        let t = Tensor::ones([1 << 20], (Kind::Float, Device::Cpu));
+        loop {
+            group.all_reduce(&t, ReduceOp::Avg)?;
+        }
     }
     let device = Device::Cuda(topology.local_rank);
     let comm = accel_core::comm::nccl::NcclComm::new(&group, device)?;

@@ -60,28 +60,17 @@ fn python_torch(python: &Path) -> std::result::Result<(String, PathBuf), String>
     }
 }
 
-/// What `accel setup` did, line by line.
-#[derive(Debug, Default)]
-struct Report(Vec<String>);
-
-impl Report {
-    fn say(&mut self, line: impl Into<String>) {
-        let line = line.into();
-        println!("accel setup: {line}");
-        self.0.push(line);
-    }
+/// Says what `accel setup` did, a line at a time.
+fn say(line: impl std::fmt::Display) {
+    println!("accel setup: {line}");
 }
 
 /// Finds or makes the libtorch.
-fn find_libtorch(
-    crate_dir: &Path,
-    python: Option<&Path>,
-    report: &mut Report,
-) -> accel_core::Result<PathBuf> {
+fn find_libtorch(crate_dir: &Path, python: Option<&Path>) -> accel_core::Result<PathBuf> {
     if let Some(dir) = std::env::var_os("LIBTORCH").map(PathBuf::from) {
         match libtorch_version(&dir) {
             Some(v) if matches(&v) && dir.join("lib/libtorch.so").exists() => {
-                report.say(format!("using LIBTORCH={} (torch {v})", dir.display()));
+                say(format!("using LIBTORCH={} (torch {v})", dir.display()));
                 return Ok(dir);
             }
             other => {
@@ -97,19 +86,19 @@ fn find_libtorch(
     let python = python.map(Path::to_path_buf).unwrap_or_else(|| "python3".into());
     match python_torch(&python) {
         Ok((v, dir)) if matches(&v) => {
-            report.say(format!("found torch {v} of {} in {}", python.display(), dir.display()));
+            say(format!("found torch {v} of {} in {}", python.display(), dir.display()));
             return Ok(dir);
         }
-        Ok((v, _)) => report.say(format!(
+        Ok((v, _)) => say(format!(
             "{} has torch {v}, not {TORCH} (tch 0.24 needs exactly {TORCH})",
             python.display()
         )),
-        Err(why) => report.say(why),
+        Err(why) => say(why),
     }
     let venv = crate_dir.join(".venv");
     let venv_python = venv.join("bin/python");
     if !venv_python.exists() {
-        report.say(format!("creating {} with {}", venv.display(), python.display()));
+        say(format!("creating {} with {}", venv.display(), python.display()));
         let status = Command::new(&python).args(["-m", "venv"]).arg(&venv).status();
         if !status.is_ok_and(|s| s.success()) {
             return Err(fail(format!(
@@ -120,8 +109,7 @@ fn find_libtorch(
             )));
         }
     }
-    report
-        .say(format!("installing torch=={TORCH} into {} (about 4.7 GB with CUDA)", venv.display()));
+    say(format!("installing torch=={TORCH} into {} (about 4.7 GB with CUDA)", venv.display()));
     let status = Command::new(&venv_python)
         .args(["-m", "pip", "install", "--disable-pip-version-check", "-q"])
         .arg(format!("torch=={TORCH}"))
@@ -134,16 +122,12 @@ fn find_libtorch(
         )));
     }
     let (v, dir) = python_torch(&venv_python).map_err(fail)?;
-    report.say(format!("torch {v} installed in {}", dir.display()));
+    say(format!("torch {v} installed in {}", dir.display()));
     Ok(dir)
 }
 
 /// Sets `LIBTORCH` in the crate's `.cargo/config.toml`, keeping everything else in it.
-fn write_cargo_config(
-    crate_dir: &Path,
-    libtorch: &Path,
-    report: &mut Report,
-) -> accel_core::Result<()> {
+fn write_cargo_config(crate_dir: &Path, libtorch: &Path) -> accel_core::Result<()> {
     let path = crate_dir.join(".cargo/config.toml");
     // The table form merges with a parent folder's `.cargo/config.toml` of either form.
     let line = format!("LIBTORCH = {{ value = {:?} }}", libtorch.display().to_string());
@@ -151,7 +135,7 @@ fn write_cargo_config(
     let mut lines: Vec<String> = old.lines().map(str::to_owned).collect();
     let existing = lines.iter().position(|l| l.trim_start().starts_with("LIBTORCH"));
     if existing.is_some_and(|i| lines[i].trim() == line) {
-        report.say(format!("{} already sets {line}", path.display()));
+        say(format!("{} already sets {line}", path.display()));
         return Ok(());
     }
     match (existing, lines.iter().position(|l| l.trim() == "[env]")) {
@@ -169,7 +153,7 @@ fn write_cargo_config(
     let io = |source| accel_core::Error::Io { path: path.clone(), source };
     std::fs::create_dir_all(crate_dir.join(".cargo")).map_err(io)?;
     std::fs::write(&path, lines.join("\n") + "\n").map_err(io)?;
-    report.say(format!("wrote {line} into {}", path.display()));
+    say(format!("wrote {line} into {}", path.display()));
     Ok(())
 }
 
@@ -183,20 +167,19 @@ pub(crate) fn run(crate_dir: &Path, python: Option<&Path>) -> accel_core::Result
             crate_dir.display()
         ))
     })?;
-    let mut report = Report::default();
-    let libtorch = find_libtorch(crate_dir, python, &mut report)?;
-    write_cargo_config(crate_dir, &libtorch, &mut report)?;
+    let libtorch = find_libtorch(crate_dir, python)?;
+    write_cargo_config(crate_dir, &libtorch)?;
     let build_rs = crate_dir.join("build.rs");
     match std::fs::read_to_string(&build_rs) {
         Err(_) => {
             std::fs::write(&build_rs, BUILD_RS)
                 .map_err(|source| accel_core::Error::Io { path: build_rs.clone(), source })?;
-            report.say(format!("wrote {} (links libtorch so the binary sees GPUs)", build_rs.display()));
+            say(format!("wrote {} (links libtorch so the binary sees GPUs)", build_rs.display()));
         }
         Ok(text) if text.contains("DEP_ACCEL_LINK_ARG") => {
-            report.say(format!("{} already passes DEP_ACCEL_LINK_ARG", build_rs.display()));
+            say(format!("{} already passes DEP_ACCEL_LINK_ARG", build_rs.display()));
         }
-        Ok(_) => report.say(format!(
+        Ok(_) => say(format!(
             "{} exists: add this line to its main() yourself: println!(\"cargo::rustc-link-arg={{}}\", \
              std::env::var(\"DEP_ACCEL_LINK_ARG\").unwrap());",
             build_rs.display()
@@ -206,10 +189,10 @@ pub(crate) fn run(crate_dir: &Path, python: Option<&Path>) -> accel_core::Result
         [("accel-core", "accel-core = { git = \"…\" }"), ("tch", "tch = \"=0.24.0\"")]
     {
         if !cargo_toml.lines().any(|l| l.trim_start().starts_with(dependency)) {
-            report.say(format!("add to [dependencies] in {}: {line}", manifest.display()));
+            say(format!("add to [dependencies] in {}: {line}", manifest.display()));
         }
     }
-    report.say("done: `cargo build` now finds libtorch");
+    say("done: `cargo build` now finds libtorch");
     Ok(())
 }
 

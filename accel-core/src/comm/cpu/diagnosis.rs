@@ -5,6 +5,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
+use super::worker::parse_progress;
 use crate::comm::Op;
 use crate::comm::store::StoreClient;
 use crate::error::Error;
@@ -64,11 +65,7 @@ impl Scene<'_> {
         for (r, member) in self.members.iter().enumerate().filter(|&(r, _)| r != self.rank) {
             match store.get(&progress_key(&self.scope, r), Duration::ZERO) {
                 Ok(bytes) => {
-                    let theirs = bytes
-                        .get(..8)
-                        .and_then(|b| b.try_into().ok())
-                        .map(u64::from_le_bytes)
-                        .unwrap_or(0);
+                    let theirs = parse_progress(&bytes).map_or(0, |(seq, _, _)| seq);
                     if theirs < seq {
                         late.push(format!("rank {member} (last at #{theirs})"));
                     }

@@ -38,6 +38,13 @@ pub(crate) fn progress_value(seq: u64, epoch: u64, described: &str) -> Vec<u8> {
     value
 }
 
+/// The sequence number, epoch and text of a [`progress_value`].
+pub(crate) fn parse_progress(bytes: &[u8]) -> Option<(u64, u64, String)> {
+    let seq = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+    let epoch = u64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
+    Some((seq, epoch, String::from_utf8_lossy(&bytes[16..]).into_owned()))
+}
+
 /// Who the worker works for: the group's id, this rank, the members' global ranks.
 pub(crate) struct Identity {
     pub group: u64,
