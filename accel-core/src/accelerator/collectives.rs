@@ -8,22 +8,26 @@ use super::Accelerator;
 use crate::comm::{Backend, Communicator, ReduceOp};
 use crate::error::Result;
 
-/// Runs `op` on `tensor` through `comm`, on the device `comm` works on: NCCL reduces GPU
-/// memory only, so a CPU tensor (a metric, a count) goes to `device` and its result comes
-/// back.
-#[track_caller]
-fn on_comm_device(
+/// `tensor` on the device `comm` works on, and the device it came from ([`back`] returns a
+/// result there): NCCL reduces GPU memory only, so a CPU tensor (a metric, a count) goes to
+/// `device`. The collective itself is called by the public method, so that the sequence
+/// check records the user's line (`#[track_caller]` does not reach through closures).
+fn to_comm_device(
     comm: &dyn Communicator,
     device: Device,
     tensor: &Tensor,
-    op: impl FnOnce(&dyn Communicator, &Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
-    if comm.backend() == Backend::Nccl && tensor.device() != device {
-        let back = tensor.device();
-        Ok(op(comm, &tensor.f_to_device(device)?)?.f_to_device(back)?)
+) -> Result<(Tensor, Device)> {
+    let home = tensor.device();
+    if comm.backend() == Backend::Nccl && home != device {
+        Ok((tensor.f_to_device(device)?, home))
     } else {
-        op(comm, tensor)
+        Ok((tensor.shallow_clone(), home))
     }
+}
+
+/// `result` on `home` (see [`to_comm_device`]).
+fn back(result: Tensor, home: Device) -> Result<Tensor> {
+    if result.device() == home { Ok(result) } else { Ok(result.f_to_device(home)?) }
 }
 
 impl Accelerator {
@@ -40,7 +44,8 @@ impl Accelerator {
             });
         }
         let everyone = self.inner.mesh.everyone();
-        on_comm_device(everyone.as_ref(), self.device(), tensor, |c, t| c.all_gather(t))
+        let (t, home) = to_comm_device(everyone.as_ref(), self.device(), tensor)?;
+        back(everyone.all_gather(&t)?, home)
     }
 
     /// [`gather`](Self::gather), minus the samples that padded the last round of a
@@ -57,7 +62,8 @@ impl Accelerator {
                 let data = self.inner.mesh.comm(crate::mesh::Dim::Data);
                 let t =
                     if tensor.dim() == 0 { tensor.f_reshape([1])? } else { tensor.shallow_clone() };
-                on_comm_device(data.as_ref(), self.device(), &t, |c, t| c.all_gather(t))?
+                let (t, home) = to_comm_device(data.as_ref(), self.device(), &t)?;
+                back(data.all_gather(&t)?, home)?
             }
         };
         if self.inner.state.end_of_dataloader() {
@@ -77,10 +83,9 @@ impl Accelerator {
             return Ok(out);
         }
         let everyone = self.inner.mesh.everyone();
-        on_comm_device(everyone.as_ref(), self.device(), &out, |c, t| {
-            c.all_reduce(t, op)?;
-            Ok(t.shallow_clone())
-        })
+        let (t, home) = to_comm_device(everyone.as_ref(), self.device(), &out)?;
+        everyone.all_reduce(&t, op)?;
+        back(t, home)
     }
 
     /// Rank `from`'s `tensor` on every process (a new tensor).
@@ -92,10 +97,9 @@ impl Accelerator {
             return Ok(out);
         }
         let everyone = self.inner.mesh.everyone();
-        on_comm_device(everyone.as_ref(), self.device(), &out, |c, t| {
-            c.broadcast(t, from)?;
-            Ok(t.shallow_clone())
-        })
+        let (t, home) = to_comm_device(everyone.as_ref(), self.device(), &out)?;
+        everyone.broadcast(&t, from)?;
+        back(t, home)
     }
 
     /// Pads `tensor` along `dim` to the largest size any process has, with `pad_value`, at
@@ -114,15 +118,9 @@ impl Accelerator {
         let size = tensor.size();
         let d = if dim < 0 { dim + size.len() as i64 } else { dim } as usize;
         let everyone = self.inner.mesh.everyone();
-        let len = on_comm_device(
-            everyone.as_ref(),
-            self.device(),
-            &Tensor::from_slice(&[size[d]]),
-            |c, t| {
-                c.all_reduce(t, ReduceOp::Max)?;
-                Ok(t.shallow_clone())
-            },
-        )?;
+        let (len, _) =
+            to_comm_device(everyone.as_ref(), self.device(), &Tensor::from_slice(&[size[d]]))?;
+        everyone.all_reduce(&len, ReduceOp::Max)?;
         let max = len.int64_value(&[0]);
         if max == size[d] {
             return Ok(tensor.shallow_clone());
@@ -181,5 +179,50 @@ mod tests {
         assert_eq!(split_between(&items, 2, 3, false), [5, 6]);
         assert_eq!(split_between(&items, 2, 3, true), [5, 6, 6]);
         assert_eq!(split_between(&items, 0, 1, false), items);
+    }
+
+    /// The sequence check names the user's line for each helper, not one inside accel.
+    #[test]
+    fn the_sequence_check_records_the_callers_line_of_each_helper() {
+        use crate::comm::tests::on_ranks;
+        use crate::config::{Config, Strategy};
+        use crate::mesh::{DeviceMesh, ParallelDims};
+        use crate::topology::Topology;
+
+        let results = on_ranks(2, std::time::Duration::from_secs(20), |group| {
+            let rank = group.rank();
+            let process = Topology {
+                rank,
+                world_size: 2,
+                local_rank: rank,
+                local_world_size: 2,
+                master_addr: "127.0.0.1".into(),
+                master_port: 0,
+                source: "test",
+            };
+            let config = Config { strategy: Strategy::Ddp, ..Config::default() };
+            let dims = ParallelDims::for_run(&config, &process).unwrap();
+            let mesh = DeviceMesh::from_parts(dims, rank, Some(group.clone()), []);
+            let acc = Accelerator::builder()
+                .strategy(Strategy::Ddp)
+                .cpu(true)
+                .thread_rank(process, mesh)
+                .build()
+                .unwrap();
+            let t = Tensor::ones([3], (tch::Kind::Float, Device::Cpu));
+            let first = line!() + 1;
+            let _ = acc.reduce(&t, ReduceOp::Sum).unwrap();
+            let _ = acc.broadcast(&t, 0).unwrap();
+            let _ = acc.gather(&t).unwrap();
+            let _ = acc.pad_across_processes(&t, 0, 0.0, false).unwrap();
+            let sites = group.ledger().unwrap().sites();
+            (first, sites[sites.len() - 4..].to_vec())
+        });
+        for (first, sites) in results {
+            let expected: Vec<String> = (first..first + 4)
+                .map(|line| format!("src/accelerator/collectives.rs:{line}"))
+                .collect();
+            assert_eq!(sites, expected);
+        }
     }
 }

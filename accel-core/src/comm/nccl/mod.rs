@@ -59,11 +59,6 @@ pub fn timeout_from_env() -> Result<Duration> {
     }
 }
 
-/// Where NCCL is looked for: `NCCL_LIBRARY`, else the copy in the torch wheel.
-pub fn library_path() -> PathBuf {
-    crate::cuda::nccl_library_path()
-}
-
 /// An NCCL communicator over the members of a cpu [`ProcessGroup`], one GPU per process.
 pub struct NcclComm {
     handle: Arc<Handle>,
@@ -96,7 +91,7 @@ impl NcclComm {
     /// GPU): rank 0 makes the unique id, the group carries it. Every member must call this.
     pub fn new(group: &ProcessGroup, device: Device) -> Result<Self> {
         let index = Self::cuda_index(device)?;
-        let nccl = Nccl::load(&library_path())?;
+        let nccl = Nccl::load(&crate::cuda::nccl_library_path())?;
         crate::shim::set_cuda_device(index)?;
         let mut id = UniqueId { internal: [0; ffi::UNIQUE_ID_BYTES] };
         if group.rank() == 0 {
@@ -210,11 +205,6 @@ impl NcclComm {
         (self.handle.nccl.path.clone(), ffi::version_string(self.handle.nccl.version))
     }
 
-    /// Operations enqueued and not yet seen complete by the watchdog.
-    pub fn in_flight(&self) -> usize {
-        self.watchdog.in_flight()
-    }
-
     fn check_tensor(&self, t: &Tensor) -> Result<()> {
         if t.device() != Device::Cuda(self.device_index) {
             return Err(Error::Training(format!(
@@ -229,11 +219,13 @@ impl NcclComm {
     /// Enqueues one operation on the communication stream after the current stream's work,
     /// and returns its event as the work. `tensors` are what it reads and writes (the first
     /// one names it in messages); `call` is the NCCL function, for errors. Collectives are
-    /// numbered and noted in the ledger; point-to-point transfers (`op` SendRecv) are not.
-    #[track_caller]
+    /// numbered and noted in the ledger with `site`, the caller of the trait method (taken
+    /// there: `#[track_caller]` does not reach through the closures in between);
+    /// point-to-point transfers (`op` SendRecv) are not.
     fn enqueue(
         &self,
         op: Op,
+        site: &'static Location<'static>,
         tensors: &[&Tensor],
         call: &str,
         launch: impl FnOnce(&'static Nccl, RawComm, RawStream) -> c_int,
@@ -254,7 +246,7 @@ impl NcclComm {
         let collective = op != Op::SendRecv;
         let (seq, epoch) = if collective {
             let seq = self.seq.fetch_add(1, Ordering::SeqCst);
-            (seq, self.ledger.record(seq, op, &what, Location::caller()))
+            (seq, self.ledger.record(seq, op, &what, site))
         } else {
             (self.p2p_seq.fetch_add(1, Ordering::SeqCst), 0)
         };
@@ -302,7 +294,6 @@ impl NcclComm {
 
     /// For in-place operations on a non-contiguous tensor: works on a contiguous copy and
     /// writes the result back when waited for.
-    #[track_caller]
     fn in_place(&self, tensor: &Tensor, run: impl FnOnce(&Tensor) -> Result<Work>) -> Result<Work> {
         if tensor.is_contiguous() {
             return run(tensor);
@@ -311,10 +302,6 @@ impl NcclComm {
         let inner = run(&worked)?;
         Ok(Work::from_handle(Box::new(CopyBack { inner, target: tensor.shallow_clone(), worked })))
     }
-}
-
-fn count_of(t: &Tensor) -> usize {
-    t.numel()
 }
 
 /// # Safety
@@ -339,43 +326,61 @@ impl Communicator for NcclComm {
 
     #[track_caller]
     fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
+        let site = Location::caller();
         let dtype = ffi::data_type(tensor.kind(), self.handle.nccl.version)?;
         let red = ffi::reduction(op, tensor.kind())?;
         self.in_place(tensor, |t| {
             // SAFETY: in-place on a live contiguous tensor of `numel` elements.
-            self.enqueue(Op::AllReduce(op), &[t], "ncclAllReduce", |nccl, comm, stream| unsafe {
-                (nccl.all_reduce)(t.data_ptr(), t.data_ptr(), count_of(t), dtype, red, comm, stream)
-            })
+            self.enqueue(
+                Op::AllReduce(op),
+                site,
+                &[t],
+                "ncclAllReduce",
+                |nccl, comm, stream| unsafe {
+                    (nccl.all_reduce)(
+                        t.data_ptr(),
+                        t.data_ptr(),
+                        t.numel(),
+                        dtype,
+                        red,
+                        comm,
+                        stream,
+                    )
+                },
+            )
         })
     }
 
     #[track_caller]
     fn broadcast_async(&self, tensor: &Tensor, root: usize) -> Result<Work> {
+        let site = Location::caller();
         check_rank(root, self.size())?;
         let dtype = ffi::data_type(tensor.kind(), self.handle.nccl.version)?;
         let root = root as c_int;
         self.in_place(tensor, |t| {
             // SAFETY: as in all_reduce_async.
-            self.enqueue(Op::Broadcast, &[t], "ncclBroadcast", |nccl, comm, stream| unsafe {
-                (nccl.broadcast)(t.data_ptr(), t.data_ptr(), count_of(t), dtype, root, comm, stream)
+            self.enqueue(Op::Broadcast, site, &[t], "ncclBroadcast", |nccl, comm, stream| unsafe {
+                (nccl.broadcast)(t.data_ptr(), t.data_ptr(), t.numel(), dtype, root, comm, stream)
             })
         })
     }
 
     #[track_caller]
     fn all_gather_in_place_async(&self, buffer: &Tensor) -> Result<Work> {
+        let site = Location::caller();
         let k = in_place_share(buffer, self.size(), "all_gather")?;
         let dtype = ffi::data_type(buffer.kind(), self.handle.nccl.version)?;
         let rank = self.rank();
         // SAFETY: NCCL's in-place all-gather: sendbuff = recvbuff + rank·k, inside `buffer`
         // (size·k elements, contiguous, checked).
-        self.enqueue(Op::AllGather, &[buffer], "ncclAllGather", |nccl, comm, stream| unsafe {
+        self.enqueue(Op::AllGather, site, &[buffer], "ncclAllGather", |nccl, comm, stream| unsafe {
             (nccl.all_gather)(at(buffer, rank * k), buffer.data_ptr(), k, dtype, comm, stream)
         })
     }
 
     #[track_caller]
     fn reduce_scatter_in_place_async(&self, buffer: &Tensor, op: ReduceOp) -> Result<Work> {
+        let site = Location::caller();
         let k = in_place_share(buffer, self.size(), "reduce_scatter")?;
         let dtype = ffi::data_type(buffer.kind(), self.handle.nccl.version)?;
         let red = ffi::reduction(op, buffer.kind())?;
@@ -383,7 +388,7 @@ impl Communicator for NcclComm {
         let op_ = Op::ReduceScatter(op);
         // SAFETY: NCCL's in-place reduce-scatter: recvbuff = sendbuff + rank·k, inside
         // `buffer` (size·k elements, contiguous, checked).
-        self.enqueue(op_, &[buffer], "ncclReduceScatter", |nccl, comm, stream| unsafe {
+        self.enqueue(op_, site, &[buffer], "ncclReduceScatter", |nccl, comm, stream| unsafe {
             (nccl.reduce_scatter)(
                 buffer.data_ptr(),
                 at(buffer, rank * k),
@@ -398,23 +403,25 @@ impl Communicator for NcclComm {
 
     #[track_caller]
     fn send_async(&self, tensor: &Tensor, to: usize) -> Result<Work> {
+        let site = Location::caller();
         check_rank(to, self.size())?;
         let t = tensor.f_contiguous()?;
         let dtype = ffi::data_type(t.kind(), self.handle.nccl.version)?;
         // SAFETY: a live contiguous tensor of `numel` elements, read by NCCL.
-        self.enqueue(Op::SendRecv, &[&t], "ncclSend", |nccl, comm, stream| unsafe {
-            (nccl.send)(t.data_ptr(), count_of(&t), dtype, to as c_int, comm, stream)
+        self.enqueue(Op::SendRecv, site, &[&t], "ncclSend", |nccl, comm, stream| unsafe {
+            (nccl.send)(t.data_ptr(), t.numel(), dtype, to as c_int, comm, stream)
         })
     }
 
     #[track_caller]
     fn recv_async(&self, tensor: &Tensor, from: usize) -> Result<Work> {
+        let site = Location::caller();
         check_rank(from, self.size())?;
         let dtype = ffi::data_type(tensor.kind(), self.handle.nccl.version)?;
         self.in_place(tensor, |t| {
             // SAFETY: a live contiguous tensor of `numel` elements, written by NCCL.
-            self.enqueue(Op::SendRecv, &[t], "ncclRecv", |nccl, comm, stream| unsafe {
-                (nccl.recv)(t.data_ptr(), count_of(t), dtype, from as c_int, comm, stream)
+            self.enqueue(Op::SendRecv, site, &[t], "ncclRecv", |nccl, comm, stream| unsafe {
+                (nccl.recv)(t.data_ptr(), t.numel(), dtype, from as c_int, comm, stream)
             })
         })
     }
@@ -429,13 +436,14 @@ impl Communicator for NcclComm {
         recv: &Tensor,
         from: usize,
     ) -> Result<Work> {
+        let site = Location::caller();
         check_rank(to, self.size())?;
         check_rank(from, self.size())?;
         let out = send.f_contiguous()?;
         let send_type = ffi::data_type(out.kind(), self.handle.nccl.version)?;
         let recv_type = ffi::data_type(recv.kind(), self.handle.nccl.version)?;
         self.in_place(recv, |into| {
-            self.enqueue(Op::SendRecv, &[into, &out], "ncclGroupEnd", |nccl, comm, stream| {
+            self.enqueue(Op::SendRecv, site, &[into, &out], "ncclGroupEnd", |nccl, comm, stream| {
                 // SAFETY: live contiguous tensors; NCCL groups the two calls and launches them
                 // at ncclGroupEnd, whose status is returned.
                 unsafe {
@@ -445,7 +453,7 @@ impl Communicator for NcclComm {
                     }
                     let sent = (nccl.send)(
                         out.data_ptr(),
-                        count_of(&out),
+                        out.numel(),
                         send_type,
                         to as c_int,
                         comm,
@@ -453,7 +461,7 @@ impl Communicator for NcclComm {
                     );
                     let received = (nccl.recv)(
                         into.data_ptr(),
-                        count_of(into),
+                        into.numel(),
                         recv_type,
                         from as c_int,
                         comm,

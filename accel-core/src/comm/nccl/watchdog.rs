@@ -125,7 +125,8 @@ impl Watchdog {
         }
     }
 
-    /// Operations not yet seen complete.
+    /// Operations not yet seen complete (tests).
+    #[cfg(test)]
     pub fn in_flight(&self) -> usize {
         self.shared.pending.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
