@@ -1,7 +1,10 @@
 //! A user's own crate, outside this workspace, set up as the README says — its dependency
 //! lines, then `accel setup`, which finds the libtorch, writes `.cargo/config.toml` and the
 //! one-line build script — builds with a plain `cargo build`, and links libtorch so that
-//! it runs without LD_LIBRARY_PATH and keeps libtorch_cuda loaded.
+//! it runs without LD_LIBRARY_PATH and keeps libtorch_cuda loaded. tch_examples.rs builds
+//! tch-rs's own examples the same way.
+
+mod tch_examples;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -41,55 +44,68 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
-#[test]
-fn a_crate_outside_the_workspace_is_set_up_by_accel_setup_and_runs_without_ld_library_path() {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("user-crate");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.join("src")).unwrap();
-    let accel_core = root().join("accel-core");
-    std::fs::write(
-        dir.join("Cargo.toml"),
-        MANIFEST.replace("ACCEL_CORE", accel_core.to_str().unwrap()),
-    )
-    .unwrap();
-    std::fs::write(dir.join("src/main.rs"), MAIN_RS).unwrap();
-    // Same versions as the workspace, and no network.
-    std::fs::copy(root().join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
+/// The folder every user crate of these tests builds into (shared, so that tch and
+/// accel-core are compiled once for all of them).
+fn shared_target() -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR")).join("user-crates-target")
+}
 
-    // `accel setup`, as a user runs the installed binary: no LIBTORCH anywhere; the torch
-    // of the Python named.
-    let built = Command::new(env!("CARGO"))
-        .current_dir(root())
-        .args(["build", "--quiet", "-p", "accel-core", "--bin", "accel"])
-        .status()
-        .unwrap();
-    assert!(built.success());
+/// `accel setup` in `dir`, as a user runs the installed binary: no LIBTORCH anywhere; the
+/// torch of the Python named. Returns what it printed.
+fn accel_setup(dir: &Path) -> String {
     let python = std::env::var_os("ACCEL_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join(".venv/bin/python"));
     let setup = Command::new(build_dir().join("accel"))
-        .current_dir(&dir)
+        .current_dir(dir)
         .arg("setup")
         .arg("--python")
         .arg(&python)
         .env_remove("LIBTORCH")
         .output()
         .unwrap();
-    let said = String::from_utf8_lossy(&setup.stdout);
+    let said = String::from_utf8_lossy(&setup.stdout).into_owned();
     assert!(setup.status.success(), "{said}{}", String::from_utf8_lossy(&setup.stderr));
+    said
+}
+
+/// A user's crate named `name` in a fresh folder, with accel-core, tch and `extra`
+/// dependency lines, the workspace's lock file (same versions, no network) and `accel
+/// setup` run in it. Returns the folder, the target folder to build into, and what `accel
+/// setup` said.
+fn set_up_crate(name: &str, extra: &[&str]) -> (PathBuf, PathBuf, String) {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("src")).unwrap();
+    let accel_core = root().join("accel-core");
+    let mut manifest = MANIFEST.replace("ACCEL_CORE", accel_core.to_str().unwrap());
+    manifest = manifest.replace("name = \"user-crate\"", &format!("name = \"{name}\""));
+    manifest = manifest.replace(
+        "[dependencies]\n",
+        &format!("[dependencies]\n{}", extra.iter().map(|l| format!("{l}\n")).collect::<String>()),
+    );
+    std::fs::write(dir.join("Cargo.toml"), manifest).unwrap();
+    std::fs::copy(root().join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
+    let built = Command::new(env!("CARGO"))
+        .current_dir(root())
+        .args(["build", "--quiet", "-p", "accel-core", "--bin", "accel"])
+        .status()
+        .unwrap();
+    assert!(built.success());
+    let said = accel_setup(&dir);
+    (dir, shared_target(), said)
+}
+
+#[test]
+fn a_crate_outside_the_workspace_is_set_up_by_accel_setup_and_runs_without_ld_library_path() {
+    let (dir, target, said) = set_up_crate("user-crate", &[]);
+    std::fs::write(dir.join("src/main.rs"), MAIN_RS).unwrap();
     assert!(said.contains("found torch 2.11.0"), "{said}");
     assert_eq!(std::fs::read_to_string(dir.join("build.rs")).unwrap(), BUILD_RS);
     let config = std::fs::read_to_string(dir.join(".cargo/config.toml")).unwrap();
     assert!(config.contains("[env]") && config.contains("LIBTORCH = "), "{config}");
     // Run again: nothing changes, and it says so.
-    let again = Command::new(build_dir().join("accel"))
-        .current_dir(&dir)
-        .args(["setup", "--python"])
-        .arg(&python)
-        .env_remove("LIBTORCH")
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&again.stdout);
+    let said = accel_setup(&dir);
     assert!(said.contains("already sets LIBTORCH") && said.contains("already passes"), "{said}");
 
     let lib_dir = accel_core::cuda::libtorch_lib_dir();
@@ -97,13 +113,13 @@ fn a_crate_outside_the_workspace_is_set_up_by_accel_setup_and_runs_without_ld_li
         .current_dir(&dir)
         .args(["build", "--offline", "--quiet"])
         .env_remove("LIBTORCH")
-        .env("CARGO_TARGET_DIR", dir.join("target"))
+        .env("CARGO_TARGET_DIR", &target)
         .env_remove("RUSTFLAGS")
         .status()
         .unwrap();
     assert!(status.success(), "the user crate did not build");
 
-    let binary = dir.join("target/debug/user-crate");
+    let binary = target.join("debug/user-crate");
     let output = Command::new(&binary).env_remove("LD_LIBRARY_PATH").output().unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));

@@ -1,5 +1,6 @@
 //! The named choices of accel's configuration: [`Strategy`], [`Precision`], fp8's
-//! [`Fp8Recipe`] and FSDP's [`Sharding`]. One definition serves the runtime (accel-core re-exports these enums) and
+//! [`Fp8Recipe`], FSDP's [`Sharding`] and
+//! [`DataSharding`]. One definition serves the runtime (accel-core re-exports these enums) and
 //! the `#[accelerate]` attribute (accel-macros parses its arguments into them), so the
 //! attribute accepts exactly what the runtime runs.
 
@@ -156,11 +157,30 @@ choices!(
     "hybrid_shard" => HybridShard,
 );
 
+choices!(
+    /// Where each process's batches come from (`#[accelerate(data = ..)]`).
+    DataSharding, "data sharding", "data shardings",
+    /// The accelerator deals the batches: the attribute prepares the iterable of each
+    /// training loop, and with several processes a step on batches that did not come
+    /// through a prepared iterator or loader is an error.
+    "prepared" => Prepared,
+    /// The program gives each process its own part of the data itself: nothing is dealt
+    /// and nothing checks it (autocast and accumulation still apply).
+    "manual" => Manual,
+);
+
 // Written out: the enums come from a macro shared with `Sharding`, which has no default.
 #[allow(clippy::derivable_impls)]
 impl Default for Strategy {
     fn default() -> Self {
         Strategy::Single
+    }
+}
+
+#[allow(clippy::derivable_impls)]
+impl Default for DataSharding {
+    fn default() -> Self {
+        DataSharding::Prepared
     }
 }
 

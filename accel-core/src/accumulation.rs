@@ -30,6 +30,11 @@ struct Inner {
     /// While a prepared data source's batch is being worked on: the backward passes run on
     /// it so far (`None` outside prepared data, where each backward is a micro-step).
     backwards_on_batch: Option<u32>,
+    /// A micro-step of the current accumulation window ran on batches no prepared data
+    /// source handed out.
+    undealt_in_window: bool,
+    /// An autocast region was entered since the last optimizer step.
+    autocast_since_step: bool,
 }
 
 /// Shared by every handle of one accelerator.
@@ -87,6 +92,11 @@ impl GradientState {
             }
         }
         s.counters.micro_steps_total += 1;
+        // The previous micro-step closed a window: this one opens the next.
+        if s.sync_gradients {
+            s.undealt_in_window = false;
+        }
+        s.undealt_in_window |= s.backwards_on_batch.is_none();
         if s.end_of_dataloader {
             s.counters.micro_step = 0;
             s.sync_gradients = true;
@@ -99,6 +109,22 @@ impl GradientState {
 
     pub(crate) fn sync_gradients(&self) -> bool {
         self.lock().sync_gradients
+    }
+
+    /// Whether a micro-step of the current window ran on batches that no prepared data
+    /// source handed out.
+    pub(crate) fn window_had_undealt_batches(&self) -> bool {
+        self.lock().undealt_in_window
+    }
+
+    /// An autocast region was entered.
+    pub(crate) fn note_autocast(&self) {
+        self.lock().autocast_since_step = true;
+    }
+
+    /// Whether an autocast region was entered since the last optimizer step.
+    pub(crate) fn autocast_since_step(&self) -> bool {
+        self.lock().autocast_since_step
     }
 
     pub(crate) fn set_end_of_dataloader(&self, end: bool) {
@@ -119,6 +145,7 @@ impl GradientState {
 
     pub(crate) fn record_optimizer_step(&self, skipped: bool) {
         let mut s = self.lock();
+        s.autocast_since_step = false;
         if skipped {
             s.counters.skipped_steps += 1;
         } else {

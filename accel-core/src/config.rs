@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-pub use accel_choices::{Fp8Recipe, Precision, Sharding, Strategy, UnknownChoice};
+pub use accel_choices::{DataSharding, Fp8Recipe, Precision, Sharding, Strategy, UnknownChoice};
 
 pub use accel_choices::closest;
 

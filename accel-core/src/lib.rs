@@ -22,6 +22,7 @@ mod error;
 mod fault;
 pub mod launch;
 pub mod mesh;
+pub mod nn;
 pub mod optim;
 pub mod precision;
 pub mod profile;
@@ -34,10 +35,10 @@ pub use accel_macros::{ToDevice, accelerate};
 pub use accelerator::{
     AcceleratedOptimizer, Accelerator, AcceleratorBuilder, AdoptOptimizer, DataPosition,
     DriveOptimizer, Driven, ExitGuard, ForwardGuard, IntoAccelOptimizer, PreparedBatches,
-    PreparedIter, PreparedLoader, StepCounters, current, split_between,
+    PreparedIter, PreparedLoader, StepCounters, StepGuard, current, split_between,
 };
 pub use checkpoint::merge_weights;
-pub use config::{Config, Fp8Recipe, Precision, Strategy};
+pub use config::{Config, DataSharding, Fp8Recipe, Precision, Strategy};
 pub use device::ToDevice;
 pub use error::{Error, Result};
 pub use strategy::fsdp::{ShardOptions, Unit};
@@ -57,5 +58,5 @@ pub mod __private {
 /// Everything `#[accelerate]` generated code needs, under one stable path.
 #[doc(hidden)]
 pub mod __macro_support {
-    pub use crate::{Accelerator, Fp8Recipe, Precision, Strategy};
+    pub use crate::{Accelerator, DataSharding, Fp8Recipe, Precision, Strategy};
 }

@@ -23,6 +23,7 @@ fn train(data: &Digits, epochs: usize) -> Result<f64> {
         .accumulate(1u32)
         .seed(0u64)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<f64> = (|| {
@@ -37,12 +38,11 @@ fn train(data: &Digits, epochs: usize) -> Result<f64> {
                     tch::data::Iter2::new(&data.train_x, &data.train_y, 32).shuffle(),
                 )
             {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = net
                     .forward_t(&x.to_device(device), true)
                     .cross_entropy_for_logits(&y.to_device(device));
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
             }

@@ -21,6 +21,7 @@ fn train(
         .accumulate(2u32)
         .seed(0u64)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<f64> = (|| {
@@ -37,18 +38,17 @@ fn train(
             for (xb, yb) in accelerator
                 .prepare_iter(tch::data::Iter2::new(x, y, batch_size))
             {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let logits = net.forward(&xb.to_device(device));
                 let loss = logits.cross_entropy_for_logits(&yb.to_device(device));
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
                 last = loss.double_value(&[]);
             }
         }
         if !out.is_empty() && std::env::var("RANK").map_or(true, |r| r == "0") {
-            vs.save(out)?;
+            accelerator.save_varstore(&vs, out)?;
         }
         Ok(last)
     })();

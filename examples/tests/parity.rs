@@ -913,3 +913,134 @@ fn fp8_linear_equals_torchao_bit_for_bit() {
         }
     }
 }
+
+/// W and D for the batch-norm runs (`--model mlp|conv`, `n` samples), made by
+/// python/reference/batchnorm_accelerate.py.
+fn make_batchnorm_files(dir: &Path, model: &str, n: usize) -> (PathBuf, PathBuf) {
+    let (w, d) =
+        (dir.join(format!("W-{model}.safetensors")), dir.join(format!("D-{model}.safetensors")));
+    let made = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("python/reference/batchnorm_accelerate.py"))
+        .args(["make", "--model", model, "--n", &n.to_string()])
+        .arg("--init")
+        .arg(&w)
+        .arg("--data")
+        .arg(&d)
+        .status()
+        .unwrap();
+    assert!(made.success(), "batchnorm_accelerate.py make failed");
+    (w, d)
+}
+
+/// PyTorch + Accelerate on `n` processes: rank 0's variables.
+fn batchnorm_reference(
+    dir: &Path,
+    tag: &str,
+    n: usize,
+    args: &[String],
+) -> BTreeMap<String, Vec<f32>> {
+    let out = dir.join(format!("py-{tag}.safetensors"));
+    let port = accel_core::comm::free_port("127.0.0.1").unwrap();
+    let output = Command::new(root().join(".venv/bin/torchrun"))
+        .args([format!("--nproc-per-node={n}"), format!("--master-port={port}")])
+        .arg(root().join("python/reference/batchnorm_accelerate.py"))
+        .args(args)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "Accelerate run {tag} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    read_weights(&out)
+}
+
+/// accel's batchnorm example on 2 processes: each rank's variables.
+fn batchnorm_accel(dir: &Path, tag: &str, args: &[String]) -> Vec<BTreeMap<String, Vec<f32>>> {
+    let out = dir.join(format!("rs-{tag}"));
+    let mut program = vec![example("batchnorm")];
+    program.extend(args.iter().cloned());
+    program.extend(["--out-dir".into(), out.display().to_string()]);
+    launch(2, program);
+    (0..2).map(|r| read_weights(&out.join(format!("rank{r}.safetensors")))).collect()
+}
+
+fn max_difference(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> (f32, String) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "variable names");
+    let mut worst = (0.0f32, String::new());
+    for (name, x) in a {
+        let diff = x.iter().zip(&b[name]).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
+        if diff > worst.0 {
+            worst = (diff, name.clone());
+        }
+    }
+    worst
+}
+
+/// Batch norm under DDP and zero3 on 2 processes against PyTorch + Accelerate's DDP on the
+/// same weights and data, every variable compared on both ranks — running statistics
+/// included (torch broadcasts rank 0's buffers; accel keeps every rank's equal to rank 0's).
+/// With `--sync-batchnorm`, against one process with both processes' batches together
+/// (what torch's SyncBatchNorm computes; it has no CPU kernels to run here). Without buffer
+/// broadcasting the ranks' running statistics must differ, or this test could not fail.
+#[test]
+fn batch_norm_matches_accelerate_on_every_variable_including_running_statistics() {
+    let dir = scratch("batchnorm");
+    for model in ["mlp", "conv"] {
+        let (w, d) = make_batchnorm_files(&dir, model, 48);
+        let files = |batch: usize| -> Vec<String> {
+            [
+                "--model",
+                model,
+                "--init",
+                w.to_str().unwrap(),
+                "--data",
+                d.to_str().unwrap(),
+                "--batch-size",
+                &batch.to_string(),
+                "--accumulate",
+                "2",
+                "--epochs",
+                "2",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
+        };
+        let torch = batchnorm_reference(&dir, &format!("{model}-ddp"), 2, &files(8));
+        assert!(torch.contains_key("bn1.running_mean") && torch.contains_key("bn1.running_var"));
+        for strategy in ["ddp", "zero3"] {
+            let mut args = files(8);
+            args.extend(["--strategy".into(), strategy.into()]);
+            let ranks = batchnorm_accel(&dir, &format!("{model}-{strategy}"), &args);
+            for (rank, ours) in ranks.iter().enumerate() {
+                let (diff, name) = max_difference(&torch, ours);
+                assert!(
+                    diff <= 1e-6,
+                    "{model} {strategy}: rank {rank}'s {name} differs from Accelerate's by {diff}"
+                );
+            }
+        }
+        let single = batchnorm_reference(&dir, &format!("{model}-one"), 1, &files(16));
+        let mut args = files(8);
+        args.push("--sync-batchnorm".into());
+        let ranks = batchnorm_accel(&dir, &format!("{model}-sync"), &args);
+        for (rank, ours) in ranks.iter().enumerate() {
+            let (diff, name) = max_difference(&single, ours);
+            assert!(
+                diff <= 1e-5,
+                "{model} sync: rank {rank}'s {name} differs from one process's by {diff}"
+            );
+        }
+        let mut args = files(8);
+        args.push("--no-broadcast-buffers".into());
+        let ranks = batchnorm_accel(&dir, &format!("{model}-local"), &args);
+        let (diff, name) = max_difference(&ranks[0], &ranks[1]);
+        assert!(
+            diff > 1e-4 && name.contains("running"),
+            "{model}: without buffer broadcasting the ranks' statistics should differ ({name}: {diff})"
+        );
+    }
+}

@@ -10,11 +10,11 @@ use tch::nn::{Linear, Module, OptimizerConfig, LSTM, RNN};
 use tch::{nn, Device, Kind, Tensor};
 
 const LEARNING_RATE: f64 = 0.01;
-const HIDDEN_SIZE: i64 = 256;
-const SEQ_LEN: i64 = 180;
-const BATCH_SIZE: i64 = 256;
-const EPOCHS: i64 = 100;
-const SAMPLING_LEN: i64 = 1024;
+const HIDDEN_SIZE: i64 = 32;
+const SEQ_LEN: i64 = 32;
+const BATCH_SIZE: i64 = 16;
+const EPOCHS: i64 = 1;
+const SAMPLING_LEN: i64 = 16;
 
 /// Generates some sample string using the LSTM + Linear model.
 fn sample(data: &TextData, lstm: &LSTM, linear: &Linear, device: Device) -> String {
@@ -37,6 +37,7 @@ fn sample(data: &TextData, lstm: &LSTM, linear: &Linear, device: Device) -> Stri
     result
 }
 
+#[accel_core::accelerate(strategy = "zero2", accumulate = 2)]
 pub fn main() -> Result<()> {
     let device = Device::cuda_if_available();
     let vs = nn::VarStore::new(device);

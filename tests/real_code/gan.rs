@@ -9,7 +9,7 @@ const IMG_SIZE: i64 = 64;
 const LATENT_DIM: i64 = 128;
 const BATCH_SIZE: i64 = 32;
 const LEARNING_RATE: f64 = 1e-4;
-const BATCHES: i64 = 100000000;
+const BATCHES: i64 = 10;
 
 fn tr2d(p: nn::Path, c_in: i64, c_out: i64, padding: i64, stride: i64) -> nn::ConvTranspose2D {
     let cfg = nn::ConvTransposeConfig { stride, padding, bias: false, ..Default::default() };
@@ -74,6 +74,7 @@ fn image_matrix(imgs: &Tensor, sz: i64) -> Result<Tensor> {
     Ok(Tensor::cat(&ys, 3).squeeze_dim(0))
 }
 
+#[accel_core::accelerate(strategy = "ddp")]
 pub fn main() -> Result<()> {
     let device = Device::cuda_if_available();
     let args: Vec<_> = std::env::args().collect();

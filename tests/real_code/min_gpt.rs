@@ -10,10 +10,10 @@ use tch::nn::{ModuleT, OptimizerConfig};
 use tch::{nn, Device, IndexOp, Kind, Tensor};
 
 const LEARNING_RATE: f64 = 0.0003;
-const BLOCK_SIZE: i64 = 128;
-const BATCH_SIZE: i64 = 64;
-const EPOCHS: i64 = 100;
-const SAMPLING_LEN: i64 = 4096;
+const BLOCK_SIZE: i64 = 32;
+const BATCH_SIZE: i64 = 8;
+const EPOCHS: i64 = 1;
+const SAMPLING_LEN: i64 = 16;
 
 #[derive(Debug, Copy, Clone)]
 struct Config {
@@ -137,6 +137,7 @@ fn sample(data: &TextData, gpt: &impl ModuleT, input: Tensor) -> String {
     result
 }
 
+#[accel_core::accelerate(strategy = "fsdp", precision = "bf16", accumulate = 4)]
 pub fn main() -> Result<()> {
     let device = Device::cuda_if_available();
     let mut vs = nn::VarStore::new(device);
@@ -145,9 +146,9 @@ pub fn main() -> Result<()> {
     println!("Dataset loaded, {labels} labels.");
     let cfg = Config {
         vocab_size: labels,
-        n_embd: 512,
-        n_head: 8,
-        n_layer: 8,
+        n_embd: 32,
+        n_head: 4,
+        n_layer: 2,
         block_size: BLOCK_SIZE,
         attn_pdrop: 0.1,
         resid_pdrop: 0.1,
@@ -178,7 +179,7 @@ pub fn main() -> Result<()> {
                     sum_loss += f64::try_from(loss)?;
                     cnt_loss += 1.0;
                     idx += 1;
-                    if idx % 10000 == 0 {
+                    if idx % 10 == 0 {
                         println!("Epoch: {}   loss: {:5.3}", epoch, sum_loss / cnt_loss);
                         let input = Tensor::zeros([1, BLOCK_SIZE], (Kind::Int64, device));
                         println!("Sample: {}", sample(&data, &gpt, input));

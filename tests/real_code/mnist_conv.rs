@@ -36,12 +36,13 @@ impl nn::ModuleT for Net {
     }
 }
 
+#[accel_core::accelerate(strategy = "ddp", precision = "bf16")]
 pub fn run() -> Result<()> {
     let m = tch::vision::mnist::load_dir("data")?;
     let vs = nn::VarStore::new(Device::cuda_if_available());
     let net = Net::new(&vs.root());
     let mut opt = nn::Adam::default().build(&vs, 1e-4)?;
-    for epoch in 1..100 {
+    for epoch in 1..3 {
         for (bimages, blabels) in m.train_iter(256).shuffle().to_device(vs.device()) {
             let loss = net.forward_t(&bimages, true).cross_entropy_for_logits(&blabels);
             opt.backward_step(&loss);

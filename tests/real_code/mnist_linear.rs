@@ -6,6 +6,7 @@ use tch::{kind, no_grad, vision, Kind, Tensor};
 const IMAGE_DIM: i64 = 784;
 const LABELS: i64 = 10;
 
+#[accel_core::accelerate(strategy = "ddp")]
 pub fn run() -> Result<()> {
     let m = vision::mnist::load_dir("data")?;
     println!("train-images: {:?}", m.train_images.size());
@@ -14,7 +15,7 @@ pub fn run() -> Result<()> {
     println!("test-labels: {:?}", m.test_labels.size());
     let mut ws = Tensor::zeros([IMAGE_DIM, LABELS], kind::FLOAT_CPU).set_requires_grad(true);
     let mut bs = Tensor::zeros([LABELS], kind::FLOAT_CPU).set_requires_grad(true);
-    for epoch in 1..200 {
+    for epoch in 1..3 {
         let logits = m.train_images.mm(&ws) + &bs;
         let loss = logits.log_softmax(-1, Kind::Float).nll_loss(&m.train_labels);
         ws.zero_grad();

@@ -14,12 +14,13 @@ fn net(vs: &nn::Path) -> impl Module {
         .add(nn::linear(vs, HIDDEN_NODES, LABELS, Default::default()))
 }
 
+#[accel_core::accelerate(strategy = "ddp")]
 pub fn run() -> Result<()> {
     let m = tch::vision::mnist::load_dir("data")?;
     let vs = nn::VarStore::new(Device::Cpu);
     let net = net(&vs.root());
     let mut opt = nn::Adam::default().build(&vs, 1e-3)?;
-    for epoch in 1..200 {
+    for epoch in 1..3 {
         let loss = net.forward(&m.train_images).cross_entropy_for_logits(&m.train_labels);
         opt.backward_step(&loss);
         let test_accuracy = net.forward(&m.test_images).accuracy_for_logits(&m.test_labels);

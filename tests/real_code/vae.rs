@@ -70,13 +70,14 @@ fn image_matrix(imgs: &Tensor, sz: i64) -> Result<Tensor> {
     Ok(Tensor::cat(&ys, 3).squeeze_dim(0))
 }
 
+#[accel_core::accelerate(strategy = "zero1", precision = "fp16")]
 pub fn main() -> Result<()> {
     let device = tch::Device::cuda_if_available();
     let m = tch::vision::mnist::load_dir("data")?;
     let vs = nn::VarStore::new(device);
     let vae = Vae::new(&vs.root());
     let mut opt = nn::Adam::default().build(&vs, 1e-3)?;
-    for epoch in 1..21 {
+    for epoch in 1..3 {
         let mut train_loss = 0f64;
         let mut samples = 0f64;
         for (bimages, _) in m.train_iter(128).shuffle().to_device(vs.device()) {

@@ -12,6 +12,8 @@ pub const SAMPLES: i64 = 128;
 pub struct Data {
     pub batch_size: i64,
     pub epochs: usize,
+    /// Where the run writes (every process is given the same folder).
+    pub dir: std::path::PathBuf,
 }
 
 impl Data {
@@ -27,6 +29,19 @@ impl Data {
             })
             .collect()
     }
+}
+
+/// 6 → 16 → batch norm → 3, named `layers.0`, `norm` and `layers.1`: a model with buffers
+/// (the batch norm's running statistics). `norm` is made by `norm(path, 16)`.
+pub fn mlp_with_norm<N: nn::ModuleT + 'static>(
+    root: &nn::Path,
+    norm: impl FnOnce(nn::Path, i64) -> N,
+) -> nn::SequentialT {
+    nn::seq_t()
+        .add(nn::linear(root / "layers" / 0, 6, 16, Default::default()))
+        .add(norm(root / "norm", 16))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(root / "layers" / 1, 16, 3, Default::default()))
 }
 
 /// 6 → 16 → 3, named `layers.0` and `layers.1`.

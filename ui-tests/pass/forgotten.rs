@@ -30,6 +30,16 @@ pub fn run(name: &str, data: &Data) -> anyhow::Result<()> {
                 opt.step()?;
             }
         }
+        // Model and optimizer prepared, the batches taken as they are: every process
+        // would train on all of them.
+        "prepare_data" => {
+            acc.prepare_model(&vs)?;
+            let mut opt = acc.prepare_optimizer(AdamW::new(named_params(&vs), config)?);
+            for (x, y) in data.batches() {
+                acc.backward(&net.forward(&x).cross_entropy_for_logits(&y))?;
+                opt.step()?;
+            }
+        }
         // The model is prepared, the optimizer is stepped as it was built.
         "prepare_optimizer" => {
             acc.prepare_model(&vs)?;

@@ -23,6 +23,9 @@ shapes!(
     amsgrad_groups_and_setters,
     anyhow_result_varstore_by_ref,
     backward_inside_if,
+    batch_norm_buffers_agree,
+    blocks_labels_and_values,
+    closure_called_in_place,
     backward_step_clip,
     backward_step_mut_varstore,
     closure_optimizer_with_model_key,
@@ -32,12 +35,15 @@ shapes!(
     index_range_loop,
     iterator_argument_while_let,
     loop_let_else,
+    manual_data,
+    match_arm_with_varstore_save_and_load,
     method_with_varstore_field,
     nested_loops_inline_loss_accel_optimizer,
     optimizer_argument_with_model_key,
     optimizer_in_a_field_with_model_key,
     owned_varstore_box_error_while_let,
     reborrowed_varstore,
+    sync_batchnorm,
     teacher_and_student,
     tch_error_mut_varstore,
     try_inside_the_loop,
@@ -58,7 +64,8 @@ fn main() -> anyhow::Result<()> {
     }
     if let [forgotten, case] = args.as_slice() {
         anyhow::ensure!(forgotten == "forgotten", "usage: shapes forgotten CASE");
-        return forgotten::run(case, &common::Data { batch_size: 8, epochs: 2 });
+        let dir = std::env::temp_dir();
+        return forgotten::run(case, &common::Data { batch_size: 8, epochs: 2, dir });
     }
     let [name, batch, epochs, dir] = args.as_slice() else {
         anyhow::bail!("usage: shapes list | shapes NAME BATCH EPOCHS DIR");
@@ -68,10 +75,11 @@ fn main() -> anyhow::Result<()> {
         .find(|(n, _)| n == name)
         .ok_or_else(|| anyhow::anyhow!("no shape named {name}"))?;
     tch::manual_seed(0);
-    let data = common::Data { batch_size: batch.parse()?, epochs: epochs.parse()? };
+    std::fs::create_dir_all(dir)?;
+    let data =
+        common::Data { batch_size: batch.parse()?, epochs: epochs.parse()?, dir: dir.into() };
     let weights = shape(&data)?;
     let rank = accel_core::topology::Topology::from_env()?.rank;
-    std::fs::create_dir_all(dir)?;
     Tensor::write_safetensors(&weights, format!("{dir}/rank{rank}.safetensors"))?;
     Ok(())
 }

@@ -193,10 +193,40 @@ pub struct ExitGuard {
 }
 
 impl ExitGuard {
-    /// The success path: waits for every process to finish.
+    /// The success path: waits for every process to finish. With `ACCEL_FINAL_STATE_DIR`
+    /// set, every process first writes what it ends with (see
+    /// [`Accelerator::write_final_state`]).
     pub fn finish(mut self) -> Result<()> {
         self.armed = false;
+        if let Some(dir) = std::env::var_os(FINAL_STATE_ENV) {
+            self.accelerator.write_final_state(std::path::Path::new(&dir))?;
+        }
         self.accelerator.wait_for_everyone()
+    }
+}
+
+/// Names a folder where an `#[accelerate]` function's processes write their final state.
+pub const FINAL_STATE_ENV: &str = "ACCEL_FINAL_STATE_DIR";
+
+impl Accelerator {
+    /// Writes, for checking a run from outside, what this process ends with: every
+    /// prepared model's variables, whole (gathered where sharded: a collective), to
+    /// `dir/model{i}.rank{r}.safetensors`, and the step counters to
+    /// `dir/counters.rank{r}.json`. The successful end of an `#[accelerate]` function calls
+    /// it when `ACCEL_FINAL_STATE_DIR` names `dir` (tests/real_code.rs compares the ranks).
+    pub fn write_final_state(&self, dir: &std::path::Path) -> Result<()> {
+        let rank = self.process_index();
+        std::fs::create_dir_all(dir)
+            .map_err(|source| crate::Error::Io { path: dir.to_path_buf(), source })?;
+        let models = self.registry().models.clone();
+        for (i, params) in models.into_iter().enumerate() {
+            let whole = self.full_state_of(params)?;
+            let path = dir.join(format!("model{i}.rank{rank}.safetensors"));
+            tch::Tensor::write_safetensors(&whole, &path)?;
+        }
+        let path = dir.join(format!("counters.rank{rank}.json"));
+        let counters = serde_json::to_string(&self.counters()).expect("counters serialize");
+        std::fs::write(&path, counters).map_err(|source| crate::Error::Io { path, source })
     }
 }
 

@@ -34,6 +34,10 @@ pub struct AcceleratorBuilder {
     custom: Option<Arc<dyn crate::strategy::Strategy>>,
     log_with: Vec<crate::tracking::LogWith>,
     project_dir: Option<PathBuf>,
+    data: crate::config::DataSharding,
+    sync_batchnorm: bool,
+    /// Set by `#[accelerate]`: the data loops it prepared (the run's first line says it).
+    attribute_data_loops: Option<usize>,
     /// Tests driving ranks as threads: the topology and mesh to use instead of the
     /// environment's.
     #[cfg(test)]
@@ -79,6 +83,33 @@ impl AcceleratorBuilder {
     /// DDP settings (bucket size, unused parameters, gradient compression).
     pub fn ddp(mut self, options: DdpOptions) -> Self {
         self.ddp = options;
+        self
+    }
+    /// Who deals the data across processes: the accelerator (`Prepared`, the default: with
+    /// several processes, a step on batches that did not come through `prepare_loader` or
+    /// `prepare_iter` is an error) or the program (`Manual`: it gives each process its own
+    /// part; nothing is dealt or checked).
+    pub fn data(mut self, data: crate::config::DataSharding) -> Self {
+        self.data = data;
+        self
+    }
+    /// Whether DDP keeps every model's buffers (batch norm's running statistics) equal to
+    /// rank 0's (torch's `broadcast_buffers`, on by default). Sharded strategies always do.
+    pub fn broadcast_buffers(mut self, on: bool) -> Self {
+        self.ddp.broadcast_buffers = on;
+        self
+    }
+    /// Batch norm layers made by [`Accelerator::batch_norm2d`] (and 1d, 3d) compute their
+    /// statistics over the whole data-parallel group (torch's `SyncBatchNorm`); under
+    /// `#[accelerate(sync_batchnorm = true)]` the body's `nn::batch_norm*d` become them.
+    pub fn sync_batchnorm(mut self, on: bool) -> Self {
+        self.sync_batchnorm = on;
+        self
+    }
+    /// Set by `#[accelerate]`: how many data loops it prepared, for the run's first line.
+    #[doc(hidden)]
+    pub fn attribute_data_loops(mut self, loops: usize) -> Self {
+        self.attribute_data_loops = Some(loops);
         self
     }
     /// Distribution strategy.
@@ -321,8 +352,15 @@ impl AcceleratorBuilder {
                 }),
                 driven_unscaled: Mutex::new(Default::default()),
                 in_pipeline_step: Default::default(),
+                data: self.data,
+                sync_batchnorm: self.sync_batchnorm,
+                warned_autocast: Default::default(),
+                buffers: Mutex::new(Vec::new()),
             }),
         };
+        if accelerator.is_main_process() && !quiet() {
+            eprintln!("{}", accelerator.describe(self.attribute_data_loops));
+        }
         if given_mesh_absent {
             // Process-wide; a test's thread ranks leave it to the process.
             crate::optim::note_run(accelerator.process_index(), accelerator.num_processes());
@@ -333,6 +371,11 @@ impl AcceleratorBuilder {
         }
         Ok(accelerator)
     }
+}
+
+/// `ACCEL_QUIET=1` drops the run's first line (for programs that own their output).
+fn quiet() -> bool {
+    std::env::var("ACCEL_QUIET").is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false"))
 }
 
 fn default_device(config: &Config, process: &Topology) -> Device {

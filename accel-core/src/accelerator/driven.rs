@@ -261,6 +261,7 @@ impl<O: DriveOptimizer> Driven<'_, O> {
                 )));
             }
         }
+        let _no_autocast = crate::precision::suspend(acc.device())?;
         let params = self.optimizer.params();
         acc.unscale_driven(&params)?;
         let skipped = match &acc.inner.scaler {

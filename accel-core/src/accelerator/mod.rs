@@ -11,6 +11,7 @@ mod driven;
 mod layers;
 mod layout;
 mod optimizer;
+mod varstore;
 
 use std::fmt::Display;
 use std::path::{Path, PathBuf};
@@ -83,6 +84,16 @@ pub(crate) struct Inner {
     /// Set while a pipeline step runs (its backward passes are the only ones allowed when
     /// the model is cut into stages).
     pub(crate) in_pipeline_step: std::sync::atomic::AtomicBool,
+    /// Who deals the data: with several processes and `Prepared`, a step on batches that
+    /// did not come through a prepared iterator or loader is an error.
+    pub(crate) data: crate::config::DataSharding,
+    /// Whether `batch_norm*d` layers made by the accelerator share their statistics across
+    /// the data-parallel processes.
+    pub(crate) sync_batchnorm: bool,
+    /// The warning about a backward with no autocast was printed.
+    warned_autocast: std::sync::atomic::AtomicBool,
+    /// Each prepared model's buffers, kept equal across the data-parallel processes.
+    buffers: Mutex<Vec<crate::strategy::buffers::BufferSync>>,
 }
 
 /// What [`Accelerator::autocast`] returns: autocast for the configured precision and, in a
@@ -92,6 +103,14 @@ pub(crate) struct Inner {
 pub struct ForwardGuard {
     _autocast: Option<AutocastGuard>,
     _range: crate::shim::Range,
+}
+
+/// What [`Accelerator::autocast_step`] returns: autocast for the configured precision
+/// until dropped.
+#[must_use = "autocast lasts only while the guard lives"]
+#[derive(Debug)]
+pub struct StepGuard {
+    _autocast: Option<AutocastGuard>,
 }
 
 /// Distributed training for one process of a run; cheap to clone (a shared handle).
@@ -186,6 +205,51 @@ impl Accelerator {
         self.inner.strategy.as_ref()
     }
 
+    /// One line with what is in effect, which the main process prints when the accelerator
+    /// is built (`ACCEL_QUIET=1` drops it): the strategy (and what it runs as), processes
+    /// and mesh, device, precision, accumulation, who deals the data and, under
+    /// `#[accelerate]`, how many data loops the attribute prepared.
+    pub fn describe(&self, attribute_data_loops: Option<usize>) -> String {
+        let config = &self.inner.config;
+        let mut strategy = config.strategy.to_string();
+        let runs_as = self.inner.strategy.name();
+        if config.strategy == crate::config::Strategy::Single && self.num_processes() > 1 {
+            // No strategy asked for: several processes default to DDP.
+            strategy = format!("{runs_as} (the default with several processes)");
+        } else if runs_as != strategy && !(runs_as == "single" && self.num_processes() == 1) {
+            strategy = format!("{strategy} (runs as {runs_as})");
+        }
+        let processes = self.num_processes();
+        let dims = self.inner.mesh.dims();
+        let mut line = format!(
+            "accel: strategy {strategy}, {processes} process{} ({dims}), device {:?}, precision {}",
+            if processes == 1 { "" } else { "es" },
+            self.device(),
+            config.precision,
+        );
+        if config.precision == crate::config::Precision::Fp8 {
+            line.push_str(&format!(" ({} recipe)", config.fp8_recipe));
+        }
+        line.push_str(&format!(", accumulate {}", config.accumulate));
+        if let Some(max) = config.clip_grad_norm {
+            line.push_str(&format!(", clip_grad_norm {max}"));
+        }
+        line.push_str(match self.inner.data {
+            crate::config::DataSharding::Prepared => ", data dealt by the accelerator",
+            crate::config::DataSharding::Manual => ", data sharded by the program (manual)",
+        });
+        if self.inner.sync_batchnorm {
+            line.push_str(", synchronised batch norm");
+        }
+        if let Some(loops) = attribute_data_loops {
+            line.push_str(&format!(
+                ", #[accelerate] prepared {loops} data loop{}",
+                if loops == 1 { "" } else { "s" }
+            ));
+        }
+        line
+    }
+
     /// The tensor dimension of the mesh: builds tensor-parallel layers and remembers what
     /// they split (a group of one without tensor parallelism).
     pub fn tensor_parallel(&self) -> crate::strategy::tp::TensorParallel {
@@ -276,7 +340,15 @@ impl Accelerator {
             }
         }
         self.filter_fp8_layers(&params)?;
-        self.inner.strategy.prepare_model(&self.strategy_context(), &params, &options.into())?;
+        let options = options.into();
+        let cx = self.strategy_context();
+        self.inner.strategy.prepare_model(&cx, &params, &options)?;
+        if let Some(group) = self.inner.strategy.buffer_group(&cx, &options) {
+            let buffers = crate::strategy::buffers::BufferSync::new(vs, group)?;
+            if !buffers.is_empty() {
+                self.inner.buffers.lock().unwrap_or_else(|e| e.into_inner()).push(buffers);
+            }
+        }
         self.registry().models.push(params);
         Ok(())
     }
@@ -416,10 +488,20 @@ impl Accelerator {
     /// Autocast for the configured precision until the guard is dropped (nothing to undo in
     /// fp32), and in a profile the `accel::forward` range.
     pub fn autocast(&self) -> Result<ForwardGuard> {
+        self.inner.state.note_autocast();
         Ok(ForwardGuard {
             _autocast: precision::enter(self.inner.config.precision, self.device())?,
             _range: crate::shim::range("accel::forward"),
         })
+    }
+
+    /// Autocast for the configured precision over one training step, until dropped: what
+    /// `#[accelerate]` puts at the top of a training loop's body, so that every forward pass
+    /// of the step runs under it wherever it is written. [`backward`](Self::backward) and
+    /// the optimizer's step switch it off while they run.
+    pub fn autocast_step(&self) -> Result<StepGuard> {
+        self.inner.state.note_autocast();
+        Ok(StepGuard { _autocast: precision::enter(self.inner.config.precision, self.device())? })
     }
 
     /// Runs `forward` under autocast and casts its half-precision outputs back to fp32
@@ -468,7 +550,13 @@ impl Accelerator {
         }
         // A collective that failed inside the forward (zero3's gathers in `Module::forward`).
         self.inner.strategy.take_error()?;
-        self.inner.state.begin_micro_step();
+        let sync = self.inner.state.begin_micro_step();
+        if sync {
+            self.check_data_was_dealt()?;
+        }
+        self.check_autocast()?;
+        // The step's autocast (`autocast_step`) stays off while autograd runs.
+        let _no_autocast = precision::suspend(self.device())?;
         let n = self.inner.state.accumulate();
         let loss = if n > 1 { loss.f_div_scalar(n as f64)? } else { loss.shallow_clone() };
         let loss = match &self.inner.scaler {
@@ -484,9 +572,68 @@ impl Accelerator {
             )));
         }
         drop(range);
-        let sync = self.inner.state.sync_gradients();
         let _range = crate::shim::range("accel::gradient_sync");
-        self.inner.strategy.after_backward(&self.strategy_context(), sync)
+        self.inner.strategy.after_backward(&self.strategy_context(), sync)?;
+        if sync {
+            self.sync_buffers()?;
+        }
+        Ok(())
+    }
+
+    /// The net under data that was not dealt: with several data-parallel processes, a sync
+    /// step whose micro-batches did not all come through a prepared iterator or loader
+    /// would average the gradients of processes that may all have seen the same batches.
+    fn check_data_was_dealt(&self) -> Result<()> {
+        let (_, replicas) = self.data_parallel();
+        if replicas < 2
+            || self.inner.data == crate::config::DataSharding::Manual
+            || !self.inner.state.window_had_undealt_batches()
+        {
+            return Ok(());
+        }
+        Err(Error::Training(format!(
+            "backward on rank {} of {replicas} data-parallel processes, on batches that did not \
+             come through a prepared data loader or iterator: nothing dealt them, so every \
+             process may be training on the same batches. Prepare the data \
+             (`accelerator.prepare_loader(loader)` or `accelerator.prepare_iter(batches)`; \
+             under #[accelerate], loop over the batches in the annotated function), or, if each \
+             process already loads its own part, say so: `.data(DataSharding::Manual)` on the \
+             builder, #[accelerate(data = \"manual\")]",
+            self.process_index()
+        )))
+    }
+
+    /// The net under a forward pass that forgot autocast: under bf16/fp16/fp8, a backward
+    /// with no autocast region since the last optimizer step is reported once (a warning:
+    /// code may cast by hand).
+    fn check_autocast(&self) -> Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if precision::autocast_kind(self.inner.config.precision).is_none()
+            || self.inner.state.autocast_since_step()
+            || self.inner.warned_autocast.load(Relaxed)
+            || crate::shim::autocast_state(self.device())?.is_some()
+        {
+            return Ok(());
+        }
+        self.inner.warned_autocast.store(true, Relaxed);
+        if self.is_main_process() {
+            eprintln!(
+                "accel: precision is {}, but this backward's forward pass ran outside any \
+                 autocast region, so it ran in fp32 (reported once). Run the forward pass \
+                 through `accelerator.forward(|| ..)` or under `accelerator.autocast()`; under \
+                 #[accelerate], inside the training loop",
+                self.inner.config.precision
+            );
+        }
+        Ok(())
+    }
+
+    /// Every prepared model's buffers from the first rank of their group to the others.
+    pub(crate) fn sync_buffers(&self) -> Result<()> {
+        for buffers in self.inner.buffers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            buffers.sync()?;
+        }
+        Ok(())
     }
 
     /// A backward pass from `output` with its gradient `grad` given (a pipeline stage's
@@ -501,14 +648,22 @@ impl Accelerator {
             Error::Training(format!("backward failed: {}", crate::error::torch_text(&e)))
         })?;
         let sync = self.inner.state.sync_gradients();
-        self.inner.strategy.after_backward(&self.strategy_context(), sync)
+        self.inner.strategy.after_backward(&self.strategy_context(), sync)?;
+        if sync {
+            self.sync_buffers()?;
+        }
+        Ok(())
     }
 
     /// The model's variables by name, whole: under zero2/zero3 the sharded parameters are
     /// gathered from every rank's shard (a collective: call it on every process, as
     /// Accelerate's `get_state_dict`); otherwise copies of the local values.
     pub fn full_state_dict(&self, vs: &tch::nn::VarStore) -> Result<Vec<(String, Tensor)>> {
-        let params = crate::optim::sorted_variables(vs);
+        self.full_state_of(crate::optim::sorted_variables(vs))
+    }
+
+    /// [`full_state_dict`](Self::full_state_dict) of a prepared model's variables.
+    pub(crate) fn full_state_of(&self, params: Vec<Param>) -> Result<Vec<(String, Tensor)>> {
         let values = self.inner.strategy.full_parameters(&params)?;
         let mine = params
             .into_iter()

@@ -341,6 +341,8 @@ impl AcceleratedOptimizer {
             return Err(crate::Error::Unsupported(why.clone()));
         }
         let _range = crate::shim::range("accel::optimizer_step");
+        // The step's autocast (`autocast_step`) stays off while the optimizer runs.
+        let _no_autocast = crate::precision::suspend(self.accelerator()?.device())?;
         if !slot.membership_checked && self.num_processes > 1 {
             self.check_membership(&slot)?;
             slot.membership_checked = true;

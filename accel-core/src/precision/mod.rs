@@ -50,6 +50,15 @@ pub fn enter(precision: Precision, device: Device) -> Result<Option<AutocastGuar
     autocast_kind(precision).map(|kind| autocast(device, kind, true)).transpose()
 }
 
+/// Switches autocast off for `device`'s type until the guard drops (a backward pass or an
+/// optimizer step inside a training step's autocast region); `None` when it is off already.
+pub fn suspend(device: Device) -> Result<Option<AutocastGuard>> {
+    match crate::shim::autocast_state(device)? {
+        Some(kind) => Ok(Some(autocast(device, kind, false)?)),
+        None => Ok(None),
+    }
+}
+
 /// Model outputs cast back to fp32 after an autocast region (Accelerate's
 /// `convert_outputs_to_fp32`), for tensors and the usual containers of them.
 pub trait ToFp32 {

@@ -9,6 +9,7 @@
 //! what PyTorch's distributed checkpoint calls a chunk), never which strategy it is.
 
 pub mod auto;
+pub mod buffers;
 pub mod ddp;
 pub mod fsdp;
 pub mod pp;
@@ -231,6 +232,20 @@ pub trait Strategy: Send + Sync + 'static {
     /// gradients live in shards.
     fn steps_whole_parameters(&self) -> bool {
         true
+    }
+
+    /// The group across which a model's buffers (its variables that are not parameters:
+    /// batch norm's running statistics) are kept equal: its first rank's values are
+    /// broadcast after every sync step (see `buffers.rs`). The data-parallel group by default,
+    /// as torch's DDP does with `broadcast_buffers=True`; `None` leaves buffers alone.
+    fn buffer_group(
+        &self,
+        cx: &Context<'_>,
+        options: &ModelOptions,
+    ) -> Option<Arc<dyn Communicator>> {
+        let _ = options;
+        let data = cx.mesh.comm(Dim::Data);
+        (data.size() > 1).then_some(data)
     }
 
     /// The end of training (`Accelerator::end_training`, and the successful end of an

@@ -140,6 +140,8 @@ fn train(
         .strategy(strategy)
         .accumulate(2)
         .cpu(true)
+        // Each rank makes its own batches below.
+        .data(crate::config::DataSharding::Manual)
         .thread_rank(process, mesh)
         .build()
         .unwrap();

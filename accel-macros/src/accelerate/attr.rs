@@ -1,7 +1,7 @@
 //! Parsing the attribute's arguments (syntax only): `key = value, ...` into raw values that
 //! keep their spans. Validation of values and of combinations lives in `check.rs`.
 
-use accel_choices::{Fp8Recipe, Precision, Sharding, Strategy};
+use accel_choices::{DataSharding, Fp8Recipe, Precision, Sharding, Strategy};
 use proc_macro2::{Span, TokenStream};
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
@@ -21,6 +21,9 @@ pub(crate) const KEYS: &[&str] = &[
     "tensor_parallel",
     "sequence_parallel",
     "pipeline_parallel",
+    "data",
+    "broadcast_buffers",
+    "sync_batchnorm",
     "config",
     "name",
     "model",
@@ -49,6 +52,10 @@ pub(crate) struct RawArgs {
     pub tensor_parallel: Option<Spanned<u64>>,
     pub sequence_parallel: Option<Spanned<bool>>,
     pub pipeline_parallel: Option<Spanned<u64>>,
+    /// Who deals the data: the accelerator (`"prepared"`) or the program (`"manual"`).
+    pub data: Option<Spanned<DataSharding>>,
+    pub broadcast_buffers: Option<Spanned<bool>>,
+    pub sync_batchnorm: Option<Spanned<bool>>,
     pub config: Option<Spanned<String>>,
     pub name: Option<syn::Ident>,
     /// The model's VarStore: a variable or a field (`vs`, `self.vs`).
@@ -215,6 +222,9 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
                 "tensor_parallel" => raw.tensor_parallel = Some(expect_u64(v, &key, "2")?),
                 "sequence_parallel" => raw.sequence_parallel = Some(expect_bool(v, &key)?),
                 "pipeline_parallel" => raw.pipeline_parallel = Some(expect_u64(v, &key, "2")?),
+                "data" => raw.data = Some(expect_choice(v, &key, "\"manual\"")?),
+                "broadcast_buffers" => raw.broadcast_buffers = Some(expect_bool(v, &key)?),
+                "sync_batchnorm" => raw.sync_batchnorm = Some(expect_bool(v, &key)?),
                 "config" => raw.config = Some(expect_str(v, &key, "\"accel.yaml\"")?),
                 "name" => raw.name = Some(expect_ident(v, &key)?),
                 "model" => raw.model = Some(expect_place(v, &key)?),

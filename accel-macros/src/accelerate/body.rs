@@ -88,7 +88,20 @@ impl Optimizers {
     }
 }
 
-/// Method calls on each receiver, outside closures.
+/// A closure called where it is written (`(|| { .. })()`): its body runs there, once, so
+/// it is read as part of the function (other closures may run anywhere, or never).
+pub(crate) fn called_in_place(call: &syn::ExprCall) -> Option<&syn::ExprClosure> {
+    let mut func = &*call.func;
+    while let Expr::Paren(p) = func {
+        func = &p.expr;
+    }
+    match func {
+        Expr::Closure(c) => Some(c),
+        _ => None,
+    }
+}
+
+/// Method calls on each receiver, outside closures (but in closures called in place).
 #[derive(Default)]
 struct Uses {
     methods: BTreeMap<String, (Vec<String>, Span)>,
@@ -114,6 +127,13 @@ impl<'a> Visit<'a> for Uses {
             }
         }
         syn::visit::visit_expr_method_call(self, m);
+    }
+    fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
+        match called_in_place(c) {
+            Some(closure) => self.visit_expr(&closure.body),
+            None => self.visit_expr(&c.func),
+        }
+        c.args.iter().for_each(|a| self.visit_expr(a));
     }
     fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
 }
@@ -333,6 +353,29 @@ pub(crate) fn varstores(f: &ItemFn) -> Vec<syn::Ident> {
     finder.visit_block(&f.block);
     found.extend(finder.0);
     found
+}
+
+/// The VarStore parameters taken by reference (`vs: &mut VarStore`), which a rewritten
+/// `vs.load(..)` reborrows as `&mut *vs`.
+pub(crate) fn varstore_references(f: &ItemFn) -> Vec<syn::Ident> {
+    f.sig
+        .inputs
+        .iter()
+        .filter_map(|input| match input {
+            syn::FnArg::Typed(t) => match (&*t.ty, &*t.pat) {
+                (syn::Type::Reference(r), Pat::Ident(id)) => {
+                    let syn::Type::Path(p) = &*r.elem else { return None };
+                    p.path
+                        .segments
+                        .last()
+                        .is_some_and(|s| s.ident == "VarStore")
+                        .then(|| id.ident.clone())
+                }
+                _ => None,
+            },
+            _ => None,
+        })
+        .collect()
 }
 
 /// The VarStore an accel optimizer's arguments name: `named_params(&vs)`,

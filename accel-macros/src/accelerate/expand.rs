@@ -25,10 +25,16 @@ pub(crate) struct Context {
     pub model: Option<Expr>,
     /// `precision = "fp8"`: the body's `nn::linear(..)` become the accelerator's fp8 layers.
     pub fp8: bool,
+    /// `data = "manual"`: loops are put under autocast but their data is not dealt.
+    pub manual_data: bool,
+    /// `sync_batchnorm = true`: the body's `nn::batch_norm*d(..)` become the accelerator's,
+    /// whose statistics span the data-parallel processes.
+    pub sync_batchnorm: bool,
 }
 
-/// The builder chain the arguments ask for.
-pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path) -> TokenStream {
+/// The builder chain the arguments ask for; `loops` is how many data loops the rewrite
+/// prepared (the run's first line says it).
+pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path, loops: usize) -> TokenStream {
     let mut calls = TokenStream::new();
     let ident = |name: &str| syn::Ident::new(name, Span::call_site());
     // FSDP with a sharding strategy is the strategy that sharding is.
@@ -80,10 +86,23 @@ pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path) -> TokenStream {
         let p = p.value as usize;
         calls.extend(quote!(.pipeline_parallel(#p)));
     }
+    if let Some(d) = &raw.data {
+        let v = ident(d.value.variant_name());
+        calls.extend(quote!(.data(#krate::DataSharding::#v)));
+    }
+    if let Some(b) = &raw.broadcast_buffers {
+        let b = b.value;
+        calls.extend(quote!(.broadcast_buffers(#b)));
+    }
+    if let Some(s) = &raw.sync_batchnorm {
+        let s = s.value;
+        calls.extend(quote!(.sync_batchnorm(#s)));
+    }
     if let Some(c) = &raw.config {
         let c = &c.value;
         calls.extend(quote!(.config_file(#c)));
     }
+    calls.extend(quote!(.attribute_data_loops(#loops)));
     quote!(#krate::Accelerator::builder() #calls .build())
 }
 
@@ -99,6 +118,10 @@ pub(super) struct Rewriter<'c> {
     pub(super) cx: &'c Context,
     optimizers: &'c Optimizers,
     varstores: &'c [syn::Ident],
+    /// Those of `varstores` that are parameters taken by reference.
+    varstore_refs: &'c [syn::Ident],
+    /// Data loops prepared so far.
+    pub(super) loops: usize,
     unit: bool,
     pub(super) errors: Vec<syn::Error>,
     in_closure: usize,
@@ -218,6 +241,33 @@ impl Rewriter<'_> {
             None if question.is_some() => quote!(#receiver.#method_ident(#args)?),
             None => return None,
             Some(target) => quote!(#name.drive(#target).#method_ident(#args) #question),
+        })
+    }
+
+    /// The model's VarStore saved or loaded by tch's methods (`vs.save(p)`, `vs.load(p)`,
+    /// `vs.load_partial(p)`) becomes the accelerator's: one whole copy written by the main
+    /// process, atomically; every process loading into its prepared (sharded) model. Its
+    /// `vs.variables()` checks that no parameter is released. The results keep tch's
+    /// shapes, so the user's `?`, `unwrap` or `match` stay as they were.
+    fn rewrite_varstore_call(&self, expr: &Expr) -> Option<TokenStream> {
+        let Expr::MethodCall(m) = expr else { return None };
+        let key = body::place_key(&m.receiver)?;
+        let is_model = self.cx.model.as_ref().and_then(body::place_key).is_some_and(|k| k == key);
+        if !is_model && !self.varstores.iter().any(|v| *v == key) {
+            return None;
+        }
+        let (name, receiver, args) = (&self.cx.name, place(&m.receiver), &m.args);
+        let mutable = if self.varstore_refs.iter().any(|v| *v == key) {
+            quote!(&mut *#receiver)
+        } else {
+            quote!(&mut #receiver)
+        };
+        Some(match (m.method.to_string().as_str(), args.len()) {
+            ("save", 1) => quote!(#name.save_varstore(&#receiver, #args)),
+            ("load", 1) => quote!(#name.load_varstore(#mutable, #args)),
+            ("load_partial", 1) => quote!(#name.load_varstore_partial(#mutable, #args)),
+            ("variables", 0) => quote!(#name.variables(&#receiver)),
+            _ => return None,
         })
     }
 
@@ -345,6 +395,22 @@ impl VisitMut for Rewriter<'_> {
             }
             return;
         }
+        // Batch norm whose statistics span the processes (`SyncBatchNorm`), by the same swap.
+        if self.cx.sync_batchnorm {
+            for tail in ["batch_norm1d", "batch_norm2d", "batch_norm3d"] {
+                if is_call_to(expr, &["nn", tail]) {
+                    if let Expr::Call(call) = &*expr {
+                        let (args, method) = (&call.args, syn::Ident::new(tail, span));
+                        *expr = parse_quote_spanned_expr(span, quote!(#name.#method(#args)));
+                    }
+                    return;
+                }
+            }
+        }
+        if let Some(tokens) = self.rewrite_varstore_call(expr) {
+            *expr = parse_quote_spanned_expr(span, tokens);
+            return;
+        }
         let Expr::MethodCall(m) = &*expr else {
             if self.unit && self.in_closure == 0 {
                 if let Expr::Return(r) = expr {
@@ -370,9 +436,15 @@ impl VisitMut for Rewriter<'_> {
         syn::visit_mut::visit_type_path_mut(self, t);
         // The swapped layers' type, where the body names it (`let l: nn::Linear = ..`).
         let segs: Vec<String> = t.path.segments.iter().map(|s| s.ident.to_string()).collect();
+        let krate = &self.cx.krate;
         if self.cx.fp8 && segs.len() >= 2 && segs[segs.len() - 2..] == ["nn", "Linear"] {
-            let krate = &self.cx.krate;
             *t = parse_quote!(#krate::precision::Float8Linear);
+        }
+        if self.cx.sync_batchnorm
+            && segs.len() >= 2
+            && segs[segs.len() - 2..] == ["nn", "BatchNorm"]
+        {
+            *t = parse_quote!(#krate::nn::SyncBatchNorm);
         }
     }
 
@@ -397,11 +469,14 @@ pub(crate) fn function(
 ) -> syn::Result<TokenStream> {
     let optimizers = body::optimizers(&f, &cx.name);
     let varstores = body::varstores(&f);
+    let varstore_refs = body::varstore_references(&f);
     let unit = matches!(returns, Returns::Unit);
     let mut rewriter = Rewriter {
         cx: &cx,
         optimizers: &optimizers,
         varstores: &varstores,
+        varstore_refs: &varstore_refs,
+        loops: 0,
         unit,
         errors: Vec::new(),
         in_closure: 0,
@@ -418,6 +493,8 @@ pub(crate) fn function(
         rewriter.prepare_model_before_training(&mut body);
     }
     rewriter.rewrite_loops(&mut body);
+    let uncovered = super::loops::coverage(&body, cx.manual_data);
+    rewriter.errors.extend(uncovered);
     rewriter.visit_block_mut(&mut body);
     if let Some(mut first) = rewriter.errors.first().cloned() {
         for e in rewriter.errors.into_iter().skip(1) {
@@ -437,7 +514,7 @@ pub(crate) fn function(
     }
     let name = &cx.name;
     let krate = &cx.krate;
-    let build = builder(raw, krate);
+    let build = builder(raw, krate, rewriter.loops);
     let stmts = &body.stmts;
     let new_body: Block = match returns {
         Returns::Result(ty) => parse_quote!({

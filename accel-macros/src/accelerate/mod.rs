@@ -68,6 +68,11 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
             .unwrap_or_else(|| syn::Ident::new("accelerator", proc_macro2::Span::call_site())),
         model: raw.model.clone(),
         fp8: raw.precision.as_ref().is_some_and(|p| p.value == accel_choices::Precision::Fp8),
+        manual_data: raw
+            .data
+            .as_ref()
+            .is_some_and(|d| d.value == accel_choices::DataSharding::Manual),
+        sync_batchnorm: raw.sync_batchnorm.as_ref().is_some_and(|s| s.value),
     };
     match expand::function(function, &raw, context, returns) {
         Ok(tokens) => tokens,

@@ -13,6 +13,7 @@ fn train(x: &Tensor, y: &Tensor) -> Result<()> {
         .accumulate(4u32)
         .seed(0u64)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<()> = (|| {
@@ -29,9 +30,8 @@ fn train(x: &Tensor, y: &Tensor) -> Result<()> {
                 0.05,
             )?;
         for (xb, yb) in accelerator.prepare_iter(tch::data::Iter2::new(x, y, 16)) {
-            let __accel_autocast = accelerator.autocast()?;
+            let __accel_autocast = accelerator.autocast_step()?;
             let loss = net.forward(&xb).cross_entropy_for_logits(&yb);
-            drop(__accel_autocast);
             accelerator.backward(&loss)?;
             opt.step()?;
             opt.zero_grad()?;

@@ -23,6 +23,7 @@ fn train(x: &Tensor, y: &Tensor) -> Result<()> {
         .precision(::accel_core::Precision::Fp8)
         .seed(0u64)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<()> = (|| {
@@ -57,12 +58,11 @@ fn train(x: &Tensor, y: &Tensor) -> Result<()> {
             let mut sum = 0.0;
             let mut batches = 0;
             for (xb, yb) in accelerator.prepare_iter(tch::data::Iter2::new(x, y, 32)) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = forward(&xb)
                     .to_kind(Kind::Float)
                     .cross_entropy_for_logits(&yb);
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
                 sum += loss.double_value(&[]);
@@ -73,8 +73,8 @@ fn train(x: &Tensor, y: &Tensor) -> Result<()> {
         let fp8: Vec<bool> = layers.iter().map(|l| l.fp8_recipe().is_some()).collect();
         ensure!(fp8 == [false, true, true, false], "fp8 layers: {fp8:?}");
         ensure!(losses[2] < 0.5 * losses[0], "the loss did not fall: {losses:?}");
-        let checksum: f64 = vs
-            .variables()
+        let checksum: f64 = accelerator
+            .variables(&vs)
             .values()
             .map(|t| t.sum(Kind::Double).double_value(&[]))
             .sum();

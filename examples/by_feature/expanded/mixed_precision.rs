@@ -12,6 +12,7 @@ fn train(x: &Tensor, y: &Tensor) -> Result<Kind> {
         .precision(::accel_core::Precision::Bf16)
         .seed(0u64)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<Kind> = (|| {
@@ -21,16 +22,15 @@ fn train(x: &Tensor, y: &Tensor) -> Result<Kind> {
         let mut opt = accelerator.build_optimizer(nn::AdamW::default(), &vs, 1e-2)?;
         let mut logits_kind = Kind::Float;
         for (xb, yb) in accelerator.prepare_iter(tch::data::Iter2::new(x, y, 64)) {
-            let __accel_autocast = accelerator.autocast()?;
+            let __accel_autocast = accelerator.autocast_step()?;
             let logits = net.forward(&xb);
             logits_kind = logits.kind();
             let loss = logits.to_kind(Kind::Float).cross_entropy_for_logits(&yb);
             opt.zero_grad()?;
-            drop(__accel_autocast);
             accelerator.backward(&loss)?;
             opt.step()?;
         }
-        let weight = vs.variables()["classifier.weight"].kind();
+        let weight = accelerator.variables(&vs)["classifier.weight"].kind();
         accelerator
             .print(
                 format!("logits computed in {logits_kind:?}, weights kept in {weight:?}"),

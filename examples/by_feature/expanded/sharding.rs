@@ -16,6 +16,7 @@ fn train(x: &Tensor, y: &Tensor, test_x: &Tensor, test_y: &Tensor) -> Result<()>
         .strategy(::accel_core::Strategy::Zero3)
         .seed(0u64)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<()> = (|| {
@@ -32,9 +33,8 @@ fn train(x: &Tensor, y: &Tensor, test_x: &Tensor, test_y: &Tensor) -> Result<()>
         let mut opt = accelerator.build_optimizer(nn::AdamW::default(), &vs, 3e-3)?;
         for _ in 0..10 {
             for (xb, yb) in accelerator.prepare_iter(tch::data::Iter2::new(x, y, 32)) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = net.forward(&xb).cross_entropy_for_logits(&yb);
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
                 opt.zero_grad()?;

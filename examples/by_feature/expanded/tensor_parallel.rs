@@ -28,6 +28,7 @@ fn train(data: &Digits, init: &nn::VarStore) -> Result<Vec<(String, Tensor)>> {
         .seed(0u64)
         .cpu(true)
         .tensor_parallel(2usize)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = acc.exit_guard();
     let __accel_result: Result<Vec<(String, Tensor)>> = (|| {
@@ -49,7 +50,7 @@ fn train(data: &Digits, init: &nn::VarStore) -> Result<Vec<(String, Tensor)>> {
             10,
             options,
         )?;
-        let whole = init.variables();
+        let whole = acc.variables(&init);
         up.load_whole(&whole["up.weight"], Some(&whole["up.bias"]))?;
         down.load_whole(&whole["down.weight"], Some(&whole["down.bias"]))?;
         let mut opt = acc.build_optimizer(nn::Sgd::default(), &vs, 0.1)?;
@@ -57,12 +58,11 @@ fn train(data: &Digits, init: &nn::VarStore) -> Result<Vec<(String, Tensor)>> {
             for (x, y) in acc
                 .prepare_iter(tch::data::Iter2::new(&data.train_x, &data.train_y, 64))
             {
-                let __accel_autocast = acc.autocast()?;
+                let __accel_autocast = acc.autocast_step()?;
                 let loss = down
                     .forward(&up.forward(&x).relu())
                     .cross_entropy_for_logits(&y);
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 acc.backward(&loss)?;
                 opt.step()?;
             }

@@ -21,8 +21,8 @@ use lang::Lang;
 
 const MAX_LENGTH: usize = 10;
 const LEARNING_RATE: f64 = 0.001;
-const SAMPLES: usize = 100_000;
-const HIDDEN_SIZE: usize = 256;
+const SAMPLES: usize = 40;
+const HIDDEN_SIZE: usize = 16;
 
 struct Encoder {
     embedding: nn::Embedding,
@@ -190,6 +190,7 @@ impl LossStats {
     }
 }
 
+#[accel_core::accelerate(strategy = "ddp")]
 pub fn main() -> Result<()> {
     let dataset = Dataset::new("eng", "fra", MAX_LENGTH)?.reverse();
     let ilang = dataset.input_lang();
@@ -209,7 +210,7 @@ pub fn main() -> Result<()> {
         let loss = model.train_loss(input_, target, &mut rng);
         opt.backward_step(&loss);
         loss_stats.update(f64::try_from(loss)? / target.len() as f64);
-        if idx % 1000 == 0 {
+        if idx % 20 == 0 {
             println!("{} {}", idx, loss_stats.avg_and_reset());
             for _pred_index in 1..5 {
                 let (input_, target) = pairs.choose(&mut rng).unwrap();

@@ -9,6 +9,7 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
@@ -33,10 +34,9 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
         anyhow::ensure!(opt.trainable_variables().len() == 4);
         for _ in 0..data.epochs {
             for (x, y) in accelerator.prepare_iter(data.batches()) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = net.forward(&x).cross_entropy_for_logits(&y);
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
             }

@@ -9,6 +9,7 @@ fn train(vs: &nn::VarStore, data: &Data) -> anyhow::Result<usize> {
         .strategy(::accel_core::Strategy::Ddp)
         .clip_grad_norm(1f64)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<usize> = (|| {
@@ -18,10 +19,9 @@ fn train(vs: &nn::VarStore, data: &Data) -> anyhow::Result<usize> {
         let mut steps = 0;
         for _ in 0..data.epochs {
             for (x, y) in accelerator.prepare_iter(data.batches()) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = net.forward(&x).cross_entropy_for_logits(&y);
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
                 steps += 1;

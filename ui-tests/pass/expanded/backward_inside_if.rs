@@ -8,6 +8,7 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
@@ -20,9 +21,8 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
                 .prepare_iter(data.batches().into_iter())
                 .enumerate()
             {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = net.forward(&x).cross_entropy_for_logits(&y);
-                drop(__accel_autocast);
                 if step % 2 == 0 {
                     opt.zero_grad()?;
                     accelerator.backward(&loss)?;

@@ -8,6 +8,7 @@ fn train(vs: &mut nn::VarStore, data: &Data) -> anyhow::Result<()> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<()> = (|| {
@@ -25,9 +26,8 @@ fn train(vs: &mut nn::VarStore, data: &Data) -> anyhow::Result<()> {
             )?;
         for _ in 0..data.epochs {
             for (x, y) in accelerator.prepare_iter(data.batches()) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = net.forward(&x).cross_entropy_for_logits(&y);
-                drop(__accel_autocast);
                 opt.backward_step(&loss)?;
             }
         }

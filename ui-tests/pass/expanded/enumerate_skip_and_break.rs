@@ -8,6 +8,7 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
@@ -20,7 +21,7 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
                 .prepare_iter(data.batches().into_iter())
                 .enumerate()
             {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 if i % 4 == 3 {
                     continue;
                 }
@@ -29,7 +30,6 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
                 }
                 let loss = net.forward(&x).cross_entropy_for_logits(&y);
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
             }

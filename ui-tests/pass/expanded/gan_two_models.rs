@@ -13,6 +13,7 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
         .strategy(::accel_core::Strategy::Ddp)
         .accumulate(2u32)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
@@ -33,7 +34,7 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
             .build_optimizer(nn::Adam::default(), &disc_vs, 1e-2)?;
         for _ in 0..data.epochs {
             for (real, _labels) in accelerator.prepare_iter(data.batches()) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let noise = (&real * 1.7).cos();
                 let fake = generator.forward(&noise);
                 let ones = Tensor::ones([real.size()[0], 1], (Kind::Float, Device::Cpu));
@@ -41,7 +42,6 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
                 let d_loss = bce(&discriminator.forward(&real), &ones)
                     + bce(&discriminator.forward(&fake.detach()), &zeros);
                 disc_opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&d_loss)?;
                 disc_opt.step()?;
                 let g_loss = bce(&discriminator.forward(&fake), &ones);

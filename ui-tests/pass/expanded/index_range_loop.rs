@@ -9,6 +9,7 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
@@ -19,11 +20,10 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
         let batches = data.batches();
         for _ in 0..data.epochs {
             for i in accelerator.prepare_iter(0..batches.len()) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let (x, y) = &batches[i];
                 let loss = net.forward(x).cross_entropy_for_logits(y);
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
             }

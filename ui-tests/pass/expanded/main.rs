@@ -16,14 +16,16 @@ macro_rules! shapes {
 }
 shapes!(
     amsgrad_groups_and_setters, anyhow_result_varstore_by_ref, backward_inside_if,
+    batch_norm_buffers_agree, blocks_labels_and_values, closure_called_in_place,
     backward_step_clip, backward_step_mut_varstore, closure_optimizer_with_model_key,
     enumerate_skip_and_break, gan_two_models, helper_optimizer_with_model_key,
-    index_range_loop, iterator_argument_while_let, loop_let_else,
-    method_with_varstore_field, nested_loops_inline_loss_accel_optimizer,
-    optimizer_argument_with_model_key, optimizer_in_a_field_with_model_key,
-    owned_varstore_box_error_while_let, reborrowed_varstore, teacher_and_student,
-    tch_error_mut_varstore, try_inside_the_loop, unit_return_backward_step,
-    zero1_sgd_nesterov, zero2_clip_and_set_lr, zip_of_two_iterators,
+    index_range_loop, iterator_argument_while_let, loop_let_else, manual_data,
+    match_arm_with_varstore_save_and_load, method_with_varstore_field,
+    nested_loops_inline_loss_accel_optimizer, optimizer_argument_with_model_key,
+    optimizer_in_a_field_with_model_key, owned_varstore_box_error_while_let,
+    reborrowed_varstore, sync_batchnorm, teacher_and_student, tch_error_mut_varstore,
+    try_inside_the_loop, unit_return_backward_step, zero1_sgd_nesterov,
+    zero2_clip_and_set_lr, zip_of_two_iterators,
 );
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -38,11 +40,13 @@ fn main() -> anyhow::Result<()> {
     }
     if let [forgotten, case] = args.as_slice() {
         anyhow::ensure!(forgotten == "forgotten", "usage: shapes forgotten CASE");
+        let dir = std::env::temp_dir();
         return forgotten::run(
             case,
             &common::Data {
                 batch_size: 8,
                 epochs: 2,
+                dir,
             },
         );
     }
@@ -54,13 +58,14 @@ fn main() -> anyhow::Result<()> {
         .find(|(n, _)| n == name)
         .ok_or_else(|| anyhow::anyhow!("no shape named {name}"))?;
     tch::manual_seed(0);
+    std::fs::create_dir_all(dir)?;
     let data = common::Data {
         batch_size: batch.parse()?,
         epochs: epochs.parse()?,
+        dir: dir.into(),
     };
     let weights = shape(&data)?;
     let rank = accel_core::topology::Topology::from_env()?.rank;
-    std::fs::create_dir_all(dir)?;
     Tensor::write_safetensors(&weights, format!("{dir}/rank{rank}.safetensors"))?;
     Ok(())
 }

@@ -12,6 +12,7 @@ impl Trainer {
         let accelerator = ::accel_core::Accelerator::builder()
             .strategy(::accel_core::Strategy::Ddp)
             .cpu(true)
+            .attribute_data_loops(1usize)
             .build()?;
         let __accel_exit = accelerator.exit_guard();
         let __accel_result: anyhow::Result<()> = (|| {
@@ -27,10 +28,9 @@ impl Trainer {
                 )?;
             for _ in 0..data.epochs {
                 for (x, y) in accelerator.prepare_iter(data.batches()) {
-                    let __accel_autocast = accelerator.autocast()?;
+                    let __accel_autocast = accelerator.autocast_step()?;
                     let loss = self.net.forward(&x).cross_entropy_for_logits(&y);
                     opt.zero_grad()?;
-                    drop(__accel_autocast);
                     accelerator.backward(&loss)?;
                     opt.step()?;
                 }

@@ -9,6 +9,7 @@ fn train(data: &Data) -> anyhow::Result<(u64, Vec<(String, Tensor)>)> {
     let acc = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = acc.exit_guard();
     let __accel_result: anyhow::Result<(u64, Vec<(String, Tensor)>)> = (|| {
@@ -24,10 +25,8 @@ fn train(data: &Data) -> anyhow::Result<(u64, Vec<(String, Tensor)>)> {
             .into_prepared(&acc, &vs)?;
         for _epoch in 0..data.epochs {
             for (x, y) in acc.prepare_iter(data.batches()) {
-                let __accel_autocast = acc.autocast()?;
-                let __accel_loss = net.forward(&x).cross_entropy_for_logits(&y);
-                drop(__accel_autocast);
-                acc.backward(&__accel_loss)?;
+                let __accel_autocast = acc.autocast_step()?;
+                acc.backward(&net.forward(&x).cross_entropy_for_logits(&y))?;
                 opt.step()?;
                 opt.zero_grad()?;
             }

@@ -13,16 +13,16 @@ fn train(
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<()> = (|| {
         accelerator.prepare_model_once(&vs)?;
         for _ in 0..data.epochs {
             for (x, y) in accelerator.prepare_iter(data.batches()) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = net.forward(&x).cross_entropy_for_logits(&y);
                 accelerator.drive(&mut *opt).zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 accelerator.drive(&mut *opt).clip_grad_norm(0.5)?;
                 accelerator.drive(&mut *opt).step()?;

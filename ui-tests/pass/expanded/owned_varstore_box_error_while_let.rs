@@ -13,6 +13,7 @@ fn train(
         .strategy(::accel_core::Strategy::Ddp)
         .accumulate(3u32)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<Vec<(String, Tensor)>, Box<dyn std::error::Error>> = (|| {
@@ -30,10 +31,9 @@ fn train(
         for _ in 0..data.epochs {
             let mut batches = accelerator.prepare_iter(data.batches().into_iter());
             while let Some((x, y)) = batches.next() {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = net.forward(&x).cross_entropy_for_logits(&y);
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
             }

@@ -7,6 +7,7 @@ fn train(vs: &mut nn::VarStore, data: &Data) -> anyhow::Result<()> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<()> = (|| {
@@ -15,10 +16,9 @@ fn train(vs: &mut nn::VarStore, data: &Data) -> anyhow::Result<()> {
         let mut opt = accelerator.build_optimizer(nn::RmsProp::default(), &*vs, 1e-3)?;
         for _ in 0..data.epochs {
             for (x, y) in accelerator.prepare_iter(data.batches()) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = net.forward(&x).cross_entropy_for_logits(&y);
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
             }

@@ -8,6 +8,7 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
@@ -19,12 +20,11 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
         let mut opt = accelerator.build_optimizer(nn::Adam::default(), &student, 1e-2)?;
         for _ in 0..data.epochs {
             for (x, _labels) in accelerator.prepare_iter(data.batches()) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let target = t.forward(&x).detach().softmax(-1, Kind::Float);
                 let loss = (s.forward(&x).log_softmax(-1, Kind::Float) * target)
                     .sum(Kind::Float) / -(x.size()[0] as f64);
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
             }

@@ -8,6 +8,7 @@ fn train(data: &Data) -> Result<Weights, Box<dyn std::error::Error>> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<Weights, Box<dyn std::error::Error>> = (|| {
@@ -21,13 +22,12 @@ fn train(data: &Data) -> Result<Weights, Box<dyn std::error::Error>> {
                 return Ok(weights(&vs, ""));
             }
             for (x, y) in accelerator.prepare_iter(data.batches()) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let logits = net.forward(&x);
                 let loss = logits
                     .f_log_softmax(-1, Kind::Float)?
                     .f_nll_loss::<Tensor>(&y, None, Reduction::Mean, -100)?;
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.step()?;
             }

@@ -9,6 +9,7 @@ fn train(vs: &nn::VarStore, data: &Data) {
         .strategy(::accel_core::Strategy::Ddp)
         .accumulate(2u32)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()
         .unwrap_or_else(|e| panic!("accel: {e}"));
     let __accel_exit = accelerator.exit_guard();
@@ -26,9 +27,8 @@ fn train(vs: &nn::VarStore, data: &Data) {
             for (xb, yb) in accelerator
                 .prepare_iter(tch::data::Iter2::new(&x, &y, data.batch_size))
             {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = net.forward(&xb).cross_entropy_for_logits(&yb);
-                drop(__accel_autocast);
                 opt.backward_step(&loss)?;
             }
         }

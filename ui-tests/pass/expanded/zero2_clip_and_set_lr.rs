@@ -8,6 +8,7 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Zero2)
         .cpu(true)
+        .attribute_data_loops(1usize)
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
@@ -18,10 +19,9 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
         for epoch in 0..data.epochs {
             opt.set_lr(1e-2 / (1 + epoch) as f64);
             for (x, y) in accelerator.prepare_iter(data.batches()) {
-                let __accel_autocast = accelerator.autocast()?;
+                let __accel_autocast = accelerator.autocast_step()?;
                 let loss = net.forward(&x).cross_entropy_for_logits(&y);
                 opt.zero_grad()?;
-                drop(__accel_autocast);
                 accelerator.backward(&loss)?;
                 opt.clip_grad_norm(0.1)?;
                 opt.step()?;

@@ -235,7 +235,13 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
 
     // Tiny buckets: the MLP's four parameters land in several buckets.
     let ddp = DdpOptions { bucket_bytes: 200, ..Default::default() };
-    let acc = Accelerator::builder().accumulate(2).cpu(true).ddp(ddp).build()?;
+    // The checks below give each rank batches of its own (and deal loaders themselves).
+    let acc = Accelerator::builder()
+        .accumulate(2)
+        .cpu(true)
+        .ddp(ddp)
+        .data(accel_core::DataSharding::Manual)
+        .build()?;
     let group = acc.process_group().expect("launched with several processes").clone();
     let mut ok = true;
     let mut report = |name: &str, pass: bool| {

@@ -21,11 +21,19 @@ pub struct DdpOptions {
     pub allow_unused: bool,
     /// All-reduce in this dtype instead of the gradients' own (bf16 or f16).
     pub compression: Option<Kind>,
+    /// Keep the model's buffers (variables that are not parameters: batch norm's running
+    /// statistics) equal to rank 0's, as torch's `broadcast_buffers=True` (the default) does.
+    pub broadcast_buffers: bool,
 }
 
 impl Default for DdpOptions {
     fn default() -> Self {
-        Self { bucket_bytes: 25 << 20, allow_unused: false, compression: None }
+        Self {
+            bucket_bytes: 25 << 20,
+            allow_unused: false,
+            compression: None,
+            broadcast_buffers: true,
+        }
     }
 }
 
@@ -312,5 +320,13 @@ impl Strategy for DdpStrategy {
 
     fn zero_grad_in_place(&self) -> bool {
         true
+    }
+
+    fn buffer_group(
+        &self,
+        _: &Context<'_>,
+        options: &ModelOptions,
+    ) -> Option<Arc<dyn Communicator>> {
+        options.ddp.broadcast_buffers.then(|| self.group.clone())
     }
 }

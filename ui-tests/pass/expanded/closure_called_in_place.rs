@@ -1,0 +1,40 @@
+//! The training loop inside a closure called where it is written (its body runs there,
+//! once), returning its own `Result`.
+#![deny(warnings)]
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Tensor};
+use crate::common::{Data, mlp, weights};
+fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let accelerator = ::accel_core::Accelerator::builder()
+        .strategy(::accel_core::Strategy::Ddp)
+        .cpu(true)
+        .attribute_data_loops(1usize)
+        .build()?;
+    let __accel_exit = accelerator.exit_guard();
+    let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
+        use OptimizerConfig as _;
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = mlp(&vs.root());
+        let mut opt = accelerator.build_optimizer(nn::Adam::default(), &vs, 1e-2)?;
+        (|| -> anyhow::Result<()> {
+            for _ in 0..data.epochs {
+                for (x, y) in accelerator.prepare_iter(data.batches()) {
+                    let __accel_autocast = accelerator.autocast_step()?;
+                    let loss = net.forward(&x).cross_entropy_for_logits(&y);
+                    opt.zero_grad()?;
+                    accelerator.backward(&loss)?;
+                    opt.step()?;
+                }
+            }
+            Ok(())
+        })()?;
+        Ok(weights(&vs, ""))
+    })();
+    if __accel_result.is_ok() {
+        __accel_exit.finish()?;
+    }
+    __accel_result
+}
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    train(data)
+}
