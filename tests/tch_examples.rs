@@ -36,12 +36,14 @@ const EXAMPLES: &[Example] = &[
         name: "mnist_conv",
         source: "mnist_conv.rs",
         entry: "run",
-        outcome: Outcome::Runs { args: &[], precision: "bf16", epochs: 2 },
+        outcome: Outcome::Runs { args: &[], precision: "fp16", epochs: 2 },
     },
     Example {
         name: "char_rnn",
         source: "char_rnn.rs",
         entry: "main",
+        // fp32: libtorch's CPU LSTM (oneDNN) has no fp16 or bf16 kernel on this machine;
+        // PyTorch under autocast fails the same way.
         outcome: Outcome::Runs { args: &[], precision: "no", epochs: 1 },
     },
     Example {
@@ -54,7 +56,9 @@ const EXAMPLES: &[Example] = &[
         name: "vae",
         source: "vae.rs",
         entry: "main",
-        outcome: Outcome::Runs { args: &[], precision: "fp16", epochs: 2 },
+        // Not fp16: its loss sums ~100,000 binary cross-entropies, beyond fp16's 65,504, so
+        // nearly every step would overflow and be skipped.
+        outcome: Outcome::Runs { args: &[], precision: "bf16", epochs: 2 },
     },
     // Full-batch training in a loop over epochs: nothing to deal.
     Example {
@@ -112,8 +116,9 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 /// `data/` as the examples read it: MNIST's files made from the 8x8 digits of data/
-/// (each pixel 3x3, a 2-pixel border: 28x28), and 20,000 characters of the KJV text as
-/// `input.txt`.
+/// (each pixel 3x3, a 2-pixel border: 28x28), and 5,000 characters of the KJV text as
+/// `input.txt` (tch's `TextData` starts a sequence at every character: about 600 batches
+/// of 8).
 fn write_data(dir: &Path) {
     let data = dir.join("data");
     std::fs::create_dir_all(&data).unwrap();
@@ -148,7 +153,7 @@ fn write_data(dir: &Path) {
         std::fs::write(data.join(format!("{prefix}-labels-idx1-ubyte")), labels).unwrap();
     }
     let text = std::fs::read_to_string(root().join("data/kjv-genesis-exodus.txt")).unwrap();
-    let text: String = text.chars().take(20_000).collect();
+    let text: String = text.chars().take(5_000).collect();
     std::fs::write(data.join("input.txt"), text).unwrap();
 }
 
@@ -201,10 +206,11 @@ fn run(
     (state, said)
 }
 
-fn micro_steps(state: &Path, rank: usize) -> u64 {
+/// A step counter of `rank` (`micro_steps_total`, `optimizer_steps`).
+fn counter(state: &Path, rank: usize, name: &str) -> u64 {
     let text = std::fs::read_to_string(state.join(format!("counters.rank{rank}.json"))).unwrap();
     let counters: serde_json::Value = serde_json::from_str(&text).unwrap();
-    counters["micro_steps_total"].as_u64().unwrap()
+    counters[name].as_u64().unwrap()
 }
 
 /// The largest difference between two ranks' variables, over every variable of every
@@ -251,6 +257,7 @@ fn check_runs(dir: &Path, binary: &Path, e: &Example, args: &[&str], precision: 
         );
     }
     assert!(said_two.contains("2 processes"), "{}:\n{said_two}", e.name);
+    let micro_steps = |state: &Path, rank| counter(state, rank, "micro_steps_total");
     let (single, rank0, rank1) = (micro_steps(&one, 0), micro_steps(&two, 0), micro_steps(&two, 1));
     assert_eq!(rank0, rank1, "{}: the ranks took different numbers of micro-steps", e.name);
     assert!(
@@ -258,13 +265,17 @@ fn check_runs(dir: &Path, binary: &Path, e: &Example, args: &[&str], precision: 
         "{}: not dealt: 1 process took {single} micro-steps, each of 2 took {rank0}",
         e.name
     );
+    let stepped = counter(&two, 0, "optimizer_steps");
+    assert!(stepped > 0, "{}: no optimizer step was taken on 2 processes", e.name);
     let diff = ranks_differ_by(&two);
     assert!(diff <= 1e-6, "{}: the 2 ranks ended with variables differing by {diff}", e.name);
 }
 
 #[test]
 fn tch_rs_examples_run_on_1_and_2_processes_or_are_refused_at_the_right_line() {
-    let (dir, target, _) = set_up_crate("tch-examples", &["anyhow = \"1\"", "rand = \"0.9\""]);
+    // tch-rs's examples are written for Rust 2021, as their crate is.
+    let (dir, target, _) =
+        set_up_crate("tch-examples", "2021", &["anyhow = \"1\"", "rand = \"0.9\""]);
     write_crate(&dir);
     write_data(&dir);
     let runs: Vec<&str> = EXAMPLES

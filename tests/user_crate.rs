@@ -69,17 +69,18 @@ fn accel_setup(dir: &Path) -> String {
     said
 }
 
-/// A user's crate named `name` in a fresh folder, with accel-core, tch and `extra`
+/// A user's crate named `name` of Rust `edition` in a fresh folder, with accel-core, tch and `extra`
 /// dependency lines, the workspace's lock file (same versions, no network) and `accel
 /// setup` run in it. Returns the folder, the target folder to build into, and what `accel
 /// setup` said.
-fn set_up_crate(name: &str, extra: &[&str]) -> (PathBuf, PathBuf, String) {
+fn set_up_crate(name: &str, edition: &str, extra: &[&str]) -> (PathBuf, PathBuf, String) {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("src")).unwrap();
     let accel_core = root().join("accel-core");
     let mut manifest = MANIFEST.replace("ACCEL_CORE", accel_core.to_str().unwrap());
     manifest = manifest.replace("name = \"user-crate\"", &format!("name = \"{name}\""));
+    manifest = manifest.replace("edition = \"2024\"", &format!("edition = \"{edition}\""));
     manifest = manifest.replace(
         "[dependencies]\n",
         &format!("[dependencies]\n{}", extra.iter().map(|l| format!("{l}\n")).collect::<String>()),
@@ -98,7 +99,7 @@ fn set_up_crate(name: &str, extra: &[&str]) -> (PathBuf, PathBuf, String) {
 
 #[test]
 fn a_crate_outside_the_workspace_is_set_up_by_accel_setup_and_runs_without_ld_library_path() {
-    let (dir, target, said) = set_up_crate("user-crate", &[]);
+    let (dir, target, said) = set_up_crate("user-crate", "2024", &[]);
     std::fs::write(dir.join("src/main.rs"), MAIN_RS).unwrap();
     assert!(said.contains("found torch 2.11.0"), "{said}");
     assert_eq!(std::fs::read_to_string(dir.join("build.rs")).unwrap(), BUILD_RS);

@@ -36,7 +36,7 @@ impl nn::ModuleT for Net {
     }
 }
 
-#[accel_core::accelerate(strategy = "ddp", precision = "bf16")]
+#[accel_core::accelerate(strategy = "ddp", precision = "fp16")]
 pub fn run() -> Result<()> {
     let m = tch::vision::mnist::load_dir("data")?;
     let vs = nn::VarStore::new(Device::cuda_if_available());

@@ -70,7 +70,7 @@ fn image_matrix(imgs: &Tensor, sz: i64) -> Result<Tensor> {
     Ok(Tensor::cat(&ys, 3).squeeze_dim(0))
 }
 
-#[accel_core::accelerate(strategy = "zero1", precision = "fp16")]
+#[accel_core::accelerate(strategy = "zero1", precision = "bf16")]
 pub fn main() -> Result<()> {
     let device = tch::Device::cuda_if_available();
     let m = tch::vision::mnist::load_dir("data")?;
