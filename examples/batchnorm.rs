@@ -58,6 +58,11 @@ struct Args {
     /// Where every process writes `rank{r}.safetensors`.
     #[arg(long)]
     out_dir: PathBuf,
+    /// After training: `save_state` into this folder, scramble every variable on every
+    /// process (differently on each), `load_state` it back; what is written is what the
+    /// load restored.
+    #[arg(long)]
+    state: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -105,6 +110,15 @@ fn main() -> Result<()> {
             opt.step()?;
             opt.zero_grad()?;
         }
+    }
+    if let Some(dir) = &args.state {
+        acc.save_state(dir)?;
+        tch::no_grad(|| {
+            for (_, mut var) in vs.variables() {
+                let _ = var.fill_(1.0 + acc.process_index() as f64);
+            }
+        });
+        acc.load_state(dir)?;
     }
     std::fs::create_dir_all(&args.out_dir)?;
     let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().collect();

@@ -4,27 +4,37 @@
 //!
 //! One process:    target/release/examples/mlp_bench
 //! Two processes:  target/release/accel launch --num-processes 2 target/release/examples/mlp_bench
+//!
+//! `--batch-norm` puts a batch norm after each hidden layer (buffers: 4096 running
+//! statistics, broadcast after every step); `--no-broadcast-buffers` leaves them per process,
+//! for the cost of keeping them equal.
 
 use accel_core::Accelerator;
 use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW};
 use anyhow::Result;
-use tch::nn::{self, Module};
+use tch::nn::{self, ModuleT};
 use tch::{Device, Kind, Tensor};
 
 fn main() -> Result<()> {
-    let acc = Accelerator::builder().seed(0).cpu(true).build()?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let batch_norm = args.iter().any(|a| a == "--batch-norm");
+    let broadcast = !args.iter().any(|a| a == "--no-broadcast-buffers");
+    let acc = Accelerator::builder().seed(0).cpu(true).broadcast_buffers(broadcast).build()?;
     tch::set_num_threads(1);
     let x = Tensor::randn([64 * 400, 784], (Kind::Float, Device::Cpu));
     let y = Tensor::randint(10, [64 * 400], (Kind::Int64, Device::Cpu));
     let vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();
-    let net = nn::seq()
-        .add(nn::linear(&root / "layers" / 0, 784, 1024, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&root / "layers" / 1, 1024, 1024, Default::default()))
-        .add_fn(|x| x.relu())
-        .add(nn::linear(&root / "layers" / 2, 1024, 10, Default::default()));
+    let mut net = nn::seq_t();
+    for (i, (n_in, n_out)) in [(784, 1024), (1024, 1024)].into_iter().enumerate() {
+        net = net.add(nn::linear(&root / "layers" / i, n_in, n_out, Default::default()));
+        if batch_norm {
+            net = net.add(nn::batch_norm1d(&root / "norms" / i, n_out, Default::default()));
+        }
+        net = net.add_fn(|x| x.relu());
+    }
+    let net = net.add(nn::linear(&root / "layers" / 2, 1024, 10, Default::default()));
     acc.prepare_model(&vs)?;
     let mut opt = acc.prepare_optimizer(AdamW::new(
         acc.params(&vs),
@@ -37,7 +47,7 @@ fn main() -> Result<()> {
     let (mut steps, mut last) = (0u64, 0.0);
     for batch in loader.iter() {
         let batch = batch?;
-        let loss = net.forward(&batch[0]).cross_entropy_for_logits(&batch[1]);
+        let loss = net.forward_t(&batch[0], true).cross_entropy_for_logits(&batch[1]);
         acc.backward(&loss)?;
         opt.step()?;
         opt.zero_grad()?;

@@ -985,6 +985,8 @@ fn max_difference(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>
 /// With `--sync-batchnorm`, against one process with both processes' batches together
 /// (what torch's SyncBatchNorm computes; it has no CPU kernels to run here). Without buffer
 /// broadcasting the ranks' running statistics must differ, or this test could not fail.
+/// Under ddp and zero3 the variables compared have been through `save_state` and
+/// `load_state` (scrambled on every rank in between).
 #[test]
 fn batch_norm_matches_accelerate_on_every_variable_including_running_statistics() {
     let dir = scratch("batchnorm");
@@ -1014,6 +1016,10 @@ fn batch_norm_matches_accelerate_on_every_variable_including_running_statistics(
         for strategy in ["ddp", "zero3"] {
             let mut args = files(8);
             args.extend(["--strategy".into(), strategy.into()]);
+            // Every variable goes through save_state and load_state (after being scrambled
+            // on every rank) before it is written.
+            let state = dir.join(format!("state-{model}-{strategy}"));
+            args.extend(["--state".into(), state.display().to_string()]);
             let ranks = batchnorm_accel(&dir, &format!("{model}-{strategy}"), &args);
             for (rank, ours) in ranks.iter().enumerate() {
                 let (diff, name) = max_difference(&torch, ours);

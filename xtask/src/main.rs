@@ -304,6 +304,28 @@ fn bench() -> Result<(), String> {
         ours2 / acc2,
         ours2 / accf2
     );
+    // Batch norm after each hidden layer: its running statistics are broadcast from rank 0
+    // after every step (one collective of 4096 floats), or left per process.
+    let with_norms = |broadcast: bool| {
+        median_of(RUNS, || {
+            let mut command = Command::new(&accel);
+            command
+                .args(["launch", "--num-processes", "2", "--main-process-port", "0"])
+                .args(["--rank0-only"])
+                .arg(&example)
+                .arg("--batch-norm");
+            if !broadcast {
+                command.arg("--no-broadcast-buffers");
+            }
+            mlp_figures(&mut command)
+        })
+    };
+    let (synced, local) = (with_norms(true)?.0, with_norms(false)?.0);
+    println!(
+        "with batch norm, 2 processes: {synced:.0} samples/s keeping the running statistics \
+         equal, {local:.0} without: the broadcast costs {:.1}%",
+        100.0 * (local - synced) / local
+    );
     let lm = root.join("target/release/examples/lm_bench");
     let lm_script = root.join("python/reference/accelerate_lm.py");
     let lm_theirs = |fused: bool| {
