@@ -15,6 +15,7 @@ pub fn run(name: &str, data: &Data) -> anyhow::Result<()> {
     let acc = match name {
         "tensor_parallel_of_ordinary_layers" => builder.tensor_parallel(2),
         "backward_outside_the_pipeline" => builder.pipeline_parallel(2),
+        "variables_released_by_zero3" => builder.strategy(accel_core::Strategy::Zero3),
         _ => builder,
     }
     .build()?;
@@ -68,6 +69,21 @@ pub fn run(name: &str, data: &Data) -> anyhow::Result<()> {
             for (x, y) in acc.prepare_iter(data.batches()) {
                 acc.backward(&net.forward(&x).cross_entropy_for_logits(&y))?;
             }
+        }
+        // zero3 releases a wrapped layer's parameters between uses: reading them as tch's
+        // `vs.variables()` would read memory that is not there (`#[accelerate]` turns
+        // `vs.variables()` into this call).
+        "variables_released_by_zero3" => {
+            let wrapped = nn::VarStore::new(Device::Cpu);
+            let p = wrapped.root() / "layers" / 0;
+            let layer = accel_core::Unit::new(&p, nn::linear(&p, 6, 3, Default::default()));
+            acc.prepare_model(&wrapped)?;
+            let mut opt = acc.prepare_optimizer(AdamW::new(named_params(&wrapped), config)?);
+            for (x, y) in acc.prepare_iter(data.batches()) {
+                acc.backward(&layer.forward(&x).cross_entropy_for_logits(&y))?;
+                opt.step()?;
+            }
+            let _ = acc.variables(&wrapped);
         }
         other => anyhow::bail!("no case {other}"),
     }

@@ -156,6 +156,7 @@ fn the_explicit_api_refuses_to_train_one_model_per_process() {
         ("tensor_parallel_of_ordinary_layers", "this model has no tensor-parallel layers"),
         ("backward_outside_the_pipeline", "only a pipeline step passes activations"),
         ("prepare_data", "did not come through a prepared data loader"),
+        ("variables_released_by_zero3", "call `accelerator.full_state_dict(&vs)?`"),
     ];
     for (case, expected) in cases {
         let port = free_port().to_string();
