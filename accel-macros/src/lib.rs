@@ -34,7 +34,9 @@ pub fn derive_to_device(input: TokenStream) -> TokenStream {
 /// Keys: `strategy` (single, ddp, zero1, zero2, zero3, fsdp), `sharding` (fsdp only),
 /// `precision` (no, fp16, bf16, fp8; under fp8 the body's `nn::linear(..)` calls become
 /// `accelerator.linear(..)`), `fp8_recipe` (tensorwise, rowwise), `accumulate`, `clip_grad_norm`, `seed`, `cpu`,
-/// `offload`, `config` (a YAML file read at run time), `name` (the accelerator's binding in
+/// `offload`, `data` (prepared, manual: who deals the batches), `broadcast_buffers`,
+/// `sync_batchnorm` (the body's `nn::batch_norm*d` become the accelerator's),
+/// `config` (a YAML file read at run time), `name` (the accelerator's binding in
 /// the body, default `accelerator`), `model` (which VarStore is the model, when there are
 /// several), `crate` (path to accel-core). Keys left out come from `accel launch`, the
 /// config file or the defaults at run time.
