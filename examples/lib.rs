@@ -2,6 +2,7 @@
 //! (a strategy written outside accel-core).
 
 pub mod gpt;
+pub mod llama;
 pub mod local_sgd;
 
 use std::path::{Path, PathBuf};

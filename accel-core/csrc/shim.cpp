@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/autograd/variable.h>
 #include <ATen/autocast_mode.h>
@@ -64,6 +65,8 @@ extern "C" {
 typedef char* (*accel_post_acc_fn)(void* ctx, at::Tensor* param);
 typedef char* (*accel_grad_fn)(void* ctx, at::Tensor* grad, at::Tensor** replacement);
 typedef void (*accel_drop_fn)(void* ctx);
+// A forward pass: receives an owned `at::Tensor*` (the input) and stores an owned output.
+typedef char* (*accel_forward_fn)(void* ctx, at::Tensor* input, at::Tensor** output);
 
 }  // extern "C"
 
@@ -170,6 +173,134 @@ char* accel_add_grad_hook(at::Tensor* tensor, accel_grad_fn fn, void* ctx, accel
 
 char* accel_remove_grad_hook(at::Tensor* tensor, uint32_t handle) {
   ACCEL_TRY(tensor->remove_hook(handle))
+}
+
+// ---- activation checkpointing -------------------------------------------------------
+
+namespace {
+
+// The generator states and autocast settings a forward pass ran with, so that its
+// recomputation in backward draws the same dropout masks and casts the same way.
+struct ForwardContext {
+  c10::Device device;
+  at::Tensor cpu_rng;
+  at::Tensor device_rng;
+  bool autocast_enabled = false;
+  at::ScalarType autocast_dtype = at::kFloat;
+
+  explicit ForwardContext(c10::Device device) : device(device) {
+    cpu_rng = state_of(c10::Device(c10::kCPU));
+    if (device.type() != c10::kCPU) device_rng = state_of(device);
+    if (at::autocast::is_autocast_available(device.type())) {
+      autocast_enabled = at::autocast::is_autocast_enabled(device.type());
+      autocast_dtype = at::autocast::get_autocast_dtype(device.type());
+    }
+  }
+
+  static at::Tensor state_of(c10::Device device) {
+    auto gen = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    return gen.get_state();
+  }
+
+  static void restore(c10::Device device, const at::Tensor& state) {
+    auto gen = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  }
+};
+
+// The backward of a checkpointed forward pass: runs it again with gradients (same
+// generator states, same autocast), then backward through it with the incoming gradient,
+// which accumulates the module's parameter gradients and yields the input's.
+struct CheckpointBackward : torch::autograd::Node {
+  accel_forward_fn fn;
+  std::shared_ptr<Callback> callback;
+  at::Tensor input;
+  bool input_requires_grad;
+  ForwardContext context;
+
+  CheckpointBackward(accel_forward_fn fn, std::shared_ptr<Callback> callback, at::Tensor input,
+                     bool input_requires_grad, ForwardContext context)
+      : fn(fn),
+        callback(std::move(callback)),
+        input(std::move(input)),
+        input_requires_grad(input_requires_grad),
+        context(std::move(context)) {}
+
+  std::string name() const override { return "accel::CheckpointBackward"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    // The generators continue afterwards from where they are now, not from the replay.
+    ForwardContext now(context.device);
+    ForwardContext::restore(c10::Device(c10::kCPU), context.cpu_rng);
+    if (context.device_rng.defined()) ForwardContext::restore(context.device, context.device_rng);
+    auto type = context.device.type();
+    bool autocast = at::autocast::is_autocast_available(type);
+    if (autocast) {
+      at::autocast::set_autocast_enabled(type, context.autocast_enabled);
+      at::autocast::set_autocast_dtype(type, context.autocast_dtype);
+      at::autocast::increment_nesting();
+    }
+    at::Tensor x = input.detach().requires_grad_(input_requires_grad);
+    at::Tensor y;
+    std::exception_ptr failure;
+    try {
+      at::AutoGradMode enable_grad(true);
+      at::Tensor* out = nullptr;
+      char* error = fn(callback->ctx, new at::Tensor(x), &out);
+      if (error != nullptr) throw_callback_error(error);
+      y = std::move(*out);
+      delete out;
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    if (autocast) {
+      if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+      at::autocast::set_autocast_enabled(type, now.autocast_enabled);
+      at::autocast::set_autocast_dtype(type, now.autocast_dtype);
+    }
+    ForwardContext::restore(c10::Device(c10::kCPU), now.cpu_rng);
+    if (now.device_rng.defined()) ForwardContext::restore(context.device, now.device_rng);
+    if (failure) std::rethrow_exception(failure);
+    TORCH_CHECK(y.requires_grad(), "the recomputed forward pass does not require grad");
+    torch::autograd::backward({y}, {grads[0]});
+    if (!input_requires_grad) return {at::Tensor()};
+    return {x.grad()};
+  }
+};
+
+}  // namespace
+
+// Runs `fn(input)` without recording its graph (no activations kept) and returns its output
+// with a backward that runs it again (see CheckpointBackward). With grad mode off, a plain
+// forward pass.
+char* accel_checkpoint(at::Tensor* input, accel_forward_fn fn, void* ctx, accel_drop_fn drop,
+                       at::Tensor** output) {
+  auto callback = std::make_shared<Callback>(ctx, drop);
+  ACCEL_TRY({
+    bool record = at::GradMode::is_enabled();
+    ForwardContext context(input->device());
+    at::Tensor y;
+    {
+      at::NoGradGuard no_grad;
+      at::Tensor* out = nullptr;
+      char* error = fn(callback->ctx, new at::Tensor(input->detach()), &out);
+      if (error != nullptr) throw_callback_error(error);
+      y = std::move(*out);
+      delete out;
+    }
+    if (record) {
+      y = y.detach();
+      bool needs = input->requires_grad();
+      auto node = std::shared_ptr<CheckpointBackward>(
+          new CheckpointBackward(fn, callback, input->detach(), needs, std::move(context)),
+          torch::autograd::deleteNode);
+      if (needs) node->set_next_edges(torch::autograd::collect_next_edges(*input));
+      torch::autograd::set_history(y, node);
+    }
+    *output = new at::Tensor(y);
+  })
 }
 
 // ---- .grad ---------------------------------------------------------------------

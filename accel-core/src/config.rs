@@ -42,6 +42,10 @@ pub struct Config {
     pub pipeline_parallel: usize,
     /// Split the activations outside tensor-parallel regions along the sequence.
     pub sequence_parallel: bool,
+    /// Recompute each unit's activations in backward instead of keeping them (FSDP's
+    /// `activation_checkpointing`; units are `accel::Unit`s run with `run_on`).
+    #[serde(default)]
+    pub activation_checkpointing: bool,
 }
 
 impl Default for Config {
@@ -57,6 +61,7 @@ impl Default for Config {
             tensor_parallel: 1,
             pipeline_parallel: 1,
             sequence_parallel: false,
+            activation_checkpointing: false,
         }
     }
 }
@@ -96,6 +101,9 @@ pub struct PartialConfig {
     /// See [`Config::sequence_parallel`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sequence_parallel: Option<bool>,
+    /// See [`Config::activation_checkpointing`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activation_checkpointing: Option<bool>,
 }
 
 /// Environment variables read by [`PartialConfig::from_env`] (set by `accel launch`).
@@ -110,6 +118,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("ACCEL_TENSOR_PARALLEL", "tensor_parallel"),
     ("ACCEL_PIPELINE_PARALLEL", "pipeline_parallel"),
     ("ACCEL_SEQUENCE_PARALLEL", "sequence_parallel"),
+    ("ACCEL_ACTIVATION_CHECKPOINTING", "activation_checkpointing"),
 ];
 
 fn parse_bool(value: &str) -> Option<bool> {
@@ -183,6 +192,12 @@ impl PartialConfig {
                             .ok_or_else(|| parse_err(var, &value, "true or false"))?,
                     )
                 }
+                "ACCEL_ACTIVATION_CHECKPOINTING" => {
+                    config.activation_checkpointing = Some(
+                        parse_bool(&value)
+                            .ok_or_else(|| parse_err(var, &value, "true or false"))?,
+                    )
+                }
                 _ => unreachable!("every ENV_VARS entry is handled"),
             }
         }
@@ -207,6 +222,9 @@ impl PartialConfig {
             tensor_parallel: stronger.tensor_parallel.or(self.tensor_parallel),
             pipeline_parallel: stronger.pipeline_parallel.or(self.pipeline_parallel),
             sequence_parallel: stronger.sequence_parallel.or(self.sequence_parallel),
+            activation_checkpointing: stronger
+                .activation_checkpointing
+                .or(self.activation_checkpointing),
         }
     }
 
@@ -232,7 +250,8 @@ impl PartialConfig {
             cpu,
             tensor_parallel,
             pipeline_parallel,
-            sequence_parallel
+            sequence_parallel,
+            activation_checkpointing
         );
         out
     }
@@ -251,6 +270,9 @@ impl PartialConfig {
             tensor_parallel: self.tensor_parallel.unwrap_or(d.tensor_parallel),
             pipeline_parallel: self.pipeline_parallel.unwrap_or(d.pipeline_parallel),
             sequence_parallel: self.sequence_parallel.unwrap_or(d.sequence_parallel),
+            activation_checkpointing: self
+                .activation_checkpointing
+                .unwrap_or(d.activation_checkpointing),
         };
         if config.tensor_parallel == 0 || config.pipeline_parallel == 0 {
             return Err(Error::Config(format!(

@@ -37,7 +37,7 @@ pub use accelerator::{
     DriveOptimizer, Driven, ExitGuard, ForwardGuard, IntoAccelOptimizer, PreparedBatches,
     PreparedIter, PreparedLoader, StepCounters, StepGuard, current, split_between,
 };
-pub use checkpoint::merge_weights;
+pub use checkpoint::{HfCheckpoint, merge_weights};
 pub use config::{Config, DataSharding, Fp8Recipe, Precision, Strategy};
 pub use device::ToDevice;
 pub use error::{Error, Result};

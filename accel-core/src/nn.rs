@@ -1,4 +1,5 @@
-//! Layers whose computation spans processes: [`SyncBatchNorm`], torch's `SyncBatchNorm`.
+//! Layers whose computation spans processes — [`SyncBatchNorm`], torch's `SyncBatchNorm` —
+//! and variables that take no memory until a checkpoint fills them ([`uninit`]).
 //!
 //! With data parallelism, tch's batch norm normalises each process's batch by that batch's
 //! own statistics. `SyncBatchNorm` normalises by the statistics of the batches of every
@@ -15,6 +16,16 @@ use tch::{Kind, Tensor};
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::shim::add_grad_hook;
+
+/// A trainable variable `name` of shape `dims` under `path` whose values are not set: its
+/// memory is reserved but not touched (a large allocation takes no resident memory until
+/// written), as PyTorch's meta-device initialisation leaves a model. Build a model of these,
+/// then [`crate::Accelerator::prepare_model_from_checkpoint`]: under zero3 each process then
+/// fills only its own shard. Reading one before it is loaded reads garbage.
+pub fn uninit(path: &tch::nn::Path, name: &str, dims: &[i64]) -> Tensor {
+    let empty = Tensor::empty(dims, (path.kind(), path.device()));
+    path.add(name, empty, true)
+}
 
 /// Batch normalisation over the batches of every data-parallel process (see the module).
 /// Its variables are tch's `BatchNorm`'s: `weight`, `bias`, `running_mean`, `running_var`.

@@ -71,7 +71,7 @@ pub fn run(name: &str, data: &Data) -> anyhow::Result<()> {
             }
         }
         // zero3 releases a wrapped layer's parameters between uses: reading them as tch's
-        // `vs.variables()` would read memory that is not there (`#[accelerate]` turns
+        // `vs.variables()` would read memory that is not there (the attribute turns
         // `vs.variables()` into this call).
         "variables_released_by_zero3" => {
             let wrapped = nn::VarStore::new(Device::Cpu);

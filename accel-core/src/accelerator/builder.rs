@@ -152,6 +152,12 @@ impl AcceleratorBuilder {
         self.explicit.sequence_parallel = Some(on);
         self
     }
+    /// Recompute each `accel::Unit`'s activations in backward instead of keeping them
+    /// (FSDP's `activation_checkpointing`): less memory, one more forward pass per unit.
+    pub fn activation_checkpointing(mut self, on: bool) -> Self {
+        self.explicit.activation_checkpointing = Some(on);
+        self
+    }
     /// Seed torch's generators (and the shuffling of loaders that use the run's seed).
     pub fn seed(mut self, seed: u64) -> Self {
         self.explicit.seed = Some(seed);

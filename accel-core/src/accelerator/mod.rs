@@ -73,7 +73,7 @@ pub(crate) struct Inner {
     pub(crate) tp: crate::strategy::tp::TensorParallel,
     /// Under precision fp8: the recipe and the fp8 layers made so far.
     pub(crate) fp8: Option<Arc<crate::precision::fp8::Fp8Layers>>,
-    model_options: ModelOptions,
+    pub(crate) model_options: ModelOptions,
     /// The per-process batch size a DeepSpeed config fixes (`train_micro_batch_size_per_gpu`,
     /// or what its `train_batch_size` implies).
     pub(crate) micro_batch_size: Option<usize>,

@@ -66,7 +66,7 @@ fn temporary_beside(path: &Path) -> PathBuf {
 
 impl Accelerator {
     /// The prepared model whose variables `vs` holds, if it was prepared.
-    fn prepared_params(&self, vs: &VarStore) -> Option<Vec<Param>> {
+    pub(crate) fn prepared_params(&self, vs: &VarStore) -> Option<Vec<Param>> {
         let first = vs.variables().into_values().next()?;
         let registry = self.registry();
         registry

@@ -227,7 +227,7 @@ pub(crate) fn read_tensors(path: &Path, record: &FileRecord) -> Result<BTreeMap<
 
 /// The largest safetensors header accepted: a checkpoint's lists each tensor's name, dtype,
 /// shape and offsets (~100 bytes), so this allows well over 100,000 tensors.
-const MAX_HEADER_BYTES: u64 = 16 << 20;
+pub(crate) const MAX_HEADER_BYTES: u64 = 16 << 20;
 
 /// The tensors of a safetensors file's bytes (those whose CRC was checked, not a second
 /// read of the file). The header's length is checked before anything is sized by it; the

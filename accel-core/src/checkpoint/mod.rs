@@ -12,6 +12,7 @@
 //! which strategy saved or loads.
 
 mod format;
+mod hf;
 mod model;
 
 use std::collections::BTreeMap;
@@ -30,6 +31,7 @@ use format::{
     model_file, numbered_checkpoints, optimizer_file, publish, recover_interrupted, rng_devices,
     rng_file, shard_file, temporary_dir, temporary_dir_path, write_tensors,
 };
+pub use hf::HfCheckpoint;
 pub use model::merge_weights;
 
 /// What one process saved of a tensor in its shard file.

@@ -59,6 +59,7 @@ const OURS: &[&str] = &[
     "tensor_parallel",
     "pipeline_parallel",
     "sequence_parallel",
+    "activation_checkpointing",
 ];
 
 /// Accelerate keys we translate.
@@ -256,6 +257,10 @@ impl LaunchConfig {
                     config.training.sequence_parallel =
                         Some(value.as_bool().ok_or_else(|| bad("true or false"))?)
                 }
+                "activation_checkpointing" => {
+                    config.training.activation_checkpointing =
+                        Some(value.as_bool().ok_or_else(|| bad("true or false"))?)
+                }
                 // Accelerate's Megatron-LM plugin: the degrees mean the same here.
                 "megatron_lm_config" => {
                     let get = |k: &str| value.get(k);
@@ -349,6 +354,12 @@ impl LaunchConfig {
                     }
                 }
                 "fsdp_config" => {
+                    if let Some(on) = value.get("fsdp_activation_checkpointing") {
+                        config.training.activation_checkpointing =
+                            Some(on.as_bool().ok_or_else(|| {
+                                bad("fsdp_activation_checkpointing: true or false")
+                            })?);
+                    }
                     if let Some(s) = value.get("fsdp_sharding_strategy") {
                         let s = s
                             .as_str()
@@ -447,6 +458,9 @@ impl LaunchConfig {
         }
         if let Some(v) = t.sequence_parallel {
             env.push(("ACCEL_SEQUENCE_PARALLEL", v.to_string()));
+        }
+        if let Some(v) = t.activation_checkpointing {
+            env.push(("ACCEL_ACTIVATION_CHECKPOINTING", v.to_string()));
         }
         env
     }

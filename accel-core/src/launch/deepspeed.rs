@@ -93,7 +93,9 @@ fn refusal(key: &str) -> &'static str {
         "optimizer" => "accel takes the optimizer from the program: remove the section",
         "scheduler" => "accel takes the schedule from the program (`set_schedule`): remove it",
         "amp" => "Apex AMP: use bf16 or fp16",
-        "activation_checkpointing" => "not implemented",
+        "activation_checkpointing.cpu_checkpointing" => {
+            "activations offloaded to the CPU are not implemented (activation checkpointing is)"
+        }
         "flops_profiler" => "not implemented (accel's profiler is `Accelerator::profile`)",
         "aio" => "NVMe offload is not implemented",
         "pipeline" => "use accel's pipeline_parallel",
@@ -175,6 +177,19 @@ pub fn parse(text: &str) -> Result<DeepSpeedConfig> {
                 }
             }
             "fp16" => fp16(value, &mut out, &mut refused, &mut wrong),
+            // Recomputing each unit in backward (accel::Unit::run_on); how DeepSpeed lays the
+            // saved inputs out is its own business, except offloading them to the CPU.
+            "activation_checkpointing" => {
+                out.training.activation_checkpointing = Some(true);
+                for k in sub_keys(value) {
+                    match k {
+                        "cpu_checkpointing" if value[k].as_bool() == Some(true) => {
+                            refused.push(format!("{key}.{k}"))
+                        }
+                        _ => out.ignored.push(format!("{key}.{k}")),
+                    }
+                }
+            }
             "zero_optimization" => zero(value, &mut out, &mut refused, &mut wrong),
             k if HINTS.contains(&k) => out.ignored.push(k.to_owned()),
             k => refused.push(k.to_owned()),
@@ -501,7 +516,6 @@ mod tests {
         for refused in [
             "`optimizer` (accel takes the optimizer from the program: remove the section)",
             "`scheduler`",
-            "`activation_checkpointing`",
             "`aio`",
             "`fp16.fp16_master_weights_and_grads`",
             "`zero_optimization.zero_quantized_weights`",
@@ -509,6 +523,14 @@ mod tests {
             assert!(err.contains(refused), "{refused} missing from: {err}");
         }
         assert!(!err.contains("steps_per_print") && !err.contains("contiguous_gradients"), "{err}");
+        // Activation checkpointing is on, its layout hints are only warned about.
+        let read =
+            parse(r#"{"activation_checkpointing": {"partition_activations": true}}"#).unwrap();
+        assert_eq!(read.training.activation_checkpointing, Some(true));
+        assert_eq!(read.ignored, ["activation_checkpointing.partition_activations"]);
+        let err =
+            parse(r#"{"activation_checkpointing": {"cpu_checkpointing": true}}"#).unwrap_err();
+        assert!(err.to_string().contains("activation_checkpointing.cpu_checkpointing"), "{err}");
         let err = parse(r#"{"zero_optimization": {"stage": 5}, "gradient_clipping": "x"}"#)
             .unwrap_err()
             .to_string();

@@ -16,6 +16,10 @@ pub(crate) type GradFn =
     unsafe extern "C" fn(*mut c_void, *mut C_tensor, *mut *mut C_tensor) -> *mut c_char;
 /// Drops the closure behind a callback context.
 pub(crate) type DropFn = unsafe extern "C" fn(*mut c_void);
+/// A forward pass: receives an owned `at::Tensor*` (the input) and stores an owned output
+/// in the out-pointer.
+pub(crate) type ForwardFn =
+    unsafe extern "C" fn(*mut c_void, *mut C_tensor, *mut *mut C_tensor) -> *mut c_char;
 
 unsafe extern "C" {
     pub(crate) fn accel_torch_version() -> *const c_char;
@@ -41,6 +45,14 @@ unsafe extern "C" {
         handle: *mut u32,
     ) -> *mut c_char;
     pub(crate) fn accel_remove_grad_hook(tensor: *mut C_tensor, handle: u32) -> *mut c_char;
+
+    pub(crate) fn accel_checkpoint(
+        input: *mut C_tensor,
+        f: ForwardFn,
+        ctx: *mut c_void,
+        drop: DropFn,
+        output: *mut *mut C_tensor,
+    ) -> *mut c_char;
 
     pub(crate) fn accel_set_grad(tensor: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
 

@@ -16,6 +16,9 @@ use crate::error::Result;
 
 type PostAccClosure = Box<dyn Fn(&Tensor) + Send + Sync>;
 type GradClosure = Box<dyn Fn(&Tensor) -> Option<Tensor> + Send + Sync>;
+/// Called by one thread at a time (the forward's, then autograd's in backward): the mutex
+/// makes a `Send` closure shareable.
+type ForwardClosure = std::sync::Mutex<Box<dyn Fn(&Tensor) -> Tensor + Send>>;
 
 /// A post-accumulate-grad hook on a parameter; [`remove`](Self::remove) takes it off.
 /// Dropping the handle leaves the hook in place (as torch's `RemovableHandle`).
@@ -146,4 +149,61 @@ unsafe extern "C" fn drop_post_acc(ctx: *mut c_void) {
 unsafe extern "C" fn drop_grad(ctx: *mut c_void) {
     // SAFETY: called once by the shim with the pointer from `Box::into_raw`.
     drop(unsafe { Box::from_raw(ctx.cast::<GradClosure>()) });
+}
+
+/// Activation checkpointing (torch's `checkpoint`, reentrant form): runs `forward(input)`
+/// without keeping its activations, and returns its output with a backward that runs
+/// `forward` again — with the random generators (CPU and the input's device) and the
+/// autocast settings of the first run, so dropout masks and casts are the same — and then
+/// backward through it: the module's parameters get their gradients, the input its own.
+/// Memory: the input is kept; everything `forward` computes is recomputed in backward.
+/// With gradients off it is a plain forward pass.
+///
+/// `forward` must compute the same thing each time from its input and the parameters it
+/// reads (it runs on autograd's thread in backward, hence `Send + 'static`).
+pub fn checkpoint(
+    input: &Tensor,
+    forward: impl Fn(&Tensor) -> Tensor + Send + 'static,
+) -> Result<Tensor> {
+    let forward: ForwardClosure = std::sync::Mutex::new(Box::new(forward));
+    let ctx = Box::into_raw(Box::new(forward)).cast::<c_void>();
+    let mut output: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: as in `add_grad_hook`: the shim owns `ctx` from here and calls
+    // `drop_forward` exactly once; `output` receives an owned tensor on success.
+    let message = unsafe {
+        ffi::accel_checkpoint(raw(input), forward_trampoline, ctx, drop_forward, &mut output)
+    };
+    check(message, "checkpoint")?;
+    // SAFETY: on success the shim stored a fresh `new at::Tensor`, which we now own.
+    Ok(unsafe { Tensor::from_ptr(output) })
+}
+
+unsafe extern "C" fn forward_trampoline(
+    ctx: *mut c_void,
+    input: *mut C_tensor,
+    output: *mut *mut C_tensor,
+) -> *mut c_char {
+    // SAFETY: as in `post_acc_trampoline`.
+    let input = unsafe { Tensor::from_ptr(input) };
+    // SAFETY: as in `post_acc_trampoline`.
+    let forward = unsafe { &*ctx.cast::<ForwardClosure>() };
+    let run = || forward.lock().unwrap_or_else(|e| e.into_inner())(&input);
+    match catch_unwind(AssertUnwindSafe(run)) {
+        Ok(mut out) => {
+            // Ownership of the at::Tensor passes to the shim.
+            // SAFETY: `output` is a valid out-pointer for the duration of the call.
+            unsafe { *output = out.as_mut_ptr() };
+            std::mem::forget(out);
+            std::ptr::null_mut()
+        }
+        Err(payload) => malloc_message(&format!(
+            "a checkpointed forward pass panicked: {}",
+            panic_message(payload.as_ref())
+        )),
+    }
+}
+
+unsafe extern "C" fn drop_forward(ctx: *mut c_void) {
+    // SAFETY: called once by the shim with the pointer from `Box::into_raw`.
+    drop(unsafe { Box::from_raw(ctx.cast::<ForwardClosure>()) });
 }

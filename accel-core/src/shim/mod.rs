@@ -25,7 +25,9 @@ use torch_sys::C_tensor;
 use crate::error::{Error, Result};
 
 pub use autocast::{AutocastGuard, autocast, autocast_state};
-pub use hooks::{GradHook, PostAccumulateGradHook, add_grad_hook, add_post_accumulate_grad_hook};
+pub use hooks::{
+    GradHook, PostAccumulateGradHook, add_grad_hook, add_post_accumulate_grad_hook, checkpoint,
+};
 
 /// Turns a shim result (NULL, or a malloc'd message) into a `Result`.
 fn check(message: *mut c_char, op: &'static str) -> Result<()> {

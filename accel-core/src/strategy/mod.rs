@@ -125,16 +125,33 @@ impl Context<'_> {
 
 /// Per-model settings of the built-in strategies (given to
 /// `Accelerator::prepare_model_with`); other strategies may ignore them.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct ModelOptions {
     /// DDP's bucket size, unused-parameter handling and gradient compression.
     pub ddp: ddp::DdpOptions,
+    /// Broadcast the first process's values to the others when the model is prepared (FSDP's
+    /// `sync_module_states`; on by default). Off for a model whose values a checkpoint fills
+    /// on every process next (`Accelerator::prepare_model_from_checkpoint`).
+    pub sync_module_states: bool,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        Self { ddp: Default::default(), sync_module_states: true }
+    }
+}
+
+impl ModelOptions {
+    /// These options with `sync_module_states` set to `on`.
+    pub fn sync_module_states(self, on: bool) -> Self {
+        Self { sync_module_states: on, ..self }
+    }
 }
 
 impl From<ddp::DdpOptions> for ModelOptions {
     fn from(ddp: ddp::DdpOptions) -> Self {
-        Self { ddp }
+        Self { ddp, ..Default::default() }
     }
 }
 

@@ -24,6 +24,7 @@ pub(crate) const KEYS: &[&str] = &[
     "data",
     "broadcast_buffers",
     "sync_batchnorm",
+    "activation_checkpointing",
     "config",
     "name",
     "model",
@@ -56,6 +57,7 @@ pub(crate) struct RawArgs {
     pub data: Option<Spanned<DataSharding>>,
     pub broadcast_buffers: Option<Spanned<bool>>,
     pub sync_batchnorm: Option<Spanned<bool>>,
+    pub activation_checkpointing: Option<Spanned<bool>>,
     pub config: Option<Spanned<String>>,
     pub name: Option<syn::Ident>,
     /// The model's VarStore: a variable or a field (`vs`, `self.vs`).
@@ -225,6 +227,9 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
                 "data" => raw.data = Some(expect_choice(v, &key, "\"manual\"")?),
                 "broadcast_buffers" => raw.broadcast_buffers = Some(expect_bool(v, &key)?),
                 "sync_batchnorm" => raw.sync_batchnorm = Some(expect_bool(v, &key)?),
+                "activation_checkpointing" => {
+                    raw.activation_checkpointing = Some(expect_bool(v, &key)?)
+                }
                 "config" => raw.config = Some(expect_str(v, &key, "\"accel.yaml\"")?),
                 "name" => raw.name = Some(expect_ident(v, &key)?),
                 "model" => raw.model = Some(expect_place(v, &key)?),

@@ -98,6 +98,10 @@ pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path, loops: usize) -> TokenSt
         let s = s.value;
         calls.extend(quote!(.sync_batchnorm(#s)));
     }
+    if let Some(a) = &raw.activation_checkpointing {
+        let a = a.value;
+        calls.extend(quote!(.activation_checkpointing(#a)));
+    }
     if let Some(c) = &raw.config {
         let c = &c.value;
         calls.extend(quote!(.config_file(#c)));

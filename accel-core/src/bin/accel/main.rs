@@ -210,6 +210,10 @@ struct LaunchArgs {
     /// Sequence parallelism (with tensor parallelism), passed as ACCEL_SEQUENCE_PARALLEL.
     #[arg(long)]
     sequence_parallel: bool,
+    /// Recompute each unit's activations in backward, passed as
+    /// ACCEL_ACTIVATION_CHECKPOINTING.
+    #[arg(long)]
+    activation_checkpointing: bool,
     /// Timeout of rendezvous and collectives in seconds, passed as ACCEL_TIMEOUT_SECS (and
     /// as ACCEL_NCCL_TIMEOUT, the NCCL watchdog's; 10 min by default).
     #[arg(long, value_parser = |s: &str| parse_seconds(s, false))]
@@ -254,6 +258,7 @@ impl LaunchArgs {
                 tensor_parallel: self.tensor_parallel,
                 pipeline_parallel: self.pipeline_parallel,
                 sequence_parallel: self.sequence_parallel.then_some(true),
+                activation_checkpointing: self.activation_checkpointing.then_some(true),
             },
             deepspeed_config: None,
             warnings: Vec::new(),

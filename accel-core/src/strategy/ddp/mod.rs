@@ -100,13 +100,16 @@ impl Ddp {
         group: Arc<dyn Communicator>,
         state: Arc<GradientState>,
         options: DdpOptions,
+        broadcast: bool,
     ) -> Result<Self> {
-        tch::no_grad(|| -> Result<()> {
-            for p in params {
-                group.broadcast(&p.tensor, 0)?;
-            }
-            Ok(())
-        })?;
+        if broadcast {
+            tch::no_grad(|| -> Result<()> {
+                for p in params {
+                    group.broadcast(&p.tensor, 0)?;
+                }
+                Ok(())
+            })?;
+        }
         let trainable: Vec<&Param> =
             params.iter().rev().filter(|p| p.tensor.requires_grad()).collect();
         let mut buckets = Vec::new();
@@ -304,7 +307,8 @@ impl Strategy for DdpStrategy {
         options: &ModelOptions,
     ) -> Result<()> {
         let state = cx.state.clone();
-        let ddp = Ddp::new(params, self.group.clone(), state, options.ddp)?;
+        let ddp =
+            Ddp::new(params, self.group.clone(), state, options.ddp, options.sync_module_states)?;
         self.models.lock().unwrap_or_else(|e| e.into_inner()).push(ddp);
         Ok(())
     }

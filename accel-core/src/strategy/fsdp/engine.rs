@@ -48,13 +48,16 @@ impl ShardedModel {
         replicas: Option<Arc<dyn Communicator>>,
         stage: Stage,
         options: ShardOptions,
+        broadcast: bool,
     ) -> Result<Arc<Self>> {
-        tch::no_grad(|| -> Result<()> {
-            for p in params {
-                data.broadcast(&p.tensor, 0)?;
-            }
-            Ok(())
-        })?;
+        if broadcast {
+            tch::no_grad(|| -> Result<()> {
+                for p in params {
+                    data.broadcast(&p.tensor, 0)?;
+                }
+                Ok(())
+            })?;
+        }
         let (world, rank) = (group.size() as i64, group.rank() as i64);
         let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
         let handles =

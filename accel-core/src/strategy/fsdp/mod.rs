@@ -115,7 +115,7 @@ impl Strategy for Sharded {
         }
     }
 
-    fn prepare_model(&self, _: &Context<'_>, params: &[Param], _: &ModelOptions) -> Result<()> {
+    fn prepare_model(&self, _: &Context<'_>, params: &[Param], o: &ModelOptions) -> Result<()> {
         let model = ShardedModel::new(
             params,
             self.data.as_ref(),
@@ -123,6 +123,7 @@ impl Strategy for Sharded {
             self.replicas.clone(),
             self.stage,
             self.options.clone(),
+            o.sync_module_states,
         )?;
         self.models().push(model);
         Ok(())

@@ -94,7 +94,7 @@ fn sharded(
     options: ShardOptions,
 ) -> Arc<ShardedModel> {
     let group: Arc<dyn Communicator> = Arc::new(group.clone());
-    ShardedModel::new(params, group.as_ref(), group.clone(), None, Stage::Parameters, options)
+    ShardedModel::new(params, group.as_ref(), group.clone(), None, Stage::Parameters, options, true)
         .unwrap()
 }
 

@@ -77,8 +77,25 @@ pub(crate) fn take_pending(matches: impl Fn(&str) -> bool) -> Result<Vec<Arc<Uni
 #[derive(Debug)]
 pub struct Unit<M> {
     handle: Arc<UnitHandle>,
-    inner: M,
+    /// Shared with the recomputation of a checkpointed forward pass.
+    inner: Shared<M>,
 }
+
+/// The module, shared by the unit and the recomputation of its checkpointed forward passes.
+#[derive(Debug)]
+struct Shared<M>(Arc<M>);
+
+impl<M> Shared<M> {
+    fn get(&self) -> &M {
+        &self.0
+    }
+}
+
+// SAFETY: the recomputation reads the module on autograd's thread while the thread that
+// ran the forward pass waits inside `backward` for it, and nothing else reads the module
+// meanwhile; the module is `Send`, and the `Arc` keeps it alive as long as the graph needs
+// it (a module dropped before its backward would otherwise be read after being freed).
+unsafe impl<M: Send> Send for Shared<M> {}
 
 impl<M> Unit<M> {
     /// Wraps `inner`, whose variables live under `path`; the model is prepared after this.
@@ -86,12 +103,12 @@ impl<M> Unit<M> {
         let prefix = path.components().collect::<Vec<_>>().join(".");
         let handle = Arc::new(UnitHandle { prefix, binding: OnceLock::new() });
         PENDING.with(|pending| pending.borrow_mut().push(Arc::downgrade(&handle)));
-        Self { handle, inner }
+        Self { handle, inner: Shared(Arc::new(inner)) }
     }
 
     /// The wrapped module.
     pub fn inner(&self) -> &M {
-        &self.inner
+        self.inner.get()
     }
 
     /// The variable-name prefix of the unit.
@@ -102,9 +119,9 @@ impl<M> Unit<M> {
     /// Runs `forward` on the wrapped module with its parameters gathered; an error if
     /// gathering or releasing them fails (a peer died or timed out).
     pub fn try_run(&self, forward: impl FnOnce(&M) -> Tensor) -> Result<Tensor> {
-        let Some((model, unit)) = self.handle.model() else { return Ok(forward(&self.inner)) };
+        let Some((model, unit)) = self.handle.model() else { return Ok(forward(self.inner.get())) };
         model.before_forward(unit)?;
-        let out = forward(&self.inner);
+        let out = forward(self.inner.get());
         model.after_forward(unit, &out)?;
         Ok(out)
     }
@@ -114,15 +131,44 @@ impl<M> Unit<M> {
     /// (`backward`, the optimizer step, a gather); the forward still completes, on zeros
     /// instead of the parameters, with no further collective.
     pub fn run(&self, forward: impl FnOnce(&M) -> Tensor) -> Tensor {
-        let Some((model, unit)) = self.handle.model() else { return forward(&self.inner) };
+        let Some((model, unit)) = self.handle.model() else { return forward(self.inner.get()) };
         if let Err(e) = model.before_forward(unit) {
             model.record(unit, e);
         }
-        let out = forward(&self.inner);
+        let out = forward(self.inner.get());
         if let Err(e) = model.after_forward(unit, &out) {
             model.record(unit, e);
         }
         out
+    }
+}
+
+/// Whether the accelerator of this process has activation checkpointing on.
+fn checkpointing() -> bool {
+    crate::current().is_some_and(|a| a.config().activation_checkpointing)
+}
+
+impl<M: Send + 'static> Unit<M> {
+    /// `forward(module, x)`, as [`run`](Self::run) runs it (under zero3 with the unit's
+    /// parameters gathered), and with the accelerator's activation checkpointing (FSDP's
+    /// `activation_checkpointing`) without keeping its activations: they are recomputed in
+    /// backward, with the same random draws and casts (`shim::checkpoint`). `x` is the only
+    /// input whose gradient flows back; whatever else `forward` reads it must own
+    /// (shallow clones), as it may run again in backward.
+    pub fn run_on(
+        &self,
+        x: &Tensor,
+        forward: impl Fn(&M, &Tensor) -> Tensor + Send + 'static,
+    ) -> Tensor {
+        if !checkpointing() {
+            return self.run(|m| forward(m, x));
+        }
+        let module = Shared(self.inner.0.clone());
+        self.run(|_| {
+            let recompute = move |x: &Tensor| forward(module.get(), x);
+            crate::shim::checkpoint(x, recompute)
+                .unwrap_or_else(|e| panic!("activation checkpointing of unit: {e}"))
+        })
     }
 }
 

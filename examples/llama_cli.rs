@@ -1,0 +1,174 @@
+//! Llama (examples/llama.rs) from a Hugging Face checkpoint folder: one forward pass, or a
+//! fine-tune whose result is written back as a Hugging Face folder that transformers'
+//! `from_pretrained` loads. python/reference/llama_reference.py is transformers +
+//! Accelerate's side; examples/tests/llama.rs compares them.
+//!
+//! Logits:     llama --model DIR --eval TOKENS.safetensors --logits-out OUT.safetensors
+//! Fine-tune:  accel launch --num-processes 2 target/debug/examples/llama --model DIR \
+//!                 --data TOKENS.safetensors --steps 10 --batch-size 2 --lr 1e-3 \
+//!                 --weight-decay 0.01 --out DIR2 --losses losses.jsonl --strategy zero3 \
+//!                 [--precision bf16] [--activation-checkpointing]
+//!
+//! `TOKENS.safetensors` holds `input_ids` (int64 [N, T]). The fine-tune uses AdamW (betas
+//! 0.9/0.999, eps 1e-8) on the rows in order, dealt as Accelerate's prepared DataLoader deals
+//! them (batch i to rank i mod processes, no shuffle), epochs repeating until `--steps`
+//! optimizer steps; its loss is transformers' with `labels = input_ids`. Rank 0 writes its own
+//! loss of every step to `--losses`; the main process writes the model to `--out`.
+//! `--steps 0` loads and prepares the model and stops (for memory checks: every process prints
+//! its peak resident memory).
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
+use accel_core::optim::{AdamConfig, AdamW};
+use accel_core::{Accelerator, Precision, Strategy};
+use accel_examples::llama::{Init, Llama, LlamaConfig};
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use tch::Tensor;
+
+/// Llama from a Hugging Face checkpoint folder: logits, or a fine-tune.
+#[derive(Debug, Parser)]
+struct Args {
+    /// The checkpoint folder (`config.json`, `model.safetensors` or an index and shards).
+    #[arg(long)]
+    model: PathBuf,
+    /// Token ids (`input_ids`, int64 [B, T]) for one forward pass in fp32.
+    #[arg(long, requires = "logits_out", conflicts_with = "data")]
+    eval: Option<PathBuf>,
+    /// Where the forward pass's `logits` (f32 [B, T, vocab]) go.
+    #[arg(long)]
+    logits_out: Option<PathBuf>,
+    /// Token ids (`input_ids`, int64 [N, T]) to fine-tune on.
+    #[arg(long, requires = "out")]
+    data: Option<PathBuf>,
+    /// Optimizer steps per process.
+    #[arg(long, default_value_t = 10)]
+    steps: u64,
+    /// Rows per batch per process.
+    #[arg(long, default_value_t = 2)]
+    batch_size: usize,
+    /// Learning rate.
+    #[arg(long, default_value_t = 1e-3)]
+    lr: f64,
+    /// AdamW's decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f64,
+    /// The fine-tuned model, as a Hugging Face folder (main process).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Largest safetensors file of `--out`, in bytes (more are written, with an index).
+    #[arg(long, default_value_t = 5_000_000_000)]
+    max_shard_size: u64,
+    /// Rank 0's loss per step (JSONL).
+    #[arg(long)]
+    losses: Option<PathBuf>,
+    /// Strategy (default: the launcher's configuration, else ddp).
+    #[arg(long)]
+    strategy: Option<Strategy>,
+    /// Mixed precision (default: the launcher's configuration, else no).
+    #[arg(long)]
+    precision: Option<Precision>,
+    /// Recompute each decoder layer in backward instead of keeping its activations.
+    #[arg(long)]
+    activation_checkpointing: bool,
+}
+
+fn input_ids(path: &PathBuf) -> Result<Tensor> {
+    let tensors =
+        Tensor::read_safetensors(path).with_context(|| format!("reading {}", path.display()))?;
+    let ids = tensors
+        .into_iter()
+        .find(|(n, _)| n == "input_ids")
+        .map(|(_, t)| t)
+        .with_context(|| format!("{} has no `input_ids`", path.display()))?;
+    if ids.kind() != tch::Kind::Int64 || ids.dim() != 2 {
+        bail!(
+            "{}: input_ids must be int64 [rows, tokens], is {:?} {:?}",
+            path.display(),
+            ids.kind(),
+            ids.size()
+        );
+    }
+    Ok(ids)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let config = LlamaConfig::read(&args.model)?;
+    let mut builder =
+        Accelerator::builder().activation_checkpointing(args.activation_checkpointing);
+    if let Some(strategy) = args.strategy {
+        builder = builder.strategy(strategy);
+    }
+    if let Some(precision) = args.precision {
+        builder = builder.precision(precision);
+    }
+    let acc = builder.build()?;
+    let vs = tch::nn::VarStore::new(acc.device());
+    let model = Llama::new(&vs.root(), &config, Init::Uninit);
+
+    if let (Some(eval), Some(out)) = (&args.eval, &args.logits_out) {
+        acc.load_checkpoint_in_model(&vs, &args.model)?;
+        let ids = input_ids(eval)?.to_device(acc.device());
+        let logits = tch::no_grad(|| model.forward(&ids)).to_kind(tch::Kind::Float);
+        if acc.is_main_process() {
+            Tensor::write_safetensors(&[("logits", &logits)], out)?;
+        }
+        return Ok(());
+    }
+    let Some(data) = &args.data else { bail!("give --eval (with --logits-out) or --data") };
+
+    acc.prepare_model_from_checkpoint(&vs, &args.model)?;
+    if args.steps == 0 {
+        let peak = accel_examples::proc_status_bytes("VmHWM:").unwrap_or(0.0);
+        println!("rank={} peak_rss_mib={:.1}", acc.process_index(), peak / (1024.0 * 1024.0));
+        return Ok(());
+    }
+    let adamw = AdamConfig {
+        lr: args.lr,
+        weight_decay: args.weight_decay,
+        eps: 1e-8,
+        ..AdamConfig::adamw()
+    };
+    let mut opt = acc.prepare_optimizer(AdamW::new(acc.params(&vs), adamw)?);
+    let ids = input_ids(data)?;
+    let options = LoaderOptions { batch_size: args.batch_size, ..Default::default() };
+    let mut loader =
+        acc.prepare_loader(DataLoader::new(TensorDataset::new(vec![ids])?, options)?)?;
+    let mut log = match (&args.losses, acc.is_main_process()) {
+        (Some(path), true) => Some(std::fs::File::create(path)?),
+        _ => None,
+    };
+    let mut step = 0;
+    'training: loop {
+        for batch in loader.iter() {
+            let batch = batch?;
+            let logits = acc.forward(|| model.forward(&batch[0]))?;
+            let loss = Llama::loss(&logits, &batch[0]);
+            acc.backward(&loss)?;
+            opt.step()?;
+            opt.zero_grad()?;
+            if let Some(log) = &mut log {
+                writeln!(
+                    log,
+                    "{}",
+                    serde_json::json!({ "step": step, "loss": loss.double_value(&[]) })
+                )?;
+            }
+            step += 1;
+            if step == args.steps {
+                break 'training;
+            }
+        }
+    }
+    let out = args.out.as_ref().expect("clap requires --out with --data");
+    acc.save_model(&vs, out, args.max_shard_size)?;
+    if acc.is_main_process() {
+        std::fs::copy(args.model.join("config.json"), out.join("config.json"))
+            .with_context(|| format!("copying config.json into {}", out.display()))?;
+    }
+    acc.end_training()?;
+    Ok(())
+}

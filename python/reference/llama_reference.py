@@ -1,0 +1,110 @@
+"""transformers + Accelerate's side of examples/llama_cli.rs (the `llama` example).
+
+    make   --out DIR [--tied] [--max-shard-size 40KB]   a random Llama, save_pretrained (shards)
+    tokens --out T.safetensors --rows 16 --len 12 --vocab 64   random input_ids
+    logits --model DIR --eval T.safetensors --logits-out OUT.safetensors   eager attention, fp32
+    train  --model DIR --data T.safetensors --steps K --batch-size B --lr LR --weight-decay WD \
+           --out DIR2 --losses L.jsonl        (under torchrun: Accelerate DDP)
+    load   --model DIR2 --eval T.safetensors --logits-out OUT.safetensors   from_pretrained works
+
+`train` is what the example does: AdamW (betas 0.9/0.999, eps 1e-8) on the rows in order,
+dealt by Accelerate's prepared DataLoader, epochs repeating until K steps, loss with
+labels=input_ids; rank 0 logs its own loss per step; the main process saves the model.
+"""
+import argparse
+import json
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def make(args):
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=72,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=128,
+        tie_word_embeddings=args.tied,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
+
+
+def tokens(args):
+    g = torch.Generator().manual_seed(args.seed)
+    save_file({"input_ids": torch.randint(0, args.vocab, (args.rows, args.len), generator=g)}, args.out)
+
+
+def load(path):
+    return LlamaForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+
+
+def logits(args):
+    model = load(args.model).eval()
+    ids = load_file(args.eval)["input_ids"]
+    with torch.no_grad():
+        out = model(input_ids=ids).logits.float().contiguous()
+    save_file({"logits": out}, args.logits_out)
+
+
+def train(args):
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    model = load(args.model)
+    ids = load_file(args.data)["input_ids"]
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay
+    )
+    dl = torch.utils.data.DataLoader(ids, batch_size=args.batch_size)
+    model, opt, dl = acc.prepare(model, opt, dl)
+    model.train()
+    log = open(args.losses, "w") if acc.is_main_process else None
+    step = 0
+    while step < args.steps:
+        for batch in dl:
+            loss = model(input_ids=batch, labels=batch).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            if log:
+                log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
+            step += 1
+            if step == args.steps:
+                break
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        acc.unwrap_model(model).save_pretrained(args.out)
+    acc.wait_for_everyone()
+
+
+p = argparse.ArgumentParser()
+p.add_argument("mode", choices=["make", "tokens", "logits", "train", "load"])
+p.add_argument("--out")
+p.add_argument("--seed", type=int, default=0)
+p.add_argument("--tied", action="store_true")
+p.add_argument("--max-shard-size", default="40KB")
+p.add_argument("--rows", type=int, default=16)
+p.add_argument("--len", type=int, default=12)
+p.add_argument("--vocab", type=int, default=64)
+p.add_argument("--model")
+p.add_argument("--eval")
+p.add_argument("--logits-out")
+p.add_argument("--data")
+p.add_argument("--steps", type=int, default=10)
+p.add_argument("--batch-size", type=int, default=2)
+p.add_argument("--lr", type=float, default=1e-3)
+p.add_argument("--weight-decay", type=float, default=0.0)
+p.add_argument("--losses")
+args = p.parse_args()
+{"make": make, "tokens": tokens, "logits": logits, "train": train, "load": logits}[args.mode](args)
