@@ -1050,3 +1050,167 @@ fn batch_norm_matches_accelerate_on_every_variable_including_running_statistics(
         );
     }
 }
+
+fn llama_reference(args: &[&str]) {
+    let output = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("python/reference/llama_reference.py"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "llama_reference.py {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+fn read_tensor(path: &Path, name: &str) -> tch::Tensor {
+    tch::Tensor::read_safetensors(path)
+        .unwrap()
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .unwrap_or_else(|| panic!("{} has no {name}", path.display()))
+        .1
+}
+
+fn max_abs_difference(a: &tch::Tensor, b: &tch::Tensor) -> f64 {
+    assert_eq!(a.size(), b.size());
+    (a - b).abs().max().double_value(&[])
+}
+
+/// Every tensor of a Hugging Face folder (one file or an index and shards), by name.
+fn read_hf_folder(dir: &Path) -> BTreeMap<String, tch::Tensor> {
+    let checkpoint = accel_core::HfCheckpoint::open(dir).unwrap();
+    let names: Vec<String> = checkpoint.names().map(str::to_owned).collect();
+    names.into_iter().map(|n| (n.clone(), checkpoint.read(&n).unwrap())).collect()
+}
+
+/// Llama's logits equal transformers' (eager attention, fp32) on a random model saved by
+/// `save_pretrained` in several shards, untied and tied.
+#[test]
+fn llama_logits_equal_transformers_on_a_sharded_checkpoint() {
+    let dir = scratch("llama-logits");
+    let tokens = dir.join("tokens.safetensors");
+    llama_reference(&["tokens", "--out", tokens.to_str().unwrap(), "--rows", "4", "--len", "16"]);
+    for tied in [false, true] {
+        let model = dir.join(format!("model-tied-{tied}"));
+        let mut make = vec!["make", "--out", model.to_str().unwrap(), "--max-shard-size", "30KB"];
+        if tied {
+            make.push("--tied");
+        }
+        llama_reference(&make);
+        assert!(model.join("model.safetensors.index.json").exists(), "not sharded");
+        let (py, rs) = (
+            dir.join(format!("py-{tied}.safetensors")),
+            dir.join(format!("rs-{tied}.safetensors")),
+        );
+        llama_reference(&[
+            "logits",
+            "--model",
+            model.to_str().unwrap(),
+            "--eval",
+            tokens.to_str().unwrap(),
+            "--logits-out",
+            py.to_str().unwrap(),
+        ]);
+        let output = Command::new(example("llama"))
+            .args(["--model", model.to_str().unwrap(), "--eval", tokens.to_str().unwrap()])
+            .args(["--logits-out", rs.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let diff = max_abs_difference(&read_tensor(&py, "logits"), &read_tensor(&rs, "logits"));
+        assert!(diff <= 1e-4, "tied {tied}: logits differ from transformers' by {diff}");
+    }
+}
+
+/// A fine-tune on 2 processes under zero3 with activation checkpointing equals
+/// transformers + Accelerate DDP (losses 1e-4, weights 2e-4); its losses are bit-identical
+/// without activation checkpointing; the folder it writes (sharded, with an index) loads
+/// with transformers' `from_pretrained` and gives the logits of the weights it holds.
+#[test]
+fn llama_fine_tune_under_zero3_with_activation_checkpointing_equals_transformers_and_accelerate() {
+    let dir = scratch("llama-fine-tune");
+    let (model, tokens) = (dir.join("model"), dir.join("tokens.safetensors"));
+    llama_reference(&["make", "--out", model.to_str().unwrap()]);
+    llama_reference(&["tokens", "--out", tokens.to_str().unwrap(), "--rows", "12", "--len", "10"]);
+    let common = |out: &Path, losses: &Path| -> Vec<String> {
+        ["--model", model.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "5"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain(
+                ["--batch-size", "2", "--lr", "1e-2", "--weight-decay", "0.01"].map(String::from),
+            )
+            .chain([
+                "--out".into(),
+                out.display().to_string(),
+                "--losses".into(),
+                losses.display().to_string(),
+            ])
+            .collect()
+    };
+    let (py_out, py_losses) = (dir.join("py-out"), dir.join("py.jsonl"));
+    let port = accel_core::comm::free_port("127.0.0.1").unwrap();
+    let output = Command::new(root().join(".venv/bin/torchrun"))
+        .args(["--nproc-per-node=2".to_string(), format!("--master-port={port}")])
+        .arg(root().join("python/reference/llama_reference.py"))
+        .arg("train")
+        .args(common(&py_out, &py_losses))
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "Accelerate's fine-tune failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut runs = Vec::new();
+    for checkpointing in [true, false] {
+        let (out, losses) = (
+            dir.join(format!("rs-out-{checkpointing}")),
+            dir.join(format!("rs-{checkpointing}.jsonl")),
+        );
+        let mut program = vec![example("llama")];
+        program.extend(common(&out, &losses));
+        program.extend(["--strategy", "zero3", "--max-shard-size", "40000"].map(String::from));
+        if checkpointing {
+            program.push("--activation-checkpointing".into());
+        }
+        launch(2, program);
+        runs.push((out, read_losses(&losses)));
+    }
+    let reference = read_losses(&py_losses);
+    assert_eq!(reference.len(), 5);
+    assert_eq!(runs[0].1, runs[1].1, "activation checkpointing changed the losses");
+    for (step, (a, b)) in reference.iter().zip(&runs[0].1).enumerate() {
+        assert!((a - b).abs() <= 1e-4, "step {step}: Accelerate's loss {a}, accel's {b}");
+    }
+    let (ours, theirs) = (read_hf_folder(&runs[0].0), read_hf_folder(&py_out));
+    assert_eq!(ours.keys().collect::<Vec<_>>(), theirs.keys().collect::<Vec<_>>());
+    for (name, t) in &theirs {
+        let diff = max_abs_difference(t, &ours[name]);
+        assert!(diff <= 2e-4, "{name} differs from transformers + Accelerate's by {diff}");
+    }
+    let before = &read_hf_folder(&model)["model.norm.weight"];
+    assert!(max_abs_difference(before, &ours["model.norm.weight"]) > 1e-4, "nothing trained");
+    assert!(runs[0].0.join("model.safetensors.index.json").exists(), "not sharded");
+    let (py_logits, rs_logits) =
+        (dir.join("from-pretrained.safetensors"), dir.join("ours.safetensors"));
+    llama_reference(&[
+        "load",
+        "--model",
+        runs[0].0.to_str().unwrap(),
+        "--eval",
+        tokens.to_str().unwrap(),
+        "--logits-out",
+        py_logits.to_str().unwrap(),
+    ]);
+    let output = Command::new(example("llama"))
+        .args(["--model", runs[0].0.to_str().unwrap(), "--eval", tokens.to_str().unwrap()])
+        .args(["--logits-out", rs_logits.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let diff =
+        max_abs_difference(&read_tensor(&py_logits, "logits"), &read_tensor(&rs_logits, "logits"));
+    assert!(diff <= 1e-4, "from_pretrained of accel's folder gives other logits (by {diff})");
+}
