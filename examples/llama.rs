@@ -6,7 +6,7 @@
 //! attention with the causal mask and an fp32 softmax, the SiLU-gated MLP, and the head tied
 //! to the embedding or not as `tie_word_embeddings` says. Each decoder layer is an
 //! `accel::Unit` (zero3 gathers it for its forward and backward, and activation
-//! checkpointing recomputes it).
+//! checkpointing recomputes it), and so are the embedding and the head.
 //!
 //! The command line that trains and evaluates it is `examples/llama_cli.rs` (the `llama`
 //! example).
@@ -285,11 +285,12 @@ impl DecoderLayer {
 pub struct Llama {
     /// The configuration it was built from.
     pub config: LlamaConfig,
-    embed: Tensor,
+    /// The embedding's weight, a unit of its own (zero3 shards it like a layer's).
+    embed: Unit<Tensor>,
     layers: Vec<Unit<DecoderLayer>>,
     norm: Tensor,
     /// `None` when tied to the embedding.
-    lm_head: Option<Tensor>,
+    lm_head: Option<Unit<Tensor>>,
 }
 
 impl Llama {
@@ -298,8 +299,9 @@ impl Llama {
     pub fn new(root: &VarPath, config: &LlamaConfig, init: Init) -> Self {
         let model = root / "model";
         let (h, std) = (config.hidden_size, config.initializer_range);
-        let embed =
-            weight(&(&model / "embed_tokens"), "weight", &[config.vocab_size, h], init, std);
+        let embed_path = &model / "embed_tokens";
+        let embed = weight(&embed_path, "weight", &[config.vocab_size, h], init, std);
+        let embed = Unit::new(&embed_path, embed);
         let layers = (0..config.num_hidden_layers)
             .map(|i| {
                 let p = &model / "layers" / i;
@@ -307,8 +309,10 @@ impl Llama {
             })
             .collect();
         let norm = filled(&(&model / "norm"), "weight", &[h], init, 1.0);
-        let lm_head = (!config.tie_word_embeddings)
-            .then(|| weight(&(root / "lm_head"), "weight", &[config.vocab_size, h], init, std));
+        let lm_head = (!config.tie_word_embeddings).then(|| {
+            let path = root / "lm_head";
+            Unit::new(&path, weight(&path, "weight", &[config.vocab_size, h], init, std))
+        });
         Self { config: config.clone(), embed, layers, norm, lm_head }
     }
 
@@ -317,7 +321,7 @@ impl Llama {
         let t = input_ids.size()[1];
         let device = input_ids.device();
         let padding = self.config.pad_token_id.unwrap_or(-1);
-        let x = Tensor::embedding(&self.embed, input_ids, padding, false, false);
+        let x = self.embed.run(|w| Tensor::embedding(w, input_ids, padding, false, false));
         // RoPE: inv_freq = 1 / theta^(2i/d); emb = cat(freqs, freqs) for positions 0..T.
         let d = self.config.head_dim();
         let exponents = Tensor::arange_start_step(0, d, 2, (Kind::Int64, device))
@@ -336,7 +340,7 @@ impl Llama {
             x = layer.run_on(&x, move |l, x| l.forward(x, &cos, &sin, &mask));
         }
         let x = rms_norm(&x, &self.norm, self.config.rms_norm_eps);
-        x.linear::<Tensor>(self.lm_head.as_ref().unwrap_or(&self.embed), None)
+        self.lm_head.as_ref().unwrap_or(&self.embed).run(|w| x.linear::<Tensor>(w, None))
     }
 
     /// transformers' loss with `labels = input_ids`: the mean cross-entropy of the logits at

@@ -14,8 +14,10 @@
 //! them (batch i to rank i mod processes, no shuffle), epochs repeating until `--steps`
 //! optimizer steps; its loss is transformers' with `labels = input_ids`. Rank 0 writes its own
 //! loss of every step to `--losses`; the main process writes the model to `--out`.
-//! `--steps 0` loads and prepares the model and stops (for memory checks: every process prints
-//! its peak resident memory).
+//! `--steps 0` loads and prepares the model and stops (for memory checks). Every process
+//! prints one JSON line: its peak resident memory above its baseline (libtorch loaded, no
+//! model) while loading and preparing (`load_peak_bytes`) and, from a reset high-water mark,
+//! during the training steps after the first (`train_peak_bytes`), and the time per step.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -94,6 +96,12 @@ fn input_ids(path: &PathBuf) -> Result<Tensor> {
     Ok(ids)
 }
 
+/// Resident memory now, and its high-water mark.
+fn rss() -> (f64, f64) {
+    let now = accel_examples::proc_status_bytes("VmRSS:").unwrap_or(0.0);
+    (now, accel_examples::proc_status_bytes("VmHWM:").unwrap_or(0.0))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let config = LlamaConfig::read(&args.model)?;
@@ -106,6 +114,7 @@ fn main() -> Result<()> {
         builder = builder.precision(precision);
     }
     let acc = builder.build()?;
+    let (baseline, _) = rss();
     let vs = tch::nn::VarStore::new(acc.device());
     let model = Llama::new(&vs.root(), &config, Init::Uninit);
 
@@ -121,9 +130,24 @@ fn main() -> Result<()> {
     let Some(data) = &args.data else { bail!("give --eval (with --logits-out) or --data") };
 
     acc.prepare_model_from_checkpoint(&vs, &args.model)?;
+    let params: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
+    let load_peak = rss().1 - baseline;
+    let report = |train_peak: Option<f64>, step_s: Option<f64>| {
+        println!(
+            "{}",
+            serde_json::json!({
+                "rank": acc.process_index(),
+                "strategy": acc.strategy().name(),
+                "activation_checkpointing": acc.config().activation_checkpointing,
+                "params": params,
+                "load_peak_bytes": load_peak,
+                "peak_bytes": train_peak.unwrap_or(load_peak),
+                "step_s": step_s,
+            })
+        );
+    };
     if args.steps == 0 {
-        let peak = accel_examples::proc_status_bytes("VmHWM:").unwrap_or(0.0);
-        println!("rank={} peak_rss_mib={:.1}", acc.process_index(), peak / (1024.0 * 1024.0));
+        report(None, None);
         return Ok(());
     }
     let adamw = AdamConfig {
@@ -142,6 +166,7 @@ fn main() -> Result<()> {
         _ => None,
     };
     let mut step = 0;
+    let mut started = None;
     'training: loop {
         for batch in loader.iter() {
             let batch = batch?;
@@ -158,11 +183,22 @@ fn main() -> Result<()> {
                 )?;
             }
             step += 1;
+            if step == 1 {
+                // The first step makes the optimizer state; the peak is measured after it.
+                acc.wait_for_everyone()?;
+                let _ = std::fs::write("/proc/self/clear_refs", "5");
+                started = Some(std::time::Instant::now());
+            }
             if step == args.steps {
                 break 'training;
             }
         }
     }
+    acc.wait_for_everyone()?;
+    let step_s = started
+        .filter(|_| args.steps > 1)
+        .map(|t| t.elapsed().as_secs_f64() / (args.steps - 1) as f64);
+    report(Some(rss().1 - baseline), step_s);
     let out = args.out.as_ref().expect("clap requires --out with --data");
     acc.save_model(&vs, out, args.max_shard_size)?;
     if acc.is_main_process() {

@@ -6,6 +6,11 @@
     train  --model DIR --data T.safetensors --steps K --batch-size B --lr LR --weight-decay WD \
            --out DIR2 --losses L.jsonl        (under torchrun: Accelerate DDP)
     load   --model DIR2 --eval T.safetensors --logits-out OUT.safetensors   from_pretrained works
+    memory --model DIR --data T.safetensors --steps 3 --batch-size 1 [--checkpointing]
+           (under torchrun) PyTorch FSDP2: fully_shard on every decoder layer, the embedding,
+           the head and the root, checkpoint_wrapper on every decoder layer with
+           --checkpointing; one JSON line per rank with the llama example's memory keys.
+    make --size 100m: the ~100M-parameter Llama of `cargo xtask bench memory`.
 
 `train` is what the example does: AdamW (betas 0.9/0.999, eps 1e-8) on the rows in order,
 dealt by Accelerate's prepared DataLoader, epochs repeating until K steps, loss with
@@ -21,6 +26,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 def make(args):
     torch.manual_seed(args.seed)
+    if args.size == "100m":
+        # 106M parameters: the embedding and the head 24.6M each, 8 layers of 7.1M.
+        config = LlamaConfig(
+            vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
+            num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=512,
+            tie_word_embeddings=False,
+        )
+        LlamaForCausalLM(config).save_pretrained(args.out, max_shard_size="100MB")
+        return
     config = LlamaConfig(
         vocab_size=64,
         hidden_size=32,
@@ -73,7 +87,7 @@ def train(args):
     step = 0
     while step < args.steps:
         for batch in dl:
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
             acc.backward(loss)
             opt.step()
             opt.zero_grad()
@@ -88,8 +102,66 @@ def train(args):
     acc.wait_for_everyone()
 
 
+def status_bytes(field):
+    with open("/proc/self/status") as f:
+        line = next(l for l in f if l.startswith(field))
+    return int(line.split()[1]) * 1024
+
+
+def memory(args):
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    baseline = status_bytes("VmRSS:")
+    model = load(args.model)
+    params = sum(p.numel() for p in model.parameters())
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        if args.checkpointing:
+            layers[i] = layer = checkpoint_wrapper(layer)
+        fully_shard(layer)
+    fully_shard(model.model.embed_tokens)
+    fully_shard(model.lm_head)
+    fully_shard(model)
+    load_peak = status_bytes("VmHWM:") - baseline
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, fused=True)
+    ids = load_file(args.data)["input_ids"]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model.train()
+    for step in range(args.steps):
+        rows = [(step * world + rank) * args.batch_size + i for i in range(args.batch_size)]
+        batch = ids[[r % ids.shape[0] for r in rows]]
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            dist.barrier()
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            t0 = time.perf_counter()
+    dist.barrier()
+    print(json.dumps({
+        "rank": rank,
+        "strategy": "fsdp2",
+        "activation_checkpointing": args.checkpointing,
+        "params": params,
+        "load_peak_bytes": load_peak,
+        "peak_bytes": status_bytes("VmHWM:") - baseline,
+        "step_s": (time.perf_counter() - t0) / max(args.steps - 1, 1),
+    }))
+    dist.destroy_process_group()
+
+
 p = argparse.ArgumentParser()
-p.add_argument("mode", choices=["make", "tokens", "logits", "train", "load"])
+p.add_argument("mode", choices=["make", "tokens", "logits", "train", "load", "memory"])
+p.add_argument("--size", default="small", choices=["small", "100m"])
+p.add_argument("--checkpointing", action="store_true")
 p.add_argument("--out")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--tied", action="store_true")
@@ -107,4 +179,5 @@ p.add_argument("--lr", type=float, default=1e-3)
 p.add_argument("--weight-decay", type=float, default=0.0)
 p.add_argument("--losses")
 args = p.parse_args()
-{"make": make, "tokens": tokens, "logits": logits, "train": train, "load": logits}[args.mode](args)
+modes = {"make": make, "tokens": tokens, "logits": logits, "train": train, "load": logits, "memory": memory}
+modes[args.mode](args)

@@ -32,9 +32,12 @@ fn main() -> ExitCode {
         "test" => setup().and_then(|_| cargo(&["test", "--workspace"], &rest)),
         "train" => setup().and_then(|_| train(&rest)),
         "bench" if rest.first().is_some_and(|a| a == "memory") => {
-            setup().and_then(|_| memory_bench())
+            setup().and_then(|_| memory_bench()).and_then(|_| llama_memory_bench())
         }
-        "bench" => setup().and_then(|_| bench()).and_then(|_| memory_bench()),
+        "bench" => setup()
+            .and_then(|_| bench())
+            .and_then(|_| memory_bench())
+            .and_then(|_| llama_memory_bench()),
         _ => Err(format!(
             "unknown command `{command}`; the commands are:\n  \
              cargo xtask setup         install libtorch into .venv (once)\n  \
@@ -418,7 +421,7 @@ fn bench() -> Result<(), String> {
 fn memory_bench() -> Result<(), String> {
     cargo(
         &["build", "--release", "-p", "accel-core", "--bin", "accel", "-p", "accel-examples"],
-        &["--example".into(), "memory_bench".into()],
+        &["--example".into(), "memory_bench".into(), "--example".into(), "llama".into()],
     )?;
     let root = root();
     let accel = root.join("target/release/accel");
@@ -516,6 +519,117 @@ fn memory_figures(command: &mut Command, n: usize) -> Result<(f64, f64, f64), St
     let step = objects.iter().filter_map(|o| field(o, "step_s")).fold(0.0, f64::max);
     let psi = objects.iter().find_map(|o| field(o, "params")).unwrap_or(0.0);
     Ok((peak, step, psi))
+}
+
+/// The highest `load_peak_bytes` of a memory benchmark command's ranks (Llama's).
+fn load_peak(command: &mut Command, n: usize) -> Result<f64, String> {
+    let output = command.output().map_err(|e| format!("cannot run {command:?}: {e}"))?;
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    if !output.status.success() {
+        return Err(format!(
+            "{command:?} failed:\n{text}{}",
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    let peaks: Vec<f64> = text
+        .split("\"load_peak_bytes\":")
+        .skip(1)
+        .filter_map(|rest| rest.split([',', '}']).next()?.trim().parse().ok())
+        .collect();
+    if peaks.len() != n {
+        return Err(format!("expected {n} results from {command:?}, got:\n{text}"));
+    }
+    Ok(peaks.into_iter().fold(0.0, f64::max))
+}
+
+/// A ~100M-parameter Llama on 4 processes: peak memory per process while loading under ddp
+/// and zero3, and while training under zero3 with and without activation checkpointing,
+/// beside PyTorch FSDP2 (+ checkpoint_wrapper) on the same model.
+fn llama_memory_bench() -> Result<(), String> {
+    const MIB: f64 = 1024.0 * 1024.0;
+    let root = root();
+    let dir = root.join("target/bench-llama");
+    let python = root.join(".venv/bin/python");
+    let script = root.join("python/reference/llama_reference.py");
+    let (model, tokens) = (dir.join("model-100m"), dir.join("tokens.safetensors"));
+    if !model.join("config.json").exists() {
+        run(Command::new(&python)
+            .arg(&script)
+            .args(["make", "--size", "100m", "--out"])
+            .arg(&model))?;
+    }
+    run(Command::new(&python)
+        .arg(&script)
+        .args(["tokens", "--rows", "16", "--len", "128", "--vocab", "32000", "--out"])
+        .arg(&tokens))?;
+    let accel = root.join("target/release/accel");
+    let llama = root.join("target/release/examples/llama");
+    let ours = |strategy: &str, steps: &str, checkpointing: bool| {
+        let mut c = Command::new(&accel);
+        c.args(["launch", "--num-processes", "4", "--main-process-port", "0", "--cpu"])
+            .arg(&llama)
+            .arg("--model")
+            .arg(&model)
+            .arg("--data")
+            .arg(&tokens)
+            .args(["--steps", steps, "--batch-size", "2", "--lr", "1e-4", "--strategy", strategy])
+            .arg("--out")
+            .arg(dir.join("out"))
+            .env("MALLOC_MMAP_THRESHOLD_", "65536");
+        if checkpointing {
+            c.arg("--activation-checkpointing");
+        }
+        c
+    };
+    let theirs = |checkpointing: bool| {
+        let mut c = Command::new(root.join(".venv/bin/torchrun"));
+        c.args(["--nproc-per-node=4", "--master-port=29793"])
+            .arg(&script)
+            .arg("memory")
+            .arg("--model")
+            .arg(&model)
+            .arg("--data")
+            .arg(&tokens)
+            .args(["--steps", "3", "--batch-size", "2"])
+            .env("MALLOC_MMAP_THRESHOLD_", "65536");
+        if checkpointing {
+            c.arg("--checkpointing");
+        }
+        c
+    };
+    eprintln!(
+        "xtask: measuring the Llama: loading and training on 4 processes (several minutes) ..."
+    );
+    let model_bytes = 106.0e6 * 4.0;
+    let ddp = load_peak(&mut ours("ddp", "0", false), 4)?;
+    let zero3 = load_peak(&mut ours("zero3", "0", false), 4)?;
+    println!(
+        "\nLlama, 106M parameters (405 MiB in fp32; vocabulary 32000, width 768, 8 layers; every \
+         layer, the embedding and the head a unit), 4 processes, CPU, 1 thread per process;\n\
+         peak resident memory per process above its baseline (max over ranks)"
+    );
+    println!(
+        "loading (`prepare_model_from_checkpoint`, each process reading its own shard under \
+         zero3): ddp {:.0} MiB, zero3 {:.0} MiB — zero3 saves {:.0} MiB, {:.0}% of the model's bytes",
+        ddp / MIB,
+        zero3 / MIB,
+        (ddp - zero3) / MIB,
+        100.0 * (ddp - zero3) / model_bytes
+    );
+    println!(
+        "training (zero3 / FSDP2, AdamW, batch 2 x 128 tokens, steps 2-3):\n{:<34} {:>12} {:>10}",
+        "", "peak MiB", "step s"
+    );
+    for (name, mut command) in [
+        ("accel zero3", ours("zero3", "3", false)),
+        ("accel zero3 + activation ckpt", ours("zero3", "3", true)),
+        ("PyTorch FSDP2", theirs(false)),
+        ("PyTorch FSDP2 + checkpoint_wrapper", theirs(true)),
+    ] {
+        let (peak, step, _) = memory_figures(&mut command, 4)?;
+        println!("{name:<34} {:>12.0} {:>10.2}", peak / MIB, step);
+    }
+    Ok(())
 }
 
 /// The main job: the `train` example on 2 processes of this machine, on CPU.

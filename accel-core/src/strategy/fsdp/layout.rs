@@ -17,11 +17,15 @@ const REPEATED: &[&str] = &["layers", "layer", "h", "blocks"];
 pub(crate) fn chunk_of(flat: &Tensor, rank: usize, world: usize) -> Result<Tensor> {
     let (n, world) = (flat.numel() as i64, world as i64);
     let chunk = (n + world - 1) / world;
-    Ok(flat
-        .f_reshape([-1])?
-        .f_constant_pad_nd([0, chunk * world - n])?
-        .f_narrow(0, chunk * rank as i64, chunk)?
-        .f_contiguous()?)
+    // Only the chunk is read or copied (never a padded copy of the whole: a model loaded
+    // into shards would hold each parameter whole for a moment).
+    let start = (chunk * rank as i64).min(n);
+    let len = chunk.min(n - start);
+    let part = flat.f_reshape([-1])?.f_narrow(0, start, len)?;
+    if len == chunk {
+        return Ok(part.f_contiguous()?);
+    }
+    Ok(part.f_constant_pad_nd([0, chunk - len])?)
 }
 
 /// One member's place in a unit's flat buffer: `[world, chunk]`, row r being rank r's chunk.
