@@ -35,7 +35,10 @@ fn main() -> Result<()> {
         }
         other => anyhow::bail!("usage: memory_bench [--device cpu|cuda], not {other:?}"),
     };
-    let acc = Accelerator::builder().seed(0).cpu(!cuda).build()?;
+    // Every process trains on the same random batch: the benchmark measures memory, and
+    // says so to the accelerator (nothing deals these batches).
+    let acc =
+        Accelerator::builder().seed(0).cpu(!cuda).data(accel_core::DataSharding::Manual).build()?;
     tch::set_num_threads(1);
     let device = acc.device();
     let x = Tensor::randn([8, WIDTH], (Kind::Float, device));

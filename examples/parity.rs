@@ -85,6 +85,10 @@ struct Args {
     /// `MixedPrecision(param_dtype)`); needs `--precision bf16`.
     #[arg(long)]
     bf16_parameters: bool,
+    /// zero3 under bf16: gather parameters and reduce gradients in fp32 (by default they are
+    /// gathered, computed and reduced in bf16, as Accelerate's FSDP plugin does).
+    #[arg(long)]
+    fp32_gathers: bool,
     /// Continue from a state saved by `--state` (any strategy, any number of processes).
     #[arg(long)]
     resume: Option<PathBuf>,
@@ -126,6 +130,7 @@ fn main() -> Result<()> {
     // YAML or a DeepSpeed JSON), as the accelerator's builder layers them.
     let mut builder = Accelerator::builder()
         .fp8_recipe(args.fp8_recipe)
+        .fp32_gathers(args.fp32_gathers)
         .tensor_parallel(args.tensor_parallel)
         .pipeline_parallel(args.pipeline_parallel)
         .cpu(args.device != "cuda");

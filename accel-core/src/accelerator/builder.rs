@@ -36,6 +36,7 @@ pub struct AcceleratorBuilder {
     project_dir: Option<PathBuf>,
     data: crate::config::DataSharding,
     sync_batchnorm: bool,
+    fp32_gathers: bool,
     /// Set by `#[accelerate]`: the data loops it prepared (the run's first line says it).
     attribute_data_loops: Option<usize>,
     /// Tests driving ranks as threads: the topology and mesh to use instead of the
@@ -104,6 +105,14 @@ impl AcceleratorBuilder {
     /// `#[accelerate(sync_batchnorm = true)]` the body's `nn::batch_norm*d` become them.
     pub fn sync_batchnorm(mut self, on: bool) -> Self {
         self.sync_batchnorm = on;
+        self
+    }
+    /// Under zero3/fsdp with precision bf16, gather the units' parameters and reduce their
+    /// gradients in fp32 (autocast then casts them) instead of bf16. By default they are
+    /// gathered, computed and reduced in bf16 with fp32 masters, as Accelerate's FSDP plugin
+    /// sets FSDP's `MixedPrecision` from `mixed_precision = "bf16"`.
+    pub fn fp32_gathers(mut self, on: bool) -> Self {
+        self.fp32_gathers = on;
         self
     }
     /// Set by `#[accelerate]`: how many data loops it prepared, for the run's first line.
@@ -290,6 +299,18 @@ impl AcceleratorBuilder {
                 "offload needs a sharded strategy (zero2, zero3 or fsdp); the strategy is {}",
                 config.strategy
             )));
+        }
+        // FSDP's MixedPrecision as Accelerate's plugin sets it for bf16: units gathered,
+        // computed and reduced in bf16, masters in fp32.
+        let gathers_units =
+            matches!(config.strategy, Strategy::Zero3 | Strategy::Fsdp | Strategy::HybridShard);
+        if gathers_units
+            && config.precision == Precision::Bf16
+            && sharding.param_dtype.is_none()
+            && !self.fp32_gathers
+        {
+            sharding.param_dtype = Some(tch::Kind::BFloat16);
+            sharding.reduce_dtype.get_or_insert(tch::Kind::BFloat16);
         }
         if let Some(kind) = sharding.param_dtype {
             check_param_dtype(kind, config.strategy, config.precision)?;

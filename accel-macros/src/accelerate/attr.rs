@@ -25,6 +25,7 @@ pub(crate) const KEYS: &[&str] = &[
     "broadcast_buffers",
     "sync_batchnorm",
     "activation_checkpointing",
+    "fp32_gathers",
     "config",
     "name",
     "model",
@@ -58,6 +59,7 @@ pub(crate) struct RawArgs {
     pub broadcast_buffers: Option<Spanned<bool>>,
     pub sync_batchnorm: Option<Spanned<bool>>,
     pub activation_checkpointing: Option<Spanned<bool>>,
+    pub fp32_gathers: Option<Spanned<bool>>,
     pub config: Option<Spanned<String>>,
     pub name: Option<syn::Ident>,
     /// The model's VarStore: a variable or a field (`vs`, `self.vs`).
@@ -230,6 +232,7 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
                 "activation_checkpointing" => {
                     raw.activation_checkpointing = Some(expect_bool(v, &key)?)
                 }
+                "fp32_gathers" => raw.fp32_gathers = Some(expect_bool(v, &key)?),
                 "config" => raw.config = Some(expect_str(v, &key, "\"accel.yaml\"")?),
                 "name" => raw.name = Some(expect_ident(v, &key)?),
                 "model" => raw.model = Some(expect_place(v, &key)?),

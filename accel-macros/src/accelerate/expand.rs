@@ -102,6 +102,10 @@ pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path, loops: usize) -> TokenSt
         let a = a.value;
         calls.extend(quote!(.activation_checkpointing(#a)));
     }
+    if let Some(f) = &raw.fp32_gathers {
+        let f = f.value;
+        calls.extend(quote!(.fp32_gathers(#f)));
+    }
     if let Some(c) = &raw.config {
         let c = &c.value;
         calls.extend(quote!(.config_file(#c)));
