@@ -7,6 +7,12 @@
 //! inside a call on it (the watchdog and the sequence check abort from their own threads).
 //! Every call is made under a [`Use`]; an abort requested while some are open is carried
 //! out by the last one to close, and no new one opens after it.
+//!
+//! No two NCCL calls on one communicator ever overlap, status queries included: in NCCL
+//! 2.28 `ncclCommGetAsyncError` completes a pending group job of a non-blocking
+//! communicator and frees it, so the watchdog's poll and a caller's wait could free it
+//! twice (PyTorch takes a mutex for the same reason, pytorch#169484). Each call holds
+//! [`Handle::api`] for its duration.
 
 use std::ffi::c_int;
 use std::sync::{Mutex, MutexGuard};
@@ -40,12 +46,14 @@ pub(crate) struct Handle {
     pub timeout: Duration,
     life: Mutex<Life>,
     calls: Mutex<()>,
+    /// Held for the duration of every NCCL call on the communicator (after `calls` and
+    /// `life` when those are held too).
+    api: Mutex<()>,
 }
 
-// SAFETY: NCCL communicators may be used from any thread; calls that must not overlap are
-// serialised by `calls`; `ncclCommGetAsyncError` may run beside them (it reads an atomic);
-// `ncclCommAbort`, which frees the communicator, runs only when no call is under way
-// (`life`).
+// SAFETY: NCCL communicators may be used from any thread; no two calls on one overlap
+// (`api`), sequences of launches are serialised by `calls`, and `ncclCommAbort`, which
+// frees the communicator, runs only when no call is under way (`life`).
 unsafe impl Send for Handle {}
 // SAFETY: as above.
 unsafe impl Sync for Handle {}
@@ -71,6 +79,7 @@ impl Drop for Use<'_> {
         life.users -= 1;
         if life.users == 0 && life.abort_pending && !life.freed {
             life.freed = true;
+            let _api = self.handle.api();
             // SAFETY: the last call on the communicator just ended and no other can start
             // (abort_pending); it is freed once (freed).
             unsafe { (self.handle.nccl.comm_abort)(self.handle.comm) };
@@ -113,15 +122,14 @@ impl Handle {
         {
             // The parent is in progress until the split is done: no other call on it meanwhile.
             let _calls = self.lock()?;
-            // SAFETY: the communicator is live (`lock`); out-pointer and config are locals.
-            let status = unsafe {
-                (self.nccl.comm_split)(
-                    self.comm,
-                    color.max(-1),
-                    as_int(key)?,
-                    &mut comm,
-                    &mut config,
-                )
+            let key = as_int(key)?;
+            let status = {
+                let _api = self.api();
+                // SAFETY: the communicator is live (`lock`); out-pointer and config are
+                // locals.
+                unsafe {
+                    (self.nccl.comm_split)(self.comm, color.max(-1), key, &mut comm, &mut config)
+                }
             };
             self.check(status, "ncclCommSplit", None)?;
         }
@@ -179,6 +187,7 @@ impl Handle {
             timeout,
             life: Mutex::new(Life::default()),
             calls: Mutex::new(()),
+            api: Mutex::new(()),
         };
         handle.wait_ready(call, None)?;
         Ok(handle)
@@ -198,7 +207,12 @@ impl Handle {
         Ok(Use { handle: self })
     }
 
-    /// The raw communicator, for calls made under [`Handle::lock`].
+    /// Held around each NCCL call on the communicator: no two overlap (see the module).
+    pub fn api(&self) -> MutexGuard<'_, ()> {
+        self.api.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The raw communicator, for calls made under [`Handle::lock`] and [`Handle::api`].
     pub fn raw(&self) -> RawComm {
         self.comm
     }
@@ -255,9 +269,12 @@ impl Handle {
     pub fn async_error(&self) -> Result<c_int> {
         let _use = self.enter()?;
         let mut state = SUCCESS;
-        // SAFETY: the communicator is live while `_use` is (no abort frees it meanwhile);
-        // out-pointer to a local.
-        let status = unsafe { (self.nccl.comm_get_async_error)(self.comm, &mut state) };
+        let status = {
+            let _api = self.api();
+            // SAFETY: the communicator is live while `_use` is (no abort frees it
+            // meanwhile); no other call on it runs (`_api`); out-pointer to a local.
+            unsafe { (self.nccl.comm_get_async_error)(self.comm, &mut state) }
+        };
         if status != SUCCESS {
             return Err(self.error("ncclCommGetAsyncError", status, None));
         }
@@ -297,6 +314,7 @@ impl Handle {
         life.abort_pending = true;
         if life.users == 0 && !life.freed {
             life.freed = true;
+            let _api = self.api();
             // SAFETY: no call is under way and none can start; freed once.
             unsafe { (self.nccl.comm_abort)(self.comm) };
         }
@@ -311,12 +329,17 @@ impl Drop for Handle {
         if self.is_aborted() {
             return;
         }
-        // SAFETY: live communicator (no use can be open: we are dropping it), finalized once.
-        let status = unsafe { (self.nccl.comm_finalize)(self.comm) };
+        let status = {
+            let _api = self.api();
+            // SAFETY: live communicator (no use can be open: we are dropping it), finalized
+            // once.
+            unsafe { (self.nccl.comm_finalize)(self.comm) }
+        };
         if self.check(status, "ncclCommFinalize", None).is_err() {
             self.abort();
             return;
         }
+        let _api = self.api();
         // SAFETY: finalized above; destroyed once.
         unsafe { (self.nccl.comm_destroy)(self.comm) };
     }

@@ -255,7 +255,10 @@ impl NcclComm {
         } else {
             format!("point-to-point transfer #{seq} of {what}")
         };
-        let status = launch(self.handle.nccl, self.handle.raw(), self.stream.native());
+        let status = {
+            let _api = self.handle.api();
+            launch(self.handle.nccl, self.handle.raw(), self.stream.native())
+        };
         self.handle.check(status, call, Some(&during))?;
         for t in tensors {
             record_stream(t, &self.stream)?;

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #ifndef STUB_VERSION
 #define STUB_VERSION 22809
@@ -19,6 +20,7 @@ typedef struct {
   int polls_left;
   int async_error;
   int finalize_polls;
+  int busy;  // calls inside this communicator now: more than one is an overlap
 } stub_comm;
 
 typedef struct {
@@ -38,6 +40,7 @@ static int init_result = 0;
 static int async_error = 0;
 static int fail_count = -1;
 static stub_comm* last_comm = NULL;
+static int linger_us = 0;
 
 static void note(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 #include <stdarg.h>
@@ -60,6 +63,7 @@ void stub_set(const char* key, int value) {
     if (last_comm) last_comm->async_error = value;
   }
   if (strcmp(key, "fail_count") == 0) fail_count = value;
+  if (strcmp(key, "linger_us") == 0) linger_us = value;
 }
 const char* stub_log(void) { return log_text; }
 
@@ -101,7 +105,21 @@ int ncclCommSplit(stub_comm* comm, int color, int key, stub_comm** newcomm,
 }
 #endif
 
+// Marks a call on `comm` (NCCL 2.28 forbids overlapping ones: ncclCommGetAsyncError may free
+// a group job another call is using); an overlap is logged as "OVERLAP". `linger_us` widens
+// the window a racing caller would hit.
+static void enter_comm(stub_comm* comm, const char* call) {
+  if (__atomic_fetch_add(&comm->busy, 1, __ATOMIC_SEQ_CST) != 0) note("OVERLAP in %s", call);
+  if (linger_us > 0) {
+    struct timespec pause = {0, (long)linger_us * 1000};
+    nanosleep(&pause, NULL);
+  }
+}
+static void leave_comm(stub_comm* comm) { __atomic_fetch_sub(&comm->busy, 1, __ATOMIC_SEQ_CST); }
+
 int ncclCommGetAsyncError(stub_comm* comm, int* state) {
+  enter_comm(comm, "ncclCommGetAsyncError");
+  leave_comm(comm);
   if (comm->polls_left > 0) {
     comm->polls_left--;
     *state = 7;
@@ -119,6 +137,8 @@ int ncclCommAbort(stub_comm* comm) {
 }
 
 int ncclCommFinalize(stub_comm* comm) {
+  enter_comm(comm, "ncclCommFinalize");
+  leave_comm(comm);
   note("ncclCommFinalize");
   comm->polls_left = 2;
   return 7;

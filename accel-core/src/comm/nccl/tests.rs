@@ -363,3 +363,35 @@ fn an_operation_that_does_not_complete_in_time_is_reported_with_the_ranks_behind
     assert!(handle.is_aborted());
     assert_eq!(watchdog.in_flight(), 1, "the completed operation is no longer watched");
 }
+
+/// The watchdog's poll of `ncclCommGetAsyncError` and a caller waiting out `ncclInProgress`
+/// on the same communicator never overlap (NCCL 2.28 may free a group job in that call): the
+/// stub logs any two calls inside one communicator at once.
+#[test]
+fn async_error_is_never_polled_concurrently() {
+    let path = stub("full", &[]);
+    let nccl = Nccl::load(&path).unwrap();
+    let controls = Controls::of(&path);
+    let handle = Arc::new(init(nccl, Duration::from_secs(5)).unwrap());
+    controls.set("linger_us", 200);
+    let options = WatchdogOptions {
+        timeout: Duration::from_secs(60),
+        poll: Duration::from_micros(50),
+        on_failure: Arc::new(|m: &str| panic!("the watchdog reported {m}")),
+        behind: Arc::new(|_| String::new()),
+        post_progress: Arc::new(|_, _| {}),
+        device_index: None,
+    };
+    let watchdog = Watchdog::start(handle.clone(), options).unwrap();
+    let started = Instant::now();
+    let mut waits = 0;
+    while started.elapsed() < Duration::from_millis(400) {
+        handle.check(ffi::IN_PROGRESS, "test wait", None).unwrap();
+        waits += 1;
+    }
+    drop(watchdog);
+    controls.set("linger_us", 0);
+    let log = controls.log();
+    assert!(waits > 100, "only {waits} waits");
+    assert!(!log.contains("OVERLAP"), "calls overlapped:\n{log}");
+}
