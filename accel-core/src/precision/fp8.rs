@@ -131,6 +131,16 @@ pub fn scaled_mm(
     fast_accum: bool,
     emulate: bool,
 ) -> Result<Tensor> {
+    // CUDA's `_scaled_mm` takes an inner dimension and an output width that are multiples
+    // of 16; the same rule on CPU (and in emulation), so that what passes here runs there.
+    let (inner, cols) = (a.bits.size()[1], b.bits.size()[1]);
+    if inner % 16 != 0 || cols % 16 != 0 {
+        return Err(Error::Training(format!(
+            "fp8 matmul of [{}, {inner}] by [{inner}, {cols}]: _scaled_mm needs the inner \
+             dimension and the output width to be multiples of 16",
+            a.bits.size()[0]
+        )));
+    }
     if emulate {
         let (a, b) = (a.dequantize(Kind::Float)?, b.dequantize(Kind::Float)?);
         return Ok(a.f_mm(&b)?.f_to_kind(out)?);
@@ -260,13 +270,33 @@ fn backward_values(
         None
     };
     let grad_weight = if want_weight {
-        let g8 = cast(grad, spec.grad_output, spec.along(0), spec.round_to_pow2)?;
-        let x8 = cast(x2d, spec.input, spec.along(0), spec.round_to_pow2)?;
+        // gradᵀ @ x sums over the tokens, `_scaled_mm`'s inner dimension: padded with zero
+        // tokens to a multiple of 16, which changes neither the sum nor any scale (amax).
+        let (grad, x2d) = (pad_rows_to_16(grad)?, pad_rows_to_16(x2d)?);
+        let g8 = cast(&grad, spec.grad_output, spec.along(0), spec.round_to_pow2)?;
+        let x8 = cast(&x2d, spec.input, spec.along(0), spec.round_to_pow2)?;
         Some(scaled_mm(&g8.t()?, &x8, out, FAST_ACCUM_GRADS, emulate)?)
     } else {
         None
     };
     Ok((grad_input, grad_weight))
+}
+
+/// `t` (2-D) with zero rows appended up to a multiple of 16 rows; said once per process.
+fn pad_rows_to_16(t: &Tensor) -> Result<Tensor> {
+    let rows = t.size()[0];
+    let missing = (16 - rows % 16) % 16;
+    if missing == 0 {
+        return Ok(t.shallow_clone());
+    }
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!(
+            "accel: fp8: {rows} tokens per step is not a multiple of 16, which the weight \
+             gradient's fp8 matmul needs: its tokens are padded with zeros (exact; said once)"
+        );
+    }
+    Ok(t.f_constant_pad_nd([0, 0, 0, missing])?)
 }
 
 /// A gradient computed in one hook and handed over in another.

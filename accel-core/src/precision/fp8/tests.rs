@@ -170,3 +170,29 @@ fn evaluation_under_no_grad_needs_no_hooks() {
     let with_grad = linear(&x, &w, None, Fp8Recipe::Tensorwise).unwrap();
     assert!(with_grad.requires_grad() && with_grad.detach().equal(&y));
 }
+
+/// CUDA's `_scaled_mm` needs the inner dimension (the tokens, in the weight gradient's
+/// matmul) to be a multiple of 16; the same rule holds here, and 21 tokens are padded with
+/// zero tokens: the weight gradient equals that of the same tokens plus 11 zero rows, whose
+/// scales and sums are the same, and the input gradient is unaffected.
+#[test]
+fn a_token_count_that_is_no_multiple_of_16_pads_the_weight_gradients_matmul() {
+    let odd = cast(&sample(16, 21, 7), Fp8Format::E4m3, Granularity::Tensor, false).unwrap();
+    let other = cast(&sample(21, 16, 8), Fp8Format::E4m3, Granularity::Tensor, false).unwrap();
+    let err = scaled_mm(&odd, &other, Kind::Float, false, false).unwrap_err().to_string();
+    assert!(err.contains("multiples of 16"), "{err}");
+    for recipe in [Fp8Recipe::Tensorwise, Fp8Recipe::Rowwise] {
+        let x = sample(21, 32, 9);
+        let w = (sample(16, 32, 10) / 7.0).set_requires_grad(true);
+        let y = linear(&x, &w, None, recipe).unwrap();
+        let gw = Tensor::run_backward(&[&y], &[&w], false, false)[0].shallow_clone();
+        // The same layer on the tokens padded by hand to 32.
+        let padded = x.constant_pad_nd([0, 0, 0, 11]);
+        let y32 = linear(&padded, &w, None, recipe).unwrap();
+        let grad =
+            Tensor::ones([21, 16], (Kind::Float, Device::Cpu)).constant_pad_nd([0, 0, 0, 11]);
+        let gw32 = Tensor::run_backward(&[&(y32 * grad).sum(Kind::Float)], &[&w], false, false)[0]
+            .shallow_clone();
+        assert!(gw.equal(&gw32), "{recipe:?}: the padded weight gradient differs");
+    }
+}
