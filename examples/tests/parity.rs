@@ -1217,3 +1217,42 @@ fn llama_fine_tune_under_zero3_with_activation_checkpointing_equals_transformers
         max_abs_difference(&read_tensor(&py_logits, "logits"), &read_tensor(&rs_logits, "logits"));
     assert!(diff <= 1e-4, "from_pretrained of accel's folder gives other logits (by {diff})");
 }
+
+/// scripts/gpu-check.sh has never run on a GPU; its own plumbing (paths, flags, the parsing
+/// of figures, the summary) runs here on every commit: `--cpu-dry-run` takes every step with
+/// CPU devices and skips, by name, what only NCCL can do.
+#[test]
+fn gpu_check_runs_end_to_end_as_a_cpu_dry_run() {
+    let dir = scratch("gpu-check");
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::os::unix::fs::symlink(build_dir().join("accel"), bin.join("accel")).unwrap();
+    for name in ["train", "parity", "char_lm", "lm_bench", "memory_bench"] {
+        std::os::unix::fs::symlink(example(name), bin.join(name)).unwrap();
+    }
+    let (w, d) = make_weights_and_data(&dir, 0);
+    assert!(w.exists() && d.exists());
+    let output = Command::new("bash")
+        .arg(root().join("scripts/gpu-check.sh"))
+        .arg("--cpu-dry-run")
+        .arg(&dir)
+        .current_dir(root())
+        .env("PYTHON", root().join(".venv/bin/python"))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{said}{}", String::from_utf8_lossy(&output.stderr));
+    let summary = said.split("== summary").nth(1).unwrap_or_else(|| panic!("no summary:\n{said}"));
+    assert!(summary.contains("CPU dry run: nothing ran on a GPU"), "{summary}");
+    assert!(summary.contains("skip  NCCL self-check"), "{summary}");
+    assert!(!summary.contains("FAIL"), "{summary}");
+    for step in [
+        "PASS  the main job on cpu:0 in bf16",
+        "PASS  zero3 at world size 1 through the CPU communicator on cpu:0 = CPU (1e-4)",
+        "PASS  zero3: step time and peak memory beside PyTorch",
+        "zero3 on 1 device(s): step",
+        "GPT width 64, bf16, 1 cpu: accel",
+    ] {
+        assert!(summary.contains(step), "{step:?} missing from the summary:\n{summary}");
+    }
+}
