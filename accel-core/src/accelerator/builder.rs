@@ -392,9 +392,9 @@ impl AcceleratorBuilder {
             // Process-wide; a test's thread ranks leave it to the process.
             crate::optim::note_run(accelerator.process_index(), accelerator.num_processes());
         }
-        let _ = CURRENT.set(Mutex::new(None));
+        let _ = CURRENT.set(Mutex::new(std::sync::Weak::new()));
         if let Some(current) = CURRENT.get() {
-            *current.lock().unwrap_or_else(|e| e.into_inner()) = Some(accelerator.clone());
+            *current.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(&accelerator.inner);
         }
         Ok(accelerator)
     }

@@ -40,12 +40,17 @@ pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader, Roun
 pub use driven::{DriveOptimizer, Driven};
 pub use optimizer::AcceleratedOptimizer;
 
-static CURRENT: OnceLock<Mutex<Option<Accelerator>>> = OnceLock::new();
+/// The accelerator most recently built, held weakly: when the program drops its last handle
+/// (the end of an `#[accelerate]` function, of `main`), the accelerator goes, and with it its
+/// communicators — their watchdogs stopped, NCCL's finalized and destroyed — instead of
+/// living on in a static until the process exits.
+static CURRENT: OnceLock<Mutex<std::sync::Weak<Inner>>> = OnceLock::new();
 
-/// The accelerator most recently built in this process, if any (what `#[accelerate]` code
-/// reaches from helper functions).
+/// The accelerator most recently built in this process, while the program holds it (what
+/// `#[accelerate]` code reaches from helper functions).
 pub fn current() -> Option<Accelerator> {
-    CURRENT.get().and_then(|c| c.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    let current = CURRENT.get()?.lock().unwrap_or_else(|e| e.into_inner()).upgrade()?;
+    Some(Accelerator { inner: current })
 }
 
 /// Objects whose state a checkpoint holds, in the order they were prepared.

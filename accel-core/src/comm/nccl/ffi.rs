@@ -72,14 +72,16 @@ pub(crate) struct Config {
 pub(crate) const CONFIG_VERSION: u32 = 21700;
 
 impl Config {
-    /// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`: calls return at once (possibly with
-    /// `ncclInProgress`) so that a communicator can be aborted while it works.
-    pub fn non_blocking() -> Self {
+    /// `NCCL_CONFIG_INITIALIZER` with `blocking` set. Blocking (PyTorch's default for the
+    /// groups it creates): every call returns when done. Non-blocking: calls return at once,
+    /// possibly with `ncclInProgress`, which makes each one host-bound (NCCL runs it on a
+    /// thread of its own and the caller polls) but lets a creation be bounded and aborted.
+    pub fn new(blocking: bool) -> Self {
         Self {
             size: std::mem::size_of::<Self>(),
             magic: 0xcafe_beef,
             version: CONFIG_VERSION,
-            blocking: 0,
+            blocking: i32::from(blocking),
             cga_cluster_size: UNDEF_INT,
             min_ctas: UNDEF_INT,
             max_ctas: UNDEF_INT,

@@ -1,5 +1,6 @@
-//! [`Handle`]: one NCCL communicator (`ncclComm_t`) and its life — non-blocking creation
-//! and split, every call's status checked (waiting out `ncclInProgress` within a bound),
+//! [`Handle`]: one NCCL communicator (`ncclComm_t`) and its life — creation and split
+//! (blocking by default, as PyTorch makes its groups; non-blocking on request), every
+//! call's status checked (waiting out `ncclInProgress` within a bound),
 //! asynchronous errors, and the way out: `ncclCommAbort` on failure, else
 //! `ncclCommFinalize` then `ncclCommDestroy`. Knows nothing of tensors or streams.
 //!
@@ -49,6 +50,8 @@ pub(crate) struct Handle {
     /// Held for the duration of every NCCL call on the communicator (after `calls` and
     /// `life` when those are held too).
     api: Mutex<()>,
+    /// Made with a blocking config (the default; `ACCEL_NCCL_NONBLOCKING=1` for the other).
+    blocking: bool,
 }
 
 // SAFETY: NCCL communicators may be used from any thread; no two calls on one overlap
@@ -94,7 +97,7 @@ pub(crate) struct Calls<'a> {
 }
 
 impl Handle {
-    /// `ncclCommInitRankConfig` with a non-blocking config, waited for (at most `timeout`).
+    /// `ncclCommInitRankConfig`, blocking or not (then waited for, at most `timeout`).
     /// Every rank of the new communicator calls it with the same `id`.
     pub fn init(
         nccl: &'static Nccl,
@@ -103,14 +106,16 @@ impl Handle {
         rank: usize,
         global_rank: usize,
         timeout: Duration,
+        blocking: bool,
     ) -> Result<Self> {
         let mut comm: RawComm = std::ptr::null_mut();
-        let mut config = Config::non_blocking();
+        let mut config = Config::new(blocking);
         let (n, r) = (as_int(size)?, as_int(rank)?);
         // SAFETY: out-pointer and config are live locals; the id is passed by value as
         // nccl.h declares.
         let status = unsafe { (nccl.comm_init_rank_config)(&mut comm, n, id, r, &mut config) };
-        Self::adopt(nccl, comm, status, "ncclCommInitRankConfig", size, rank, global_rank, timeout)
+        let call = "ncclCommInitRankConfig";
+        Self::adopt(nccl, comm, status, call, size, rank, global_rank, timeout, blocking)
     }
 
     /// `ncclCommSplit`: every rank of this communicator calls it; those with the same
@@ -118,7 +123,7 @@ impl Handle {
     /// takes no part).
     pub fn split(&self, color: i32, key: usize, size: usize) -> Result<Option<Self>> {
         let mut comm: RawComm = std::ptr::null_mut();
-        let mut config = Config::non_blocking();
+        let mut config = Config::new(self.blocking);
         {
             // The parent is in progress until the split is done: no other call on it meanwhile.
             let _calls = self.lock()?;
@@ -136,6 +141,8 @@ impl Handle {
         if color < 0 {
             return Ok(None);
         }
+        // The split's status was checked (and waited out) above: the new one is ready once
+        // `ncclCommGetAsyncError` says so.
         Self::adopt(
             self.nccl,
             comm,
@@ -145,6 +152,7 @@ impl Handle {
             key,
             self.global_rank,
             self.timeout,
+            self.blocking,
         )
         .map(Some)
     }
@@ -159,6 +167,7 @@ impl Handle {
         rank: usize,
         global_rank: usize,
         timeout: Duration,
+        blocking: bool,
     ) -> Result<Self> {
         let error = |code, message| Error::Nccl {
             call: call.into(),
@@ -188,6 +197,7 @@ impl Handle {
             life: Mutex::new(Life::default()),
             calls: Mutex::new(()),
             api: Mutex::new(()),
+            blocking,
         };
         handle.wait_ready(call, None)?;
         Ok(handle)

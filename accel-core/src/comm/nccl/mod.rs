@@ -121,7 +121,13 @@ impl NcclComm {
         }
         let timeout = timeout_from_env()?;
         let global_rank = group.members()[group.rank()];
-        let handle = Handle::init(nccl, id, group.size(), group.rank(), global_rank, timeout)?;
+        // Blocking, as PyTorch creates its groups: a non-blocking communicator makes every
+        // call host-bound (NCCL runs it on a thread of its own, the caller polls). A peer that
+        // never arrives is the launcher's to report (it stops the group when one dies).
+        let blocking = !std::env::var("ACCEL_NCCL_NONBLOCKING")
+            .is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "yes"));
+        let (size, rank) = (group.size(), group.rank());
+        let handle = Handle::init(nccl, id, size, rank, global_rank, timeout, blocking)?;
         Self::around(handle, group.clone(), index)
     }
 

@@ -93,6 +93,10 @@ int ncclCommInitRankConfig(stub_comm** comm, int nranks, stub_unique_id id, int 
        config->blocking);
   if (init_result != 0) return init_result;
   *comm = new_comm();
+  if (config->blocking) {
+    (*comm)->polls_left = 0;
+    return 0;  // a blocking communicator is ready when the call returns
+  }
   return 7;  // ncclInProgress: a non-blocking communicator finishes later
 }
 
@@ -101,6 +105,10 @@ int ncclCommSplit(stub_comm* comm, int color, int key, stub_comm** newcomm,
                   stub_config_head* config) {
   note("ncclCommSplit color=%d key=%d blocking=%d", color, key, config->blocking);
   *newcomm = color < 0 ? NULL : new_comm();
+  if (config->blocking) {
+    if (*newcomm) (*newcomm)->polls_left = 0;
+    return 0;
+  }
   return 7;
 }
 #endif

@@ -73,9 +73,27 @@ impl Controls {
     }
 }
 
+/// A non-blocking communicator (polled while it works), as `ACCEL_NCCL_NONBLOCKING=1` makes.
 fn init(nccl: &'static Nccl, timeout: Duration) -> crate::Result<Handle> {
     let id = UniqueId { internal: [1; ffi::UNIQUE_ID_BYTES] };
-    Handle::init(nccl, id, 1, 0, 5, timeout)
+    Handle::init(nccl, id, 1, 0, 5, timeout, false)
+}
+
+/// Communicators are blocking unless ACCEL_NCCL_NONBLOCKING=1 (as PyTorch creates them): a call returns when it is
+/// done (no NCCL thread per call, no polling), and a split inherits the mode.
+#[test]
+fn blocking_communicators_and_their_splits_are_made_with_a_blocking_config() {
+    let path = stub("full", &[]);
+    let nccl = Nccl::load(&path).unwrap();
+    let controls = Controls::of(&path);
+    let id = UniqueId { internal: [1; ffi::UNIQUE_ID_BYTES] };
+    let handle = Handle::init(nccl, id, 1, 0, 5, Duration::from_secs(5), true).unwrap();
+    let split = handle.split(1, 0, 1).unwrap().expect("color 1 takes part");
+    let log = controls.log();
+    assert!(log.contains("version=21700 blocking=1"), "{log}");
+    assert!(log.contains("ncclCommSplit color=1 key=0 blocking=1"), "{log}");
+    drop(split);
+    drop(handle);
 }
 
 /// Pulls `name = value` pairs out of nccl.h's enums and defines.
@@ -394,4 +412,30 @@ fn async_error_is_never_polled_concurrently() {
     let log = controls.log();
     assert!(waits > 100, "only {waits} waits");
     assert!(!log.contains("OVERLAP"), "calls overlapped:\n{log}");
+}
+
+/// An abort the program asks for (`Accelerator::abort`, a failing run's exit guard) is not a
+/// fault: the watchdog stops without reporting it or ending the process.
+#[test]
+fn an_abort_the_program_asks_for_is_not_reported_as_a_fault() {
+    let (handle, watchdog, controls, reports, _) = watched(Duration::from_secs(60));
+    handle.abort();
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(reports.lock().unwrap().is_empty(), "reported: {:?}", reports.lock().unwrap());
+    assert!(watchdog.failure().is_ok());
+    assert!(controls.log().contains("ncclCommAbort"));
+}
+
+/// A communicator that is dropped — the end of the run — is finalized and destroyed after its
+/// watchdog stops, in that order, and never aborted.
+#[test]
+fn a_dropped_communicator_is_finalized_then_destroyed_after_its_watchdog_stops() {
+    let (handle, watchdog, controls, reports, _) = watched(Duration::from_secs(60));
+    drop(watchdog);
+    drop(handle);
+    let log = controls.log();
+    let finalized = log.find("ncclCommFinalize").expect("not finalized");
+    let destroyed = log.find("ncclCommDestroy").expect("not destroyed");
+    assert!(finalized < destroyed && !log.contains("ncclCommAbort"), "{log}");
+    assert!(reports.lock().unwrap().is_empty());
 }

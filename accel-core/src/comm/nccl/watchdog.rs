@@ -1,6 +1,7 @@
 //! The watchdog of an NCCL communicator (ProcessGroupNCCL's, in spirit): a thread that
 //! polls `ncclCommGetAsyncError` and the completion of every operation in flight against
-//! the timeout. On a failure it aborts the communicator (operations in flight end, peers
+//! the timeout. A communicator aborted by the program (or by a check that reports its own
+//! error) ends the watch quietly. On a failure it aborts the communicator (operations in flight end, peers
 //! waiting on this rank fail too), keeps the error for the next call to return, and reports
 //! it; by default the process then exits, since its main thread may be blocked in a CUDA
 //! wait that would never return. It also posts the last operation enqueued to the store,
@@ -148,7 +149,16 @@ fn watch(shared: &Shared, options: &WatchdogOptions) {
     let rank = shared.handle.global_rank;
     let mut posted = 0;
     while !shared.stop.load(Ordering::SeqCst) {
+        // Aborted by someone else — the program (`Accelerator::abort`, a failing run's exit
+        // guard) or a check that reports its own error: not a fault to report or to end the
+        // process for. Nothing is left to watch.
+        if shared.handle.is_aborted() {
+            return;
+        }
         if let Some(message) = inspect(shared, options, rank) {
+            if shared.handle.is_aborted() {
+                return;
+            }
             *shared.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(message.clone());
             (options.on_failure)(&message);
             shared.handle.abort();
