@@ -491,9 +491,9 @@ fn memory_bench() -> Result<(), String> {
     Ok(())
 }
 
-/// Runs a memory benchmark command of `n` processes; returns the highest peak bytes, the
-/// slowest step time and the parameter count from their JSON lines.
-fn memory_figures(command: &mut Command, n: usize) -> Result<(f64, f64, f64), String> {
+/// Runs a memory benchmark command of `n` processes; returns each rank's JSON object (as
+/// text: ranks print concurrently, so objects may share a line).
+fn rank_results(command: &mut Command, n: usize) -> Result<Vec<String>, String> {
     let output = command.output().map_err(|e| format!("cannot run {command:?}: {e}"))?;
     let text = String::from_utf8_lossy(&output.stdout).into_owned();
     if !output.status.success() {
@@ -502,19 +502,27 @@ fn memory_figures(command: &mut Command, n: usize) -> Result<(f64, f64, f64), St
             String::from_utf8_lossy(&output.stderr)
         ));
     }
-    // Ranks print concurrently: objects may share a line.
-    let objects: Vec<&str> = text
+    let objects: Vec<String> = text
         .split('{')
         .filter(|o| o.contains("\"peak_bytes\""))
-        .map(|o| o.split('}').next().unwrap_or(""))
+        .map(|o| o.split('}').next().unwrap_or("").to_owned())
         .collect();
     if objects.len() != n {
         return Err(format!("expected {n} results from {command:?}, got:\n{text}"));
     }
-    let field = |object: &str, key: &str| -> Option<f64> {
-        let at = object.find(&format!("\"{key}\":"))? + key.len() + 3;
-        object[at..].split([',', '}']).next()?.trim().parse().ok()
-    };
+    Ok(objects)
+}
+
+/// The number under `key` in a rank's JSON object.
+fn field(object: &str, key: &str) -> Option<f64> {
+    let at = object.find(&format!("\"{key}\":"))? + key.len() + 3;
+    object[at..].split([',', '}']).next()?.trim().parse().ok()
+}
+
+/// The highest peak bytes, the slowest step time and the parameter count of a memory
+/// benchmark command's ranks.
+fn memory_figures(command: &mut Command, n: usize) -> Result<(f64, f64, f64), String> {
+    let objects = rank_results(command, n)?;
     let peak = objects.iter().filter_map(|o| field(o, "peak_bytes")).fold(0.0, f64::max);
     let step = objects.iter().filter_map(|o| field(o, "step_s")).fold(0.0, f64::max);
     let psi = objects.iter().find_map(|o| field(o, "params")).unwrap_or(0.0);
@@ -523,23 +531,8 @@ fn memory_figures(command: &mut Command, n: usize) -> Result<(f64, f64, f64), St
 
 /// The highest `load_peak_bytes` of a memory benchmark command's ranks (Llama's).
 fn load_peak(command: &mut Command, n: usize) -> Result<f64, String> {
-    let output = command.output().map_err(|e| format!("cannot run {command:?}: {e}"))?;
-    let text = String::from_utf8_lossy(&output.stdout).into_owned();
-    if !output.status.success() {
-        return Err(format!(
-            "{command:?} failed:\n{text}{}",
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
-    let peaks: Vec<f64> = text
-        .split("\"load_peak_bytes\":")
-        .skip(1)
-        .filter_map(|rest| rest.split([',', '}']).next()?.trim().parse().ok())
-        .collect();
-    if peaks.len() != n {
-        return Err(format!("expected {n} results from {command:?}, got:\n{text}"));
-    }
-    Ok(peaks.into_iter().fold(0.0, f64::max))
+    let objects = rank_results(command, n)?;
+    Ok(objects.iter().filter_map(|o| field(o, "load_peak_bytes")).fold(0.0, f64::max))
 }
 
 /// A ~100M-parameter Llama on 4 processes: peak memory per process while loading under ddp
