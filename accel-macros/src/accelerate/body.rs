@@ -101,6 +101,16 @@ pub(crate) fn called_in_place(call: &syn::ExprCall) -> Option<&syn::ExprClosure>
     }
 }
 
+/// Visits a call as the attribute reads the body: a closure called in place is read as
+/// its body (other closures stay out, by the visitor's own `visit_expr_closure`).
+pub(crate) fn visit_call<'a, V: Visit<'a> + ?Sized>(visitor: &mut V, call: &'a syn::ExprCall) {
+    match called_in_place(call) {
+        Some(closure) => visitor.visit_expr(&closure.body),
+        None => visitor.visit_expr(&call.func),
+    }
+    call.args.iter().for_each(|a| visitor.visit_expr(a));
+}
+
 /// Method calls on each receiver, outside closures (but in closures called in place).
 #[derive(Default)]
 struct Uses {
@@ -129,11 +139,7 @@ impl<'a> Visit<'a> for Uses {
         syn::visit::visit_expr_method_call(self, m);
     }
     fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
-        match called_in_place(c) {
-            Some(closure) => self.visit_expr(&closure.body),
-            None => self.visit_expr(&c.func),
-        }
-        c.args.iter().for_each(|a| self.visit_expr(a));
+        visit_call(self, c);
     }
     fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
 }

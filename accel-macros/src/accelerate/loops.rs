@@ -28,11 +28,7 @@ impl<'a> Visit<'a> for BackwardFinder {
         syn::visit::visit_expr_method_call(self, m);
     }
     fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
-        match called_in_place(c) {
-            Some(closure) => self.visit_expr(&closure.body),
-            None => self.visit_expr(&c.func),
-        }
-        c.args.iter().for_each(|a| self.visit_expr(a));
+        body::visit_call(self, c);
     }
     // Closures may never run (and are refused by `coverage` if they hold a backward), and
     // nested items are other functions.
@@ -191,6 +187,9 @@ fn holds_training_loop(body: &Block, manual: bool) -> bool {
                 return;
             }
             syn::visit::visit_expr(self, e);
+        }
+        fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
+            body::visit_call(self, c);
         }
         fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
         fn visit_item(&mut self, _: &'a syn::Item) {}
@@ -524,13 +523,7 @@ pub(super) fn coverage(body: &Block, manual: bool) -> Vec<syn::Error> {
             self.in_loop(&l.body);
         }
         fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
-            match called_in_place(c) {
-                Some(closure) => {
-                    self.visit_expr(&closure.body);
-                    c.args.iter().for_each(|a| self.visit_expr(a));
-                }
-                None => syn::visit::visit_expr_call(self, c),
-            }
+            body::visit_call(self, c);
         }
         fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
             if body::is_backward(m) {
