@@ -6,7 +6,9 @@
 //! the builder overrides a value that the environment or file also set, that is logged
 //! once on the main process.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -46,7 +48,117 @@ pub struct Config {
     /// `activation_checkpointing`; units are `accel::Unit`s run with `run_on`).
     #[serde(default)]
     pub activation_checkpointing: bool,
+    /// Keep the fp32 master shards and the optimizer state in CPU memory (zero2, zero3,
+    /// fsdp; FSDP's `offload_params`, DeepSpeed's `offload_optimizer`).
+    #[serde(default)]
+    pub offload: bool,
+    /// Broadcast the first process's initial values of a prepared model to the others
+    /// (FSDP's `sync_module_states`, on by default).
+    #[serde(default = "yes")]
+    pub sync_module_states: bool,
+    /// Which modules zero2/zero3/fsdp gather and reduce as one unit (FSDP's auto-wrap policy).
+    #[serde(default)]
+    pub wrap: Wrap,
+    /// How `save_state` writes a sharded model (FSDP's `state_dict_type`).
+    #[serde(default)]
+    pub state_dict: StateDict,
 }
+
+fn yes() -> bool {
+    true
+}
+
+/// Which modules zero2/zero3/fsdp gather and reduce as one unit: FSDP's auto-wrap policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Wrap {
+    /// `accel::Unit` wrappers, then each element of a repeated layer list (`layers.{i}`,
+    /// `h.{i}` ...): the transformer blocks (`TRANSFORMER_BASED_WRAP`).
+    #[default]
+    Layers,
+    /// The innermost module holding at least this many elements (`SIZE_BASED_WRAP` with
+    /// `min_num_params`).
+    Size(i64),
+    /// The whole model as one unit (`NO_WRAP`).
+    None,
+}
+
+impl fmt::Display for Wrap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Wrap::Layers => f.write_str("layers"),
+            Wrap::Size(n) => write!(f, "size:{n}"),
+            Wrap::None => f.write_str("none"),
+        }
+    }
+}
+
+impl FromStr for Wrap {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || {
+            Error::Config(format!(
+                "wrap `{s}`: expected layers, none or size:N (N parameters at least per unit)"
+            ))
+        };
+        match s.trim().to_ascii_lowercase().as_str() {
+            "layers" => Ok(Wrap::Layers),
+            "none" => Ok(Wrap::None),
+            other => match other.strip_prefix("size:").map(str::parse::<i64>) {
+                Some(Ok(n)) if n > 0 => Ok(Wrap::Size(n)),
+                _ => Err(bad()),
+            },
+        }
+    }
+}
+
+/// How `save_state` writes a model whose parameters are sharded (FSDP's `state_dict_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StateDict {
+    /// Each process writes its own shard (`SHARDED_STATE_DICT`).
+    #[default]
+    Sharded,
+    /// The parameters are gathered and the main process writes them whole
+    /// (`FULL_STATE_DICT`).
+    Full,
+}
+
+impl fmt::Display for StateDict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StateDict::Sharded => "sharded",
+            StateDict::Full => "full",
+        })
+    }
+}
+
+impl FromStr for StateDict {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "sharded" => Ok(StateDict::Sharded),
+            "full" => Ok(StateDict::Full),
+            _ => Err(Error::Config(format!("state_dict `{s}`: expected sharded or full"))),
+        }
+    }
+}
+
+/// Serde through `Display`/`FromStr`, for the small string-valued settings above.
+macro_rules! serde_as_string {
+    ($($t:ty),*) => {$(
+        impl Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+                let text = String::deserialize(d)?;
+                text.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    )*};
+}
+serde_as_string!(Wrap, StateDict);
 
 impl Default for Config {
     fn default() -> Self {
@@ -62,6 +174,10 @@ impl Default for Config {
             pipeline_parallel: 1,
             sequence_parallel: false,
             activation_checkpointing: false,
+            offload: false,
+            sync_module_states: true,
+            wrap: Wrap::Layers,
+            state_dict: StateDict::Sharded,
         }
     }
 }
@@ -104,6 +220,18 @@ pub struct PartialConfig {
     /// See [`Config::activation_checkpointing`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activation_checkpointing: Option<bool>,
+    /// See [`Config::offload`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offload: Option<bool>,
+    /// See [`Config::sync_module_states`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_module_states: Option<bool>,
+    /// See [`Config::wrap`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wrap: Option<Wrap>,
+    /// See [`Config::state_dict`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_dict: Option<StateDict>,
 }
 
 /// Environment variables read by [`PartialConfig::from_env`] (set by `accel launch`).
@@ -119,6 +247,10 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("ACCEL_PIPELINE_PARALLEL", "pipeline_parallel"),
     ("ACCEL_SEQUENCE_PARALLEL", "sequence_parallel"),
     ("ACCEL_ACTIVATION_CHECKPOINTING", "activation_checkpointing"),
+    ("ACCEL_OFFLOAD", "offload"),
+    ("ACCEL_SYNC_MODULE_STATES", "sync_module_states"),
+    ("ACCEL_WRAP", "wrap"),
+    ("ACCEL_STATE_DICT", "state_dict"),
 ];
 
 fn parse_bool(value: &str) -> Option<bool> {
@@ -198,6 +330,22 @@ impl PartialConfig {
                             .ok_or_else(|| parse_err(var, &value, "true or false"))?,
                     )
                 }
+                "ACCEL_OFFLOAD" => {
+                    config.offload = Some(
+                        parse_bool(&value)
+                            .ok_or_else(|| parse_err(var, &value, "true or false"))?,
+                    )
+                }
+                "ACCEL_SYNC_MODULE_STATES" => {
+                    config.sync_module_states = Some(
+                        parse_bool(&value)
+                            .ok_or_else(|| parse_err(var, &value, "true or false"))?,
+                    )
+                }
+                "ACCEL_WRAP" => config.wrap = Some(value.parse().map_err(|e| env_error(var, e))?),
+                "ACCEL_STATE_DICT" => {
+                    config.state_dict = Some(value.parse().map_err(|e| env_error(var, e))?)
+                }
                 _ => unreachable!("every ENV_VARS entry is handled"),
             }
         }
@@ -225,6 +373,10 @@ impl PartialConfig {
             activation_checkpointing: stronger
                 .activation_checkpointing
                 .or(self.activation_checkpointing),
+            offload: stronger.offload.or(self.offload),
+            sync_module_states: stronger.sync_module_states.or(self.sync_module_states),
+            wrap: stronger.wrap.or(self.wrap),
+            state_dict: stronger.state_dict.or(self.state_dict),
         }
     }
 
@@ -251,7 +403,11 @@ impl PartialConfig {
             tensor_parallel,
             pipeline_parallel,
             sequence_parallel,
-            activation_checkpointing
+            activation_checkpointing,
+            offload,
+            sync_module_states,
+            wrap,
+            state_dict
         );
         out
     }
@@ -273,6 +429,10 @@ impl PartialConfig {
             activation_checkpointing: self
                 .activation_checkpointing
                 .unwrap_or(d.activation_checkpointing),
+            offload: self.offload.unwrap_or(d.offload),
+            sync_module_states: self.sync_module_states.unwrap_or(d.sync_module_states),
+            wrap: self.wrap.unwrap_or(d.wrap),
+            state_dict: self.state_dict.unwrap_or(d.state_dict),
         };
         if config.tensor_parallel == 0 || config.pipeline_parallel == 0 {
             return Err(Error::Config(format!(
@@ -286,6 +446,12 @@ impl PartialConfig {
                  needs tensor_parallel >= 2"
                     .into(),
             ));
+        }
+        if config.offload && !config.strategy.can_offload() {
+            return Err(Error::Config(format!(
+                "offload needs a sharded strategy (zero2, zero3 or fsdp); the strategy is {}",
+                config.strategy
+            )));
         }
         if config.accumulate == 0 {
             return Err(Error::Config(
@@ -306,6 +472,13 @@ impl PartialConfig {
 
 fn env_context(var: &str, e: UnknownChoice) -> Error {
     Error::Config(format!("{var}: {e}"))
+}
+
+fn env_error(var: &str, e: Error) -> Error {
+    match e {
+        Error::Config(m) => Error::Config(format!("{var}: {m}")),
+        other => other,
+    }
 }
 
 /// The config file named by `ACCEL_CONFIG_FILE`, if any.
@@ -361,6 +534,19 @@ mod tests {
         let err =
             serde_yaml_ng::from_str::<PartialConfig>("precison: bf16\n").unwrap_err().to_string();
         assert!(err.contains("unknown field `precison`") && err.contains("precision"), "{err}");
+        let env = |k: &str, v: &str| {
+            let (k, v) = (k.to_owned(), v.to_owned());
+            PartialConfig::from_env_with(move |var| (var == k).then(|| v.clone()))
+        };
+        assert_eq!(env("ACCEL_WRAP", "size:1000").unwrap().wrap, Some(Wrap::Size(1000)));
+        assert_eq!(env("ACCEL_STATE_DICT", "FULL").unwrap().state_dict, Some(StateDict::Full));
+        let err = env("ACCEL_WRAP", "size:-3").unwrap_err().to_string();
+        assert!(
+            err.contains("ACCEL_WRAP: wrap `size:-3`: expected layers, none or size:N"),
+            "{err}"
+        );
+        let err = PartialConfig { offload: Some(true), ..Default::default() }.build().unwrap_err();
+        assert!(err.to_string().contains("offload needs a sharded strategy"), "{err}");
         let err =
             PartialConfig { clip_grad_norm: Some(-1.0), ..Default::default() }.build().unwrap_err();
         assert!(err.to_string().contains("clip_grad_norm"), "{err}");

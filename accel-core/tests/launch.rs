@@ -371,3 +371,192 @@ fn accel_test_passes_over_tcp_when_memory_reads_are_denied_or_disabled_and_says_
     let normal = run("ACCEL_UNUSED", "");
     assert!(normal.contains("transport direct copies"), "{normal}");
 }
+
+/// The keys a config file has, read without accel: a YAML's top-level keys and the keys of
+/// its sections (`section.key`), a JSON's leaves (`a.b.c`).
+fn keys_of(file: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(file).unwrap();
+    if file.extension().is_some_and(|e| e == "json") {
+        fn leaves(prefix: &str, v: &serde_json::Value, out: &mut Vec<String>) {
+            match v.as_object() {
+                Some(m) if !m.is_empty() => {
+                    for (k, sv) in m {
+                        let key =
+                            if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                        leaves(&key, sv, out);
+                    }
+                }
+                _ => out.push(prefix.to_owned()),
+            }
+        }
+        let mut out = Vec::new();
+        leaves("", &serde_json::from_str(&text).unwrap(), &mut out);
+        return out;
+    }
+    let mut out = Vec::new();
+    let mut section = None;
+    for line in text.lines() {
+        let code = line.split(" #").next().unwrap_or("").trim_end();
+        if code.trim_start().starts_with('#') || !code.contains(':') {
+            continue;
+        }
+        let key = code.trim_start().split(':').next().unwrap().to_owned();
+        if !code.starts_with(' ') {
+            // A section (`fsdp_config:` and its indented keys) is named by its keys.
+            let section_header = code.trim_end().ends_with(':');
+            if !section_header {
+                out.push(key.clone());
+            }
+            section = section_header.then_some(key);
+        } else if let Some(s) = &section {
+            out.push(format!("{s}.{key}"));
+        }
+    }
+    out
+}
+
+#[test]
+fn every_key_of_accelerates_config_files_is_named() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/configs/accelerate");
+    let mut files = Vec::new();
+    for dir in [
+        "examples/config_yaml_templates",
+        "examples/deepspeed_config_templates",
+        "tests/test_configs",
+    ] {
+        for entry in std::fs::read_dir(root.join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "yaml" || e == "json") {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    assert_eq!(files.len(), 21);
+    // What accel refuses in Accelerate's own files, and why; every other file launches.
+    let refused = [
+        ("fp8.yaml", "fp8_config.backend"),
+        ("0_34_0_fp8.yaml", "fp8_config.backend"),
+        ("multi_xpu.yaml", "distributed_type"),
+        ("0_28_0_mpi.yaml", "mpirun_config.mpirun_hostfile"),
+        ("0_30_0_sagemaker.yaml", "compute_environment"),
+        ("invalid_keys.yaml", "invalid_key"),
+    ];
+    for file in &files {
+        let output = accel().args(["config", "check"]).arg(file).output().unwrap();
+        let out = text(&output);
+        let name = file.file_name().unwrap().to_str().unwrap();
+        let mut expected = keys_of(file);
+        // A YAML naming a DeepSpeed JSON: the JSON's keys too, after its name.
+        if let Some(line) = std::fs::read_to_string(file)
+            .unwrap()
+            .lines()
+            .find(|l| l.trim_start().starts_with("deepspeed_config_file:"))
+        {
+            let json = line.split(':').nth(1).unwrap().split('#').next().unwrap().trim();
+            let path = file.parent().unwrap().join(json);
+            let json_name = path.file_name().unwrap().to_str().unwrap().to_owned();
+            if path.exists() {
+                expected.extend(keys_of(&path).into_iter().map(|k| format!("{json_name}: {k}")));
+            }
+        }
+        assert!(!expected.is_empty(), "{name}");
+        for key in &expected {
+            assert!(
+                out.lines().any(|l| l.starts_with(&format!("{key} = "))),
+                "{name}: `{key}` is not named:\n{out}"
+            );
+        }
+        match refused.iter().find(|(f, _)| *f == name) {
+            Some((_, key)) => {
+                assert!(!output.status.success(), "{name}:\n{out}");
+                let line = out.lines().find(|l| l.starts_with(&format!("{key} = "))).unwrap();
+                assert!(line.contains(" refused "), "{name}: {line}");
+                assert!(out.contains("accel launch refuses"), "{name}:\n{out}");
+            }
+            None => {
+                assert!(output.status.success(), "{name}:\n{out}");
+                assert!(out.contains(" 0 refused") && out.contains("accel launch takes"), "{out}");
+            }
+        }
+    }
+    // What the keys become reaches the program: Accelerate's FSDP and DeepSpeed templates.
+    let dir = root.join("examples/config_yaml_templates");
+    let show = "echo $ACCEL_STRATEGY $ACCEL_PRECISION $ACCEL_OFFLOAD $ACCEL_SYNC_MODULE_STATES \
+                $ACCEL_STATE_DICT $ACCEL_WRAP $ACCEL_ACTIVATION_CHECKPOINTING";
+    let output = accel()
+        .args(["launch", "--main-process-port", "0", "--config-file"])
+        .arg(dir.join("fsdp.yaml"))
+        .args(["sh", "-c", show])
+        .output()
+        .unwrap();
+    let out = text(&output);
+    assert!(output.status.success(), "{out}");
+    assert!(out.contains("[rank1] zero3 bf16 false true sharded layers false"), "{out}");
+    let output = accel()
+        .args(["launch", "--main-process-port", "0", "--config-file"])
+        .arg(dir.join("deepspeed.yaml"))
+        .args(["sh", "-c", "echo $ACCEL_STRATEGY $ACCEL_PRECISION"])
+        .output()
+        .unwrap();
+    let out = text(&output);
+    assert!(output.status.success(), "{out}");
+    assert!(out.contains("[rank1] zero1 fp16"), "{out}");
+    assert!(out.contains("not followed") && out.contains("optimizer.type"), "warned: {out}");
+}
+
+#[test]
+fn config_update_rewrites_accelerates_keys_as_accels_and_keeps_the_original() {
+    let dir = scratch("update");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/configs/accelerate");
+    let file = dir.join("latest_fsdp.yaml");
+    std::fs::copy(root.join("tests/test_configs/latest_fsdp.yaml"), &file).unwrap();
+    let original = std::fs::read_to_string(&file).unwrap();
+    let output = accel().args(["config", "update"]).arg(&file).output().unwrap();
+    assert!(output.status.success(), "{}", text(&output));
+    assert_eq!(std::fs::read_to_string(dir.join("latest_fsdp.yaml.orig")).unwrap(), original);
+    let updated = std::fs::read_to_string(&file).unwrap();
+    for line in ["strategy: zero3", "precision: no", "sync_module_states: true", "wrap: layers"] {
+        assert!(updated.contains(line), "{line} missing from:\n{updated}");
+    }
+    let output = accel().args(["config", "check"]).arg(&file).output().unwrap();
+    let out = text(&output);
+    assert!(
+        output.status.success() && out.contains(" 0 ignored") && out.contains(" 0 refused"),
+        "{out}"
+    );
+    // A file accel refuses is not rewritten.
+    let bad = dir.join("bad.yaml");
+    std::fs::write(&bad, "num_proceses: 2\n").unwrap();
+    let output = accel().args(["config", "update"]).arg(&bad).output().unwrap();
+    assert!(
+        !output.status.success() && text(&output).contains("did you mean"),
+        "{}",
+        text(&output)
+    );
+    assert_eq!(std::fs::read_to_string(&bad).unwrap(), "num_proceses: 2\n");
+}
+
+#[test]
+fn log_dir_gpu_ids_and_threads_per_process_reach_every_rank() {
+    let dir = scratch("log-dir");
+    let logs = dir.join("logs");
+    let output = accel()
+        .args(["launch", "--num-processes", "2", "--main-process-port", "0", "--rank0-only"])
+        .args(["--gpu-ids", "0,1", "--num-cpu-threads-per-process", "3", "--log-dir"])
+        .arg(&logs)
+        .args([
+            "sh",
+            "-c",
+            "echo rank $RANK sees $CUDA_VISIBLE_DEVICES $OMP_NUM_THREADS; echo oops >&2",
+        ])
+        .output()
+        .unwrap();
+    let out = text(&output);
+    assert!(output.status.success(), "{out}");
+    assert!(!out.contains("rank 1 sees"), "--rank0-only still hides rank 1 on the console: {out}");
+    for rank in 0..2 {
+        let log = std::fs::read_to_string(logs.join(format!("rank{rank}.log"))).unwrap();
+        assert!(log.contains(&format!("rank {rank} sees 0,1 3")) && log.contains("oops"), "{log}");
+    }
+}

@@ -167,6 +167,18 @@ impl AcceleratorBuilder {
         self.explicit.activation_checkpointing = Some(on);
         self
     }
+    /// How `save_state` writes sharded models: each process its shard (the default), or
+    /// gathered and written whole by the main process (FSDP's `FULL_STATE_DICT`).
+    pub fn state_dict(mut self, how: crate::config::StateDict) -> Self {
+        self.explicit.state_dict = Some(how);
+        self
+    }
+    /// Broadcast the first process's initial values of each prepared model (on by default;
+    /// FSDP's `sync_module_states`). Off: each process keeps its own.
+    pub fn sync_module_states(mut self, on: bool) -> Self {
+        self.explicit.sync_module_states = Some(on);
+        self
+    }
     /// Seed torch's generators (and the shuffling of loaders that use the run's seed).
     pub fn seed(mut self, seed: u64) -> Self {
         self.explicit.seed = Some(seed);
@@ -294,6 +306,17 @@ impl AcceleratorBuilder {
                 sharding.reduce_dtype.get_or_insert(kind);
             }
         }
+        // The file's or the launcher's FSDP settings, where the code set none of its own.
+        if config.offload && !self.offload_set {
+            sharding.offload = true;
+        }
+        if sharding.units.is_none() && sharding.min_unit_params.is_none() {
+            match config.wrap {
+                crate::config::Wrap::Layers => {}
+                crate::config::Wrap::Size(n) => sharding.min_unit_params = Some(n),
+                crate::config::Wrap::None => sharding.units = Some(Vec::new()),
+            }
+        }
         if sharding.offload && !config.strategy.can_offload() {
             return Err(Error::Config(format!(
                 "offload needs a sharded strategy (zero2, zero3 or fsdp); the strategy is {}",
@@ -356,6 +379,7 @@ impl AcceleratorBuilder {
             config.sequence_parallel,
         )
         .with_fp8(fp8.clone());
+        let model_options = ModelOptions::from(ddp).sync_module_states(config.sync_module_states);
         let accelerator = Accelerator {
             inner: Arc::new(Inner {
                 state: Arc::new(GradientState::new(config.accumulate)),
@@ -370,7 +394,7 @@ impl AcceleratorBuilder {
                 fp8,
                 mesh,
                 strategy,
-                model_options: ModelOptions::from(ddp),
+                model_options,
                 micro_batch_size,
                 trackers: Mutex::new(crate::tracking::Trackers {
                     log_with: self.log_with,

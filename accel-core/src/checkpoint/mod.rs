@@ -145,7 +145,14 @@ impl Accelerator {
             }
             None
         };
+        let full = self.inner.config.state_dict == crate::config::StateDict::Full;
         for (i, params) in registry.models.iter().enumerate() {
+            if full {
+                // FSDP's FULL_STATE_DICT: gathered (a collective), written whole by the main
+                // process in the model file.
+                part.models.push(self.full_state_of(params.clone())?);
+                continue;
+            }
             let mut whole = Vec::new();
             for p in params {
                 let (tensor, placement) = strategy.parameter(p)?;

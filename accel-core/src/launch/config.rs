@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::config::{PartialConfig, Precision, Strategy, closest};
+use super::check::{Report, Verdict};
+use crate::config::{PartialConfig, Precision, Strategy};
 use crate::error::{Error, Result};
 
 /// Settings of a launch; every field optional (flags and defaults fill the rest).
@@ -31,68 +32,25 @@ pub struct LaunchConfig {
     pub training: PartialConfig,
     /// A DeepSpeed JSON config (the file given, or Accelerate's `deepspeed_config_file`):
     /// its settings beyond `training` reach the program through `ACCEL_DEEPSPEED_CONFIG`.
-    #[serde(skip)]
+    #[serde(rename = "deepspeed_config_file", skip_serializing_if = "Option::is_none")]
     pub deepspeed_config: Option<PathBuf>,
-    /// What reading the file has to say (DeepSpeed settings ignored), for the caller to
-    /// print once.
+    /// `CUDA_VISIBLE_DEVICES` for every process (Accelerate's `gpu_ids`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_ids: Option<String>,
+    /// `OMP_NUM_THREADS` for every process (default: cores ÷ processes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_cpu_threads_per_process: Option<usize>,
+    /// What reading the file has to say (performance settings not followed), for the
+    /// caller to print once.
     #[serde(skip)]
     pub warnings: Vec<String>,
+    /// One note per key of the file(s) read.
+    #[serde(skip)]
+    pub report: Report,
 }
 
 /// Names the DeepSpeed JSON config whose settings the program's accelerator applies.
 pub const DEEPSPEED_CONFIG_ENV: &str = "ACCEL_DEEPSPEED_CONFIG";
-
-/// Our keys.
-const OURS: &[&str] = &[
-    "num_processes",
-    "num_machines",
-    "machine_rank",
-    "main_process_ip",
-    "main_process_port",
-    "strategy",
-    "precision",
-    "fp8_recipe",
-    "accumulate",
-    "clip_grad_norm",
-    "seed",
-    "cpu",
-    "tensor_parallel",
-    "pipeline_parallel",
-    "sequence_parallel",
-    "activation_checkpointing",
-];
-
-/// Accelerate keys we translate.
-const TRANSLATED: &[&str] = &[
-    "distributed_type",
-    "mixed_precision",
-    "fp8_config",
-    "use_cpu",
-    "gradient_accumulation_steps",
-    "fsdp_config",
-    "deepspeed_config",
-    "megatron_lm_config",
-];
-
-/// Accelerate keys that have no meaning here; read and ignored.
-const IGNORED: &[&str] = &[
-    "compute_environment",
-    "debug",
-    "downcast_bf16",
-    "dynamo_config",
-    "enable_cpu_affinity",
-    "gpu_ids",
-    "ipex_config",
-    "main_training_function",
-    "mpirun_config",
-    "rdzv_backend",
-    "same_network",
-    "tpu_env",
-    "tpu_use_cluster",
-    "tpu_use_sudo",
-    "use_mps_device",
-    "parallelism_config",
-];
 
 /// Where `accel config` writes and `accel launch` looks when no file is given:
 /// `$ACCEL_CONFIG_DIR`, else `$XDG_CONFIG_HOME/accel`, else `~/.config/accel`, then
@@ -105,301 +63,79 @@ pub fn default_config_path() -> Option<PathBuf> {
     Some(dir.join("default_config.yaml"))
 }
 
-/// Accelerate's inline `deepspeed_config` keys beyond `zero_stage`,
-/// `gradient_accumulation_steps` and `deepspeed_config_file` (read by the caller): clipping
-/// is taken, launcher-only keys are ignored, and anything else is named in one error.
-fn deepspeed_inline(value: &serde_yaml_ng::Value, training: &mut PartialConfig) -> Result<()> {
-    let Some(map) = value.as_mapping() else { return Ok(()) };
-    let mut refused = Vec::new();
-    for (k, v) in map {
-        let key = k.as_str().unwrap_or_default();
-        match key {
-            "zero_stage" | "gradient_accumulation_steps" | "deepspeed_config_file" => {}
-            "zero3_init_flag"
-            | "zero3_save_16bit_model"
-            | "deepspeed_multinode_launcher"
-            | "deepspeed_hostfile"
-            | "deepspeed_exclusion_filter"
-            | "deepspeed_inclusion_filter" => {}
-            "gradient_clipping" => match v.as_f64() {
-                Some(max) if max > 0.0 => training.clip_grad_norm = Some(max),
-                Some(_) => {}
-                None => refused.push(format!("gradient_clipping = {v:?} (a number)")),
-            },
-            "offload_optimizer_device" | "offload_param_device" => {
-                if v.as_str().is_some_and(|d| d != "none") {
-                    refused.push(format!(
-                        "{key} = {v:?} (accel launch has no offload flag: put the offload in a \
-                         DeepSpeed JSON named by deepspeed_config_file, or call \
-                         .offload(true) on the builder)"
-                    ));
-                }
-            }
-            other => refused.push(format!("{other} (not implemented)")),
-        }
-    }
-    if refused.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::Config(format!("deepspeed_config: accel does not take {}", refused.join(", "))))
-    }
-}
-
 impl LaunchConfig {
     /// Reads a YAML file of our keys and/or Accelerate's, or a DeepSpeed JSON config
     /// (`.json`). A YAML's `deepspeed_config_file` is read too (from the working directory,
-    /// else beside the YAML), and its values win over the YAML's, as in Accelerate.
+    /// else beside the YAML), and its values win over the YAML's, as in Accelerate. A key
+    /// accel refuses makes it an error naming every such key; keys that only tune
+    /// performance become one warning (see [`check`](Self::check)).
     pub fn from_file(path: &Path) -> Result<Self> {
-        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
-            return Self::from_deepspeed(path);
-        }
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-        let mut config = Self::from_yaml(&text).map_err(|e| match e {
-            Error::Config(m) => Error::Config(format!("{}: {m}", path.display())),
-            other => other,
-        })?;
-        if let Some(json) = config.deepspeed_config.take() {
-            // As Accelerate: the path as given (from the working directory); else beside
-            // the YAML.
-            let json = match path.parent() {
-                Some(dir) if !json.exists() => dir.join(&json),
-                _ => json,
-            };
-            let deepspeed = Self::from_deepspeed(&json)?;
-            // As Accelerate: with a DeepSpeed file, its settings win over the YAML's
-            // (`distributed_type: DEEPSPEED`'s zero2 default, `mixed_precision: no`).
-            config.training = config.training.overlay(&deepspeed.training);
-            config.training.build()?;
-            config.deepspeed_config = deepspeed.deepspeed_config;
-            config.warnings.extend(deepspeed.warnings);
-        }
+        let config = Self::check(path)?;
+        config.report.check(Some(&path.display().to_string()))?;
         Ok(config)
     }
 
-    /// A DeepSpeed JSON config's training settings, and the file (absolute) for the rest;
-    /// its performance hints are named in one warning.
+    /// Reads a file as [`from_file`](Self::from_file) does, but a refused key is only
+    /// noted in [`report`](Self::report): one note per key of the file, and of the DeepSpeed
+    /// file it names (`accel config check`). `Err` when a file cannot be read or parsed.
+    pub fn check(path: &Path) -> Result<Self> {
+        let shown = path.display().to_string();
+        let mut config = if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+            Self::from_deepspeed(path)?
+        } else {
+            let text = std::fs::read_to_string(path)
+                .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+            let (mut config, report) = super::yaml::read(&text).map_err(|e| match e {
+                Error::Config(m) => Error::Config(format!("{shown}: {m}")),
+                other => other,
+            })?;
+            config.report = report;
+            if let Some(json) = config.deepspeed_config.take() {
+                // As Accelerate: the path as given (from the working directory); else beside
+                // the YAML.
+                let json = match path.parent() {
+                    Some(dir) if !json.exists() => dir.join(&json),
+                    _ => json,
+                };
+                let deepspeed = Self::from_deepspeed(&json)?;
+                // As Accelerate: with a DeepSpeed file, its settings win over the YAML's
+                // (`distributed_type: DEEPSPEED`'s zero2 default, `mixed_precision: no`).
+                config.training = config.training.overlay(&deepspeed.training);
+                if let Err(Error::Config(m)) = config.training.build() {
+                    config.report.push("(files)", "", Verdict::Refused(m));
+                }
+                config.deepspeed_config = deepspeed.deepspeed_config;
+                let name = json.file_name().map_or_else(
+                    || json.display().to_string(),
+                    |n| n.to_string_lossy().into_owned(),
+                );
+                config.report.extend_prefixed(&format!("{name}: "), deepspeed.report);
+            }
+            config
+        };
+        config.warnings.extend(config.report.warning(&shown));
+        Ok(config)
+    }
+
+    /// A DeepSpeed JSON config's training settings and the file (absolute) for the rest.
     fn from_deepspeed(path: &Path) -> Result<Self> {
-        let deepspeed = super::deepspeed::read(path)?;
-        let mut warnings = Vec::new();
-        if !deepspeed.ignored.is_empty() {
-            warnings.push(format!(
-                "{}: ignoring DeepSpeed performance settings accel has no use for: {}",
-                path.display(),
-                deepspeed.ignored.join(", ")
-            ));
-        }
-        deepspeed.training.build()?;
+        let (deepspeed, report) = super::deepspeed::check(path)?;
         let absolute = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
         Ok(Self {
             training: deepspeed.training,
             deepspeed_config: Some(absolute),
-            warnings,
+            report,
             ..Self::default()
         })
     }
 
-    /// Parses YAML text; an unknown key is an error naming the closest valid one.
+    /// Parses YAML text; a refused key (unknown, or not implemented) is an error naming it,
+    /// and an unknown one the closest valid key.
     pub fn from_yaml(text: &str) -> Result<Self> {
-        let value: serde_yaml_ng::Value =
-            serde_yaml_ng::from_str(text).map_err(|e| Error::Config(format!("not YAML: {e}")))?;
-        let map = match value {
-            serde_yaml_ng::Value::Mapping(m) => m,
-            serde_yaml_ng::Value::Null => return Ok(Self::default()),
-            _ => {
-                return Err(Error::Config("the config must be a mapping of keys to values".into()));
-            }
-        };
-        let mut config = Self::default();
-        let mut accelerate_accumulate = None;
-        for (key, value) in &map {
-            let key = key
-                .as_str()
-                .ok_or_else(|| Error::Config(format!("key {key:?} is not a string")))?;
-            let bad = |expected: &str| {
-                Error::Config(format!("`{key}`: expected {expected}, got {value:?}"))
-            };
-            let as_usize = || {
-                value
-                    .as_u64()
-                    .and_then(|v| usize::try_from(v).ok())
-                    .ok_or_else(|| bad("a non-negative integer"))
-            };
-            // Integers narrower than the YAML's are checked, never truncated.
-            let as_u32 = || {
-                value
-                    .as_u64()
-                    .and_then(|v| u32::try_from(v).ok())
-                    .ok_or_else(|| bad(&format!("an integer from 0 to {}", u32::MAX)))
-            };
-            let as_str = || value.as_str().map(str::to_owned).ok_or_else(|| bad("a string"));
-            match key {
-                "num_processes" => config.num_processes = Some(as_usize()?),
-                "num_machines" => config.num_machines = Some(as_usize()?),
-                "machine_rank" => config.machine_rank = Some(as_usize()?),
-                "main_process_ip" => config.main_process_ip = Some(as_str()?),
-                "main_process_port" => {
-                    config.main_process_port =
-                        Some(u16::try_from(as_usize()?).map_err(|_| bad("a port number"))?)
-                }
-                "strategy" => config.training.strategy = Some(as_str()?.parse()?),
-                "precision" => config.training.precision = Some(as_str()?.parse()?),
-                "fp8_recipe" => config.training.fp8_recipe = Some(as_str()?.parse()?),
-                "accumulate" => config.training.accumulate = Some(as_u32()?),
-                "clip_grad_norm" => {
-                    config.training.clip_grad_norm =
-                        Some(value.as_f64().ok_or_else(|| bad("a number"))?)
-                }
-                "seed" => config.training.seed = Some(as_usize()? as u64),
-                "tensor_parallel" => config.training.tensor_parallel = Some(as_usize()?),
-                "pipeline_parallel" => config.training.pipeline_parallel = Some(as_usize()?),
-                "sequence_parallel" => {
-                    config.training.sequence_parallel =
-                        Some(value.as_bool().ok_or_else(|| bad("true or false"))?)
-                }
-                "activation_checkpointing" => {
-                    config.training.activation_checkpointing =
-                        Some(value.as_bool().ok_or_else(|| bad("true or false"))?)
-                }
-                // Accelerate's Megatron-LM plugin: the degrees mean the same here.
-                "megatron_lm_config" => {
-                    let get = |k: &str| value.get(k);
-                    let degree = |k: &str| {
-                        get(k).and_then(|v| v.as_u64()).and_then(|v| usize::try_from(v).ok())
-                    };
-                    if let Some(tp) = degree("megatron_lm_tp_degree") {
-                        config.training.tensor_parallel = Some(tp);
-                    }
-                    if let Some(pp) = degree("megatron_lm_pp_degree") {
-                        config.training.pipeline_parallel = Some(pp);
-                    }
-                    if let Some(m) = get("megatron_lm_num_micro_batches").and_then(|v| v.as_u64()) {
-                        accelerate_accumulate = Some(u32::try_from(m).map_err(|_| {
-                            bad("megatron_lm_num_micro_batches of at most 4294967295")
-                        })?);
-                    }
-                    if let Some(sp) =
-                        get("megatron_lm_sequence_parallelism").and_then(|v| v.as_bool())
-                    {
-                        config.training.sequence_parallel = Some(sp);
-                    }
-                }
-                "cpu" | "use_cpu" => {
-                    config.training.cpu = Some(value.as_bool().ok_or_else(|| bad("true or false"))?)
-                }
-                "mixed_precision" => {
-                    let p = as_str()?;
-                    config.training.precision = Some(p.parse().map_err(|_| {
-                        Error::Config(format!(
-                            "mixed_precision `{p}`: expected no, fp16, bf16 or fp8"
-                        ))
-                    })?)
-                }
-                "distributed_type" => {
-                    let d = as_str()?;
-                    config.training.strategy = Some(match d.to_ascii_uppercase().as_str() {
-                        "NO" => Strategy::Single,
-                        "MULTI_CPU" | "MULTI_GPU" => Strategy::Ddp,
-                        "FSDP" => config.training.strategy.unwrap_or(Strategy::Fsdp),
-                        "DEEPSPEED" => config.training.strategy.unwrap_or(Strategy::Zero2),
-                        other => {
-                            return Err(Error::Config(format!(
-                                "distributed_type `{other}` has no accel equivalent; accel reads \
-                                 NO, MULTI_CPU, MULTI_GPU, FSDP and DEEPSPEED"
-                            )));
-                        }
-                    })
-                }
-                // Accelerate's fp8 backends: torchao's (AO) is what accel implements, with
-                // its default (tensor-wise) recipe unless `fp8_recipe` says otherwise.
-                "fp8_config" => {
-                    let backend = value.get("backend").and_then(serde_yaml_ng::Value::as_str);
-                    match backend.map(str::to_ascii_uppercase).as_deref() {
-                        None | Some("AO") => {}
-                        Some(other) => {
-                            return Err(Error::Config(format!(
-                                "fp8_config: backend {other} (Transformer Engine or MS-AMP) is \
-                                 not available in accel; accel's fp8 is torchao's (backend: AO), \
-                                 with fp8_recipe tensorwise or rowwise"
-                            )));
-                        }
-                    }
-                }
-                "gradient_accumulation_steps" => accelerate_accumulate = Some(as_u32()?),
-                "deepspeed_config" => {
-                    deepspeed_inline(value, &mut config.training)?;
-                    if let Some(file) = value.get("deepspeed_config_file") {
-                        let file = file.as_str().ok_or_else(|| {
-                            bad("deepspeed_config_file to be a path to a JSON file")
-                        })?;
-                        config.deepspeed_config = Some(PathBuf::from(file));
-                    }
-                    if let Some(stage) =
-                        value.get("zero_stage").and_then(serde_yaml_ng::Value::as_u64)
-                    {
-                        config.training.strategy = Some(match stage {
-                            1 => Strategy::Zero1,
-                            2 => Strategy::Zero2,
-                            3 => Strategy::Zero3,
-                            _ => Strategy::Ddp,
-                        });
-                    }
-                    if let Some(n) = value
-                        .get("gradient_accumulation_steps")
-                        .and_then(serde_yaml_ng::Value::as_u64)
-                    {
-                        accelerate_accumulate = Some(u32::try_from(n).map_err(|_| {
-                            bad("gradient_accumulation_steps of at most 4294967295")
-                        })?);
-                    }
-                }
-                "fsdp_config" => {
-                    if let Some(on) = value.get("fsdp_activation_checkpointing") {
-                        config.training.activation_checkpointing =
-                            Some(on.as_bool().ok_or_else(|| {
-                                bad("fsdp_activation_checkpointing: true or false")
-                            })?);
-                    }
-                    if let Some(s) = value.get("fsdp_sharding_strategy") {
-                        let s = s
-                            .as_str()
-                            .map(str::to_owned)
-                            .or_else(|| s.as_u64().map(|n| n.to_string()));
-                        config.training.strategy =
-                            Some(match s.as_deref().map(str::to_ascii_uppercase).as_deref() {
-                                Some("FULL_SHARD" | "1") => Strategy::Zero3,
-                                Some("SHARD_GRAD_OP" | "2") => Strategy::Zero2,
-                                Some("NO_SHARD" | "3") => Strategy::Ddp,
-                                Some("HYBRID_SHARD" | "4") => Strategy::HybridShard,
-                                Some(other @ ("_HYBRID_SHARD_ZERO2" | "5")) => {
-                                    return Err(Error::Config(format!(
-                                        "fsdp_sharding_strategy {other} (hybrid sharding of \
-                                         gradients only) is not implemented; use HYBRID_SHARD, \
-                                         FULL_SHARD or SHARD_GRAD_OP"
-                                    )));
-                                }
-                                _ => Strategy::Fsdp,
-                            });
-                    }
-                }
-                k if IGNORED.contains(&k) => {}
-                other => {
-                    let valid: Vec<&str> =
-                        OURS.iter().chain(TRANSLATED).chain(IGNORED).copied().collect();
-                    let hint = closest(other, &valid)
-                        .map(|c| format!(" — did you mean `{c}`?"))
-                        .unwrap_or_default();
-                    return Err(Error::Config(format!(
-                        "unknown key `{other}`{hint} (accel's keys: {})",
-                        OURS.join(", ")
-                    )));
-                }
-            }
-        }
-        if config.training.accumulate.is_none() {
-            config.training.accumulate = accelerate_accumulate;
-        }
-        config.training.build()?;
+        let (mut config, report) = super::yaml::read(text)?;
+        report.check(None)?;
+        config.warnings.extend(report.warning("the config"));
+        config.report = report;
         Ok(config)
     }
 
@@ -418,7 +154,12 @@ impl LaunchConfig {
             main_process_port: stronger.main_process_port.or(self.main_process_port),
             training: self.training.overlay(&stronger.training),
             deepspeed_config: stronger.deepspeed_config.clone().or(self.deepspeed_config),
+            gpu_ids: stronger.gpu_ids.clone().or(self.gpu_ids),
+            num_cpu_threads_per_process: stronger
+                .num_cpu_threads_per_process
+                .or(self.num_cpu_threads_per_process),
             warnings: [self.warnings, stronger.warnings.clone()].concat(),
+            report: self.report,
         }
     }
 
@@ -461,6 +202,24 @@ impl LaunchConfig {
         }
         if let Some(v) = t.activation_checkpointing {
             env.push(("ACCEL_ACTIVATION_CHECKPOINTING", v.to_string()));
+        }
+        if let Some(v) = t.offload {
+            env.push(("ACCEL_OFFLOAD", v.to_string()));
+        }
+        if let Some(v) = t.sync_module_states {
+            env.push(("ACCEL_SYNC_MODULE_STATES", v.to_string()));
+        }
+        if let Some(v) = t.wrap {
+            env.push(("ACCEL_WRAP", v.to_string()));
+        }
+        if let Some(v) = t.state_dict {
+            env.push(("ACCEL_STATE_DICT", v.to_string()));
+        }
+        if let Some(ids) = &self.gpu_ids {
+            env.push(("CUDA_VISIBLE_DEVICES", ids.clone()));
+        }
+        if let Some(n) = self.num_cpu_threads_per_process {
+            env.push(("OMP_NUM_THREADS", n.to_string()));
         }
         env
     }
@@ -555,14 +314,14 @@ mod tests {
         let err = LaunchConfig::from_yaml("mixed_precision: fp8\nfp8_config:\n  backend: TE\n")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("backend TE") && err.contains("backend: AO"), "{err}");
+        assert!(err.contains("`fp8_config.backend` (TE") && err.contains("backend: AO"), "{err}");
     }
 
     #[test]
     fn unknown_keys_name_the_closest_valid_one_and_round_trip_works() {
         let err = LaunchConfig::from_yaml("num_proceses: 2\n").unwrap_err().to_string();
         assert!(
-            err.contains("unknown key `num_proceses`")
+            err.contains("`num_proceses` (unknown key")
                 && err.contains("did you mean `num_processes`"),
             "{err}"
         );
@@ -571,7 +330,8 @@ mod tests {
             training: PartialConfig { precision: Some(Precision::Fp16), ..Default::default() },
             ..Default::default()
         };
-        assert_eq!(LaunchConfig::from_yaml(&c.to_yaml()).unwrap(), c);
+        let read = LaunchConfig::from_yaml(&c.to_yaml()).unwrap();
+        assert_eq!(LaunchConfig { report: Default::default(), ..read }, c);
         let err = LaunchConfig::from_yaml("accumulate: 0\n").unwrap_err().to_string();
         assert!(err.contains("accumulate = 0"), "{err}");
     }
@@ -607,10 +367,16 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(
-            err.contains("accel launch has no offload flag")
-                && err.contains("nvme_x (not implemented)"),
+            err.contains("offload needs a sharded strategy")
+                && err.contains("`deepspeed_config.nvme_x` (not a deepspeed_config key"),
             "{err}"
         );
+        let c = LaunchConfig::from_yaml(
+            "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: cpu\n",
+        )
+        .unwrap();
+        assert_eq!((c.training.strategy, c.training.offload), (Some(Strategy::Zero2), Some(true)));
+        assert!(c.training_env().contains(&("ACCEL_OFFLOAD", "true".to_owned())));
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -13,6 +13,7 @@ use std::path::Path;
 use serde_json::Value;
 use tch::Kind;
 
+use super::check::{Report, Verdict};
 use crate::config::{PartialConfig, Precision, Strategy};
 use crate::error::{Error, Result};
 use crate::precision::ScalerConfig;
@@ -90,8 +91,13 @@ const HINTS: &[&str] = &[
 /// Why a key is refused, for the ones whose reason helps.
 fn refusal(key: &str) -> &'static str {
     match key {
-        "optimizer" => "accel takes the optimizer from the program: remove the section",
-        "scheduler" => "accel takes the schedule from the program (`set_schedule`): remove it",
+        k if k.starts_with("optimizer.") => {
+            "accel steps the program's optimizer: set the value there and write \"auto\" here"
+        }
+        k if k.starts_with("scheduler.") => {
+            "accel follows the program's schedule (`set_schedule`): set the value there and \
+             write \"auto\" here"
+        }
         "amp" => "Apex AMP: use bf16 or fp16",
         "activation_checkpointing.cpu_checkpointing" => {
             "activations offloaded to the CPU are not implemented (activation checkpointing is)"
@@ -120,6 +126,179 @@ pub fn read(path: &Path) -> Result<DeepSpeedConfig> {
 
 /// Parses DeepSpeed JSON text.
 pub fn parse(text: &str) -> Result<DeepSpeedConfig> {
+    let (out, refused, wrong, _) = read_parts(text)?;
+    let mut problems = wrong;
+    if !refused.is_empty() {
+        let named: Vec<String> =
+            refused.iter().map(|k| format!("`{k}` ({})", refusal(k))).collect();
+        problems.push(format!("accel does not implement {}", named.join(", ")));
+    }
+    if !problems.is_empty() {
+        return Err(Error::Config(problems.join("; ")));
+    }
+    Ok(out)
+}
+
+/// Reads a DeepSpeed JSON config noting every key (leaf) of it; a refused key is only
+/// noted. `Err` when the file cannot be read or is no JSON object.
+pub fn check(path: &Path) -> Result<(DeepSpeedConfig, Report)> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    check_text(&text).map_err(|e| match e {
+        Error::Config(m) => Error::Config(format!("DeepSpeed config {}: {m}", path.display())),
+        other => other,
+    })
+}
+
+/// [`check`] of JSON text.
+pub fn check_text(text: &str) -> Result<(DeepSpeedConfig, Report)> {
+    let (out, refused, mut wrong, root) = read_parts(text)?;
+    let mut leaves = Vec::new();
+    flatten("", &root, &mut leaves);
+    let mut report = Report::default();
+    for (key, value) in leaves {
+        let under = |k: &str| key == k || key.starts_with(&format!("{k}."));
+        let verdict = if let Some(r) = refused.iter().find(|r| under(r)) {
+            Verdict::Refused(refusal(r).to_owned())
+        } else if let Some(i) = wrong.iter().position(|w| {
+            let parts: Vec<&str> = key.split('.').collect();
+            (1..=parts.len()).any(|n| w.contains(&format!("`{}`", parts[..n].join("."))))
+        }) {
+            Verdict::Refused(wrong.remove(i))
+        } else if out.ignored.iter().any(|i| under(i)) {
+            hint_note(&key, &value)
+        } else {
+            applied_note(&key, &value, &out)
+        };
+        report.push(key, compact(&value), verdict);
+    }
+    for w in wrong {
+        report.push("(file)", "", Verdict::Refused(w));
+    }
+    Ok((out, report))
+}
+
+/// Every leaf of a JSON object as (dotted key, value); empty objects and arrays are leaves.
+fn flatten(prefix: &str, v: &Value, out: &mut Vec<(String, Value)>) {
+    match v.as_object() {
+        Some(map) if !map.is_empty() => {
+            for (k, sv) in map {
+                let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                flatten(&key, sv, out);
+            }
+        }
+        _ if !prefix.is_empty() => out.push((prefix.to_owned(), v.clone())),
+        _ => {}
+    }
+}
+
+fn compact(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// A performance key accel does not follow: ignored where accel does the same anyway or it
+/// only concerns DeepSpeed's own logs, else warned about.
+fn hint_note(key: &str, value: &Value) -> Verdict {
+    let on = value.as_bool();
+    match key {
+        "steps_per_print"
+        | "dump_state"
+        | "memory_breakdown"
+        | "wall_clock_breakdown"
+        | "zero_allow_untested_optimizer"
+        | "zero_force_ds_cpu_optimizer" => {
+            Verdict::Ignored("DeepSpeed's own logging and checks".into())
+        }
+        "zero_optimization.reduce_scatter"
+        | "zero_optimization.contiguous_gradients"
+        | "zero_optimization.allgather_partitions"
+            if on != Some(false) =>
+        {
+            Verdict::Ignored("what accel's sharded strategies do anyway".into())
+        }
+        "optimizer.type" => Verdict::Hint(
+            "accel steps the program's optimizer, whatever this names (params \"auto\", as \
+             with Accelerate's DummyOptim)"
+                .into(),
+        ),
+        "scheduler.type" => Verdict::Hint(
+            "accel follows the program's schedule (set_schedule), whatever this names".into(),
+        ),
+        k if k.ends_with(".pin_memory") && on != Some(false) => {
+            Verdict::Ignored("accel pins offloaded masters in page-locked memory anyway".into())
+        }
+        k if (k.ends_with(".enabled") || k == "fp16.auto_cast") && on == Some(false) => {
+            Verdict::Ignored("off".into())
+        }
+        _ => Verdict::Hint("a DeepSpeed performance setting accel does not follow".into()),
+    }
+}
+
+/// What a key accel takes becomes.
+fn applied_note(key: &str, value: &Value, out: &DeepSpeedConfig) -> Verdict {
+    let fp16_on = out.training.precision == Some(Precision::Fp16);
+    let text = match key {
+        k if k.starts_with("optimizer.params.") || k.starts_with("scheduler.params.") => {
+            return Verdict::Ignored(if is_auto(value) {
+                "auto: the program's own value".into()
+            } else {
+                "DeepSpeed's choice of implementation".into()
+            });
+        }
+        _ if is_auto(value) => {
+            "auto: left to the rest of the configuration, as Accelerate fills it in".to_owned()
+        }
+        "train_batch_size" => {
+            "checked: micro-batch × accumulation × data-parallel processes".to_owned()
+        }
+        "train_micro_batch_size_per_gpu" => {
+            "micro-batch size per process (Accelerator::micro_batch_size)".to_owned()
+        }
+        "gradient_accumulation_steps" => "micro-batches per optimizer step".to_owned(),
+        "gradient_clipping" => match out.training.clip_grad_norm {
+            Some(max) => format!("gradients clipped to norm {max}"),
+            None => return Verdict::Ignored("0: no clipping".into()),
+        },
+        "communication_data_type" => format!("gradients reduced in {}", compact(value)),
+        "bf16.enabled" | "fp16.enabled" => match out.training.precision {
+            Some(p) if value.as_bool() == Some(true) => format!("precision {p}"),
+            _ => return Verdict::Ignored("off".into()),
+        },
+        k if k.starts_with("fp16.") && !fp16_on => {
+            return Verdict::Ignored("fp16 is not enabled".into());
+        }
+        k if k.starts_with("fp16.") => {
+            "the fp16 loss scaler (DeepSpeed's defaults otherwise)".to_owned()
+        }
+        k if k.starts_with("activation_checkpointing") => {
+            "activation checkpointing of every accel::Unit".to_owned()
+        }
+        "zero_optimization.stage" => match out.training.strategy {
+            Some(s) => format!("strategy {s}"),
+            None => "strategy".to_owned(),
+        },
+        "zero_optimization.reduce_bucket_size" => {
+            "gradient buckets of this many elements (DDP, zero1)".to_owned()
+        }
+        k if k.ends_with(".device") => match value.as_str() {
+            Some("cpu") => "offload: fp32 masters and optimizer state in CPU memory".to_owned(),
+            _ => return Verdict::Ignored("no offload".into()),
+        },
+        k if k.ends_with(".nvme_path") => {
+            return Verdict::Ignored("only with offload to NVMe".into());
+        }
+        _ => "taken".to_owned(),
+    };
+    Verdict::Applied(text)
+}
+
+type Parts = (DeepSpeedConfig, Vec<String>, Vec<String>, Value);
+
+/// The config, the refused keys and the wrong values, and the JSON itself.
+fn read_parts(text: &str) -> Result<Parts> {
     let root: Value =
         serde_json::from_str(text).map_err(|e| Error::Config(format!("not JSON: {e}")))?;
     let Value::Object(top) = &root else {
@@ -191,20 +370,27 @@ pub fn parse(text: &str) -> Result<DeepSpeedConfig> {
                 }
             }
             "zero_optimization" => zero(value, &mut out, &mut refused, &mut wrong),
+            // Accelerate's templates name DeepSpeed's optimizer and schedule with "auto"
+            // values (DummyOptim/DummyScheduler fill them in from the program): accel steps
+            // the program's own, so only a value given here would be lost.
+            "optimizer" | "scheduler" => {
+                out.ignored.push(format!("{key}.type"));
+                let params = value.get("params").and_then(Value::as_object);
+                for (p, v) in params.into_iter().flatten() {
+                    let implementation = matches!(p.as_str(), "torch_adam" | "adam_w_mode");
+                    if !is_auto(v) && !implementation {
+                        refused.push(format!("{key}.params.{p}"));
+                    }
+                }
+                for k in sub_keys(value).filter(|k| !matches!(*k, "type" | "params")) {
+                    refused.push(format!("{key}.{k}"));
+                }
+            }
             k if HINTS.contains(&k) => out.ignored.push(k.to_owned()),
             k => refused.push(k.to_owned()),
         }
     }
-    let mut problems = wrong;
-    if !refused.is_empty() {
-        let named: Vec<String> =
-            refused.iter().map(|k| format!("`{k}` ({})", refusal(k))).collect();
-        problems.push(format!("accel does not implement {}", named.join(", ")));
-    }
-    if !problems.is_empty() {
-        return Err(Error::Config(problems.join("; ")));
-    }
-    Ok(out)
+    Ok((out, refused, wrong, root.clone()))
 }
 
 /// A non-negative integer (DeepSpeed writes some as 5e8), or `None` for "auto" and for a
@@ -514,8 +700,9 @@ mod tests {
             "{err}"
         );
         for refused in [
-            "`optimizer` (accel takes the optimizer from the program: remove the section)",
-            "`scheduler`",
+            "`optimizer.params.lr` (accel steps the program's optimizer: set the value there",
+            "`optimizer.params.betas`",
+            "`scheduler.params.warmup_max_lr` (accel follows the program's schedule",
             "`aio`",
             "`fp16.fp16_master_weights_and_grads`",
             "`zero_optimization.zero_quantized_weights`",

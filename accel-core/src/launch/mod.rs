@@ -8,8 +8,10 @@
 //! launcher names the failed rank, its exit code or signal and its last lines, and exits
 //! non-zero. Children die with the launcher (`PR_SET_PDEATHSIG`), so none is orphaned.
 
+pub mod check;
 pub mod config;
 pub mod deepspeed;
+mod yaml;
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
@@ -48,6 +50,9 @@ pub struct LaunchPlan {
     pub max_restarts: usize,
     /// Time between SIGTERM and SIGKILL when stopping processes.
     pub grace: Duration,
+    /// Every rank's output also goes to `rank{N}.log` in this folder (torchrun's
+    /// `--log-dir` with `--tee`), whatever the console shows.
+    pub log_dir: Option<PathBuf>,
 }
 
 impl LaunchPlan {
@@ -65,6 +70,7 @@ impl LaunchPlan {
             rank0_only: false,
             max_restarts: 0,
             grace: Duration::from_secs(5),
+            log_dir: None,
         }
     }
 }
@@ -339,12 +345,16 @@ fn spawn(
     })?;
     let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
     let show = !plan.rank0_only || rank == 0;
+    let log = match &plan.log_dir {
+        Some(dir) => Some(Arc::new(Mutex::new(open_log(dir, rank, attempt)?))),
+        None => None,
+    };
     let mut readers = Vec::new();
     let stdout = child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>);
     let stderr = child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>);
     for (stream, is_err) in [(stdout, false), (stderr, true)] {
         let Some(stream) = stream else { continue };
-        let (tail, out) = (tail.clone(), out.clone());
+        let (tail, out, log) = (tail.clone(), out.clone(), log.clone());
         readers.push(std::thread::spawn(move || {
             let mut reader = BufReader::new(stream);
             let mut line = Vec::new();
@@ -352,6 +362,11 @@ fn spawn(
             while reader.read_until(b'\n', &mut line).unwrap_or(0) > 0 {
                 let text = String::from_utf8_lossy(&line).trim_end_matches(['\n', '\r']).to_owned();
                 line.clear();
+                if let Some(log) = &log {
+                    let mut file = log.lock().unwrap_or_else(|e| e.into_inner());
+                    // A full disk must not stop the run: the console still has the line.
+                    let _ = writeln!(file, "{text}");
+                }
                 if show {
                     let mut console = out.lock().unwrap_or_else(|e| e.into_inner());
                     let line = format!("[rank{rank}] {text}");
@@ -379,6 +394,27 @@ fn spawn(
         }));
     }
     Ok(Rank { rank, child, tail, readers, status: None })
+}
+
+/// `dir/rank{rank}.log`, created with `dir`; a restart appends to it after a marker line.
+fn open_log(dir: &std::path::Path, rank: usize, attempt: usize) -> Result<std::fs::File> {
+    let io = |path: &std::path::Path| {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let path = dir.join(format!("rank{rank}.log"));
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(attempt > 0)
+        .truncate(attempt == 0)
+        .open(&path)
+        .map_err(io(&path))?;
+    if attempt > 0 {
+        writeln!(file, "--- accel launch: restart {attempt} ---").map_err(io(&path))?;
+    }
+    Ok(file)
 }
 
 /// What a line is to a Rust backtrace, as `RUST_BACKTRACE=1` prints one after an error or

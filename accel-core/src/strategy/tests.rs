@@ -221,3 +221,109 @@ fn every_strategy_issues_the_same_operations_on_every_rank_and_waits_for_each() 
         assert!((&moved.1 - start).abs().max().double_value(&[]) > 1e-3, "{strategy}");
     }
 }
+
+/// An accelerator for thread rank `group.rank()` with `strategy`, further set by `with`.
+fn thread_accelerator(
+    strategy: StrategyName,
+    group: ProcessGroup,
+    with: impl FnOnce(crate::AcceleratorBuilder) -> crate::AcceleratorBuilder,
+) -> Accelerator {
+    let (rank, world) = (group.rank(), group.size());
+    let process = Topology {
+        rank,
+        world_size: world,
+        local_rank: rank,
+        local_world_size: world,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        source: "test",
+    };
+    let config = Config { strategy, ..Config::default() };
+    let dims = ParallelDims::for_run(&config, &process).unwrap();
+    let data: Arc<dyn Communicator> = Arc::new(group.clone());
+    let mesh = DeviceMesh::from_parts(
+        dims,
+        rank,
+        Some(group),
+        [(Dim::Data, data.clone()), (Dim::DataReplicate, data.clone()), (Dim::DataShard, data)]
+            .into_iter()
+            .filter(|(dim, _)| dims.size(*dim) > 1),
+    );
+    with(Accelerator::builder().strategy(strategy).cpu(true).thread_rank(process, mesh))
+        .build()
+        .unwrap()
+}
+
+/// Two zero3 units whose starting values differ by rank.
+fn two_units(rank: usize) -> (nn::VarStore, Vec<Unit<nn::Linear>>) {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let root = vs.root();
+    let layers = [(5, 8), (8, 3)]
+        .into_iter()
+        .enumerate()
+        .map(|(i, (n_in, n_out))| {
+            let p = &root / "layers" / i;
+            Unit::new(&p, nn::linear(&p, n_in, n_out, Default::default()))
+        })
+        .collect();
+    tch::no_grad(|| {
+        for (name, mut var) in vs.variables() {
+            var.copy_(&(values(&var.size(), name.len() as f64) + rank as f64));
+        }
+    });
+    (vs, layers)
+}
+
+#[test]
+fn fsdp_state_dict_types_and_sync_module_states_do_what_accelerate_says() {
+    use crate::config::StateDict;
+    let dir = std::env::temp_dir().join(format!("accel-state-dict-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let shared = dir.clone();
+    let results = on_ranks(2, std::time::Duration::from_secs(30), move |g| {
+        let rank = g.rank();
+        let mut whole = Vec::new();
+        for how in [StateDict::Sharded, StateDict::Full] {
+            let acc = thread_accelerator(StrategyName::Zero3, g.clone(), |b| b.state_dict(how));
+            let (vs, _layers) = two_units(rank);
+            acc.prepare_model(&vs).unwrap();
+            acc.save_state(shared.join(how.to_string())).unwrap();
+            whole.push(acc.full_state_dict(&vs).unwrap());
+            // Either layout loads back into a run that saves the other way.
+            let other = thread_accelerator(StrategyName::Zero3, g.clone(), |b| b);
+            let (vs2, _layers2) = two_units(rank + 7);
+            other.prepare_model(&vs2).unwrap();
+            other.load_state(shared.join(how.to_string())).unwrap();
+            assert_eq!(max_difference(&other.full_state_dict(&vs2).unwrap(), &whole[0]), 0.0);
+        }
+        // Off: each rank keeps its own start (here different), as FSDP without
+        // sync_module_states; on (the default, above), rank 0's.
+        let acc = thread_accelerator(StrategyName::Ddp, g, |b| b.sync_module_states(false));
+        let (vs, _layers) = two_units(rank);
+        acc.prepare_model(&vs).unwrap();
+        let own = vs.variables()["layers.0.bias"].double_value(&[0]);
+        (whole, own)
+    });
+    assert_eq!(max_difference(&results[0].0[0], &results[1].0[0]), 0.0);
+    assert_eq!(max_difference(&results[0].0[0], &results[0].0[1]), 0.0);
+    assert!((results[1].1 - results[0].1 - 1.0).abs() < 1e-6, "{} {}", results[0].1, results[1].1);
+    let names = |file: &str| -> Vec<String> {
+        Tensor::read_safetensors(dir.join(file)).unwrap().into_iter().map(|(n, _)| n).collect()
+    };
+    // Sharded: the units' parameters are in the shard files, in pieces.
+    assert!(names("sharded/shard_0.safetensors").iter().any(|n| n.contains("layers.0.weight")));
+    assert!(!names("sharded/model.safetensors").iter().any(|n| n.contains("layers.0.weight")));
+    // Full: whole in the model file, written by the main process; nothing of them in shards.
+    let full = Tensor::read_safetensors(dir.join("full/model.safetensors")).unwrap();
+    let weight = full.iter().find(|(n, _)| n == "layers.0.weight").unwrap();
+    assert_eq!(weight.1.size(), [8, 5]);
+    for rank in 0..2 {
+        let shard = dir.join(format!("full/shard_{rank}.safetensors"));
+        if shard.exists() {
+            let names: Vec<String> =
+                Tensor::read_safetensors(shard).unwrap().into_iter().map(|(n, _)| n).collect();
+            assert!(!names.iter().any(|n| n.contains("layers.")), "{names:?}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -43,10 +43,16 @@ enum Command {
     },
     /// Start PROGRAM as the processes of a run (this machine's share).
     Launch(LaunchArgs),
-    /// Write a launch config file: asks questions, or `accel config default`.
+    /// Write a launch config file (asks questions; `accel config default` does not), or
+    /// `accel config check FILE` (what accel makes of each key of an Accelerate YAML or
+    /// DeepSpeed JSON), or `accel config update FILE` (rewrite it with accel's current keys,
+    /// the original kept as FILE.orig).
     Config {
-        /// `default`: write the defaults without asking.
+        /// `default`, `check` or `update`; none: ask questions.
         mode: Option<String>,
+        /// The file `check` and `update` read (default: --config-file, else the default
+        /// config).
+        file: Option<PathBuf>,
         /// Where to write (default: ~/.config/accel/default_config.yaml).
         #[arg(long)]
         config_file: Option<PathBuf>,
@@ -214,6 +220,20 @@ struct LaunchArgs {
     /// ACCEL_ACTIVATION_CHECKPOINTING.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Keep fp32 masters and optimizer state in CPU memory (zero2, zero3, fsdp), passed as
+    /// ACCEL_OFFLOAD.
+    #[arg(long)]
+    offload: bool,
+    /// GPUs the processes may use (`0,1`), passed as CUDA_VISIBLE_DEVICES.
+    #[arg(long)]
+    gpu_ids: Option<String>,
+    /// Threads of each process's CPU kernels, passed as OMP_NUM_THREADS (default: cores ÷
+    /// processes).
+    #[arg(long)]
+    num_cpu_threads_per_process: Option<usize>,
+    /// Write each rank's output to DIR/rank{N}.log as well (torchrun's --log-dir / --tee).
+    #[arg(long)]
+    log_dir: Option<PathBuf>,
     /// Timeout of rendezvous and collectives in seconds, passed as ACCEL_TIMEOUT_SECS (and
     /// as ACCEL_NCCL_TIMEOUT, the NCCL watchdog's; 10 min by default).
     #[arg(long, value_parser = |s: &str| parse_seconds(s, false))]
@@ -259,9 +279,12 @@ impl LaunchArgs {
                 pipeline_parallel: self.pipeline_parallel,
                 sequence_parallel: self.sequence_parallel.then_some(true),
                 activation_checkpointing: self.activation_checkpointing.then_some(true),
+                offload: self.offload.then_some(true),
+                ..Default::default()
             },
-            deepspeed_config: None,
-            warnings: Vec::new(),
+            gpu_ids: self.gpu_ids.clone(),
+            num_cpu_threads_per_process: self.num_cpu_threads_per_process,
+            ..Default::default()
         };
         let config = file.overlay(&flags);
         for warning in &config.warnings {
@@ -285,6 +308,7 @@ impl LaunchArgs {
             rank0_only: self.rank0_only,
             max_restarts: self.max_restarts,
             grace: Duration::from_secs_f64(self.grace),
+            log_dir: self.log_dir.clone(),
         })
     }
 }
@@ -451,13 +475,34 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Command::Config { mode, config_file } => match config::run(mode.as_deref(), config_file) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("accel config: {e}");
-                ExitCode::FAILURE
+        Command::Config { mode: Some(mode), file, config_file }
+            if mode == "check" || mode == "update" =>
+        {
+            let Some(path) =
+                file.or(config_file).or_else(|| default_config_path().filter(|p| p.exists()))
+            else {
+                eprintln!("accel config {mode}: give the file: accel config {mode} FILE");
+                return ExitCode::FAILURE;
+            };
+            let result = if mode == "check" { config::check(&path) } else { config::update(&path) };
+            match result {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::FAILURE,
+                Err(e) => {
+                    eprintln!("accel config {mode}: {e}");
+                    ExitCode::FAILURE
+                }
             }
-        },
+        }
+        Command::Config { mode, file, config_file } => {
+            match config::run(mode.as_deref(), config_file.or(file)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("accel config: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Worker { what, sizes, dtype, backend } => {
             let result = match what.as_str() {
                 "test" => selftest::run(),
@@ -495,6 +540,52 @@ mod config {
         let _ = std::io::stdin().lock().read_line(&mut line);
         let answer = line.trim();
         if answer.is_empty() { default.to_owned() } else { answer.to_owned() }
+    }
+
+    /// Prints what accel makes of each key of `path`; whether `accel launch` takes it.
+    pub(crate) fn check(path: &std::path::Path) -> accel_core::Result<bool> {
+        let config = LaunchConfig::check(path)?;
+        println!("{}", config.report);
+        let refused = config.report.counts()[3];
+        if refused == 0 {
+            println!("accel launch takes {}", path.display());
+        } else {
+            println!(
+                "accel launch refuses {}: {refused} key(s) refused (see above)",
+                path.display()
+            );
+        }
+        Ok(refused == 0)
+    }
+
+    /// Rewrites `path` with accel's current keys (what `check` says it means), keeping the
+    /// original beside it as `<name>.orig`.
+    pub(crate) fn update(path: &std::path::Path) -> accel_core::Result<bool> {
+        let config = LaunchConfig::from_file(path)?;
+        let io = |p: &std::path::Path| {
+            let p = p.to_path_buf();
+            move |source| accel_core::Error::Io { path: p, source }
+        };
+        let mut original = path.as_os_str().to_owned();
+        original.push(".orig");
+        let original = PathBuf::from(original);
+        std::fs::copy(path, &original).map_err(io(&original))?;
+        let target = if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
+            path.with_extension("yaml")
+        } else {
+            path.to_path_buf()
+        };
+        let yaml = config.to_yaml();
+        // Written to a temporary file, then renamed: a failure leaves the old file whole.
+        let tmp = target.with_extension("yaml.tmp");
+        std::fs::write(&tmp, &yaml).map_err(io(&tmp))?;
+        std::fs::rename(&tmp, &target).map_err(io(&target))?;
+        println!(
+            "accel config update: wrote {} (the original is {})",
+            target.display(),
+            original.display()
+        );
+        Ok(true)
     }
 
     pub(crate) fn run(mode: Option<&str>, path: Option<PathBuf>) -> accel_core::Result<()> {
