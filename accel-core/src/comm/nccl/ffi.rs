@@ -335,8 +335,8 @@ impl Nccl {
 
     /// `ncclGetErrorString`, and `ncclGetLastError(comm)` where it says more.
     pub fn describe(&self, status: c_int, comm: RawComm) -> String {
-        // SAFETY: both return pointers to NUL-terminated strings NCCL owns (static, or kept
-        // per thread until the next call); copied at once.
+        // SAFETY: both return pointers to NUL-terminated strings NCCL owns (static, or one
+        // process-wide buffer that ncclGetLastError never clears); copied at once.
         let (text, last) = unsafe {
             let text = (self.get_error_string)(status);
             let last = (self.get_last_error)(comm);
@@ -347,7 +347,9 @@ impl Nccl {
         };
         let mut out = format!("{} ({status}): {text}", result_name(status));
         if !last.is_empty() && last != text {
-            out.push_str(&format!("; NCCL says: {last}"));
+            // NCCL keeps one last warning for the whole process, whatever communicator or
+            // thread it came from: a clue, labelled as such.
+            out.push_str(&format!("; NCCL's last warning (process-wide, may be older): {last}"));
         }
         out
     }

@@ -52,6 +52,10 @@ pub(crate) struct Handle {
     api: Mutex<()>,
     /// Made with a blocking config (the default; `ACCEL_NCCL_NONBLOCKING=1` for the other).
     blocking: bool,
+    /// The launch under way, if any: when it began and what it is. A blocking call can
+    /// wait on the host (connecting to peers at first use, a full work queue behind a stuck
+    /// kernel, a split): the watchdog reads this to see one that never returns.
+    launching: Mutex<Option<(Instant, String)>>,
 }
 
 // SAFETY: NCCL communicators may be used from any thread; no two calls on one overlap
@@ -198,6 +202,7 @@ impl Handle {
             calls: Mutex::new(()),
             api: Mutex::new(()),
             blocking,
+            launching: Mutex::new(None),
         };
         handle.wait_ready(call, None)?;
         Ok(handle)
@@ -222,9 +227,25 @@ impl Handle {
         self.api.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The raw communicator, for calls made under [`Handle::lock`] and [`Handle::api`].
-    pub fn raw(&self) -> RawComm {
-        self.comm
+    /// Runs `call` (one NCCL launch) on the communicator under [`Handle::api`], marked as
+    /// under way for the watchdog ([`Handle::stuck_launch`]).
+    pub fn launch<T>(&self, during: &str, call: impl FnOnce(RawComm) -> T) -> Result<T> {
+        let _use = self.enter()?;
+        *self.launching.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some((Instant::now(), during.to_owned()));
+        let out = {
+            let _api = self.api();
+            call(self.comm)
+        };
+        *self.launching.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        Ok(out)
+    }
+
+    /// The launch under way for longer than the timeout, if any: how long, and what.
+    pub fn stuck_launch(&self) -> Option<(Duration, String)> {
+        let launching = self.launching.lock().unwrap_or_else(|e| e.into_inner());
+        let (since, what) = launching.as_ref()?;
+        (since.elapsed() > self.timeout).then(|| (since.elapsed(), what.clone()))
     }
 
     /// Serialises calls on the communicator, and keeps it alive while they run.
@@ -279,12 +300,14 @@ impl Handle {
     pub fn async_error(&self) -> Result<c_int> {
         let _use = self.enter()?;
         let mut state = SUCCESS;
-        let status = {
-            let _api = self.api();
-            // SAFETY: the communicator is live while `_use` is (no abort frees it
-            // meanwhile); no other call on it runs (`_api`); out-pointer to a local.
-            unsafe { (self.nccl.comm_get_async_error)(self.comm, &mut state) }
-        };
+        // A blocking communicator has no group job to complete here: the call only reads
+        // its error state (NCCL 2.28 group.cc), so it need not wait behind a call that is
+        // blocked on the host — which is what the watchdog polls to find.
+        let _api = (!self.blocking).then(|| self.api());
+        // SAFETY: the communicator is live while `_use` is (no abort frees it meanwhile);
+        // non-blocking, no other call on it runs (`_api`); out-pointer to a local.
+        let status = unsafe { (self.nccl.comm_get_async_error)(self.comm, &mut state) };
+        drop(_api);
         if status != SUCCESS {
             return Err(self.error("ncclCommGetAsyncError", status, None));
         }
@@ -328,6 +351,42 @@ impl Handle {
             // SAFETY: no call is under way and none can start; freed once.
             unsafe { (self.nccl.comm_abort)(self.comm) };
         }
+    }
+}
+
+impl Handle {
+    /// The failure path's abort (the watchdog's): `ncclCommAbort` now, even while a call is
+    /// under way — NCCL's abort sets the flags that release a call blocked on the host, so
+    /// waiting for that call to end first would wait forever (PyTorch aborts so too). The
+    /// caller of that call gets an error, and no call starts after this. A non-blocking
+    /// communicator's calls are short: their end is waited for up to a second, since one
+    /// may be completing a group job the abort would free.
+    pub fn abort_at_once(&self) {
+        {
+            let mut life = self.life();
+            life.abort_pending = true;
+            if life.freed {
+                return;
+            }
+            life.freed = true;
+        }
+        let _api = if self.blocking {
+            None
+        } else {
+            let deadline = Instant::now() + Duration::from_secs(1);
+            loop {
+                match self.api.try_lock() {
+                    Ok(guard) => break Some(guard),
+                    Err(std::sync::TryLockError::Poisoned(e)) => break Some(e.into_inner()),
+                    Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    Err(std::sync::TryLockError::WouldBlock) => break None,
+                }
+            }
+        };
+        // SAFETY: freed once (`freed`); see above for the call that may still be inside.
+        unsafe { (self.nccl.comm_abort)(self.comm) };
     }
 }
 

@@ -10,8 +10,9 @@
 //! its [`Work`]: `wait()` makes the *current* stream wait for it, without blocking the host.
 //! The host waits only where the result is read on the host.
 //!
-//! Communicators are made non-blocking (`ncclCommInitRankConfig`, blocking = 0), one per
-//! mesh dimension by `ncclCommSplit` of the world's (handle.rs); a watchdog thread per
+//! Communicators are made blocking, as PyTorch makes its groups (`ncclCommInitRankConfig`;
+//! `ACCEL_NCCL_NONBLOCKING=1` for non-blocking ones), one per mesh dimension by
+//! `ncclCommSplit` of the world's (handle.rs); a watchdog thread per
 //! communicator polls asynchronous errors and every operation's event against the timeout,
 //! and aborts the communicator when one fails (watchdog.rs). The unique id, the progress
 //! posts that name late ranks, and the sequence check go through the cpu group of the same
@@ -76,6 +77,18 @@ pub struct NcclComm {
     watchdog: Watchdog,
 }
 
+impl Drop for NcclComm {
+    /// Lets what is queued finish (the watchdog still watching) before the communicator is
+    /// finalized: a blocking finalize waits for its streams, and a peer lost meanwhile would
+    /// make it wait forever. Not finished within the timeout: aborted instead (PyTorch's
+    /// shutdown flushes the same way before it joins its watchdog).
+    fn drop(&mut self) {
+        if !self.watchdog.drain(self.handle.timeout) && !self.handle.is_aborted() {
+            self.handle.abort();
+        }
+    }
+}
+
 impl std::fmt::Debug for NcclComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NcclComm")
@@ -98,6 +111,9 @@ impl NcclComm {
             // SAFETY: the documented signature; `id` is a valid out-pointer.
             let status = unsafe { (nccl.get_unique_id)(&mut id) };
             if status != ffi::SUCCESS {
+                // The others are waiting for the id: an empty one fails them at once (the
+                // length check below) instead of at the control plane's timeout.
+                let _ = group.broadcast_object(Some(&Vec::<u8>::new()), 0);
                 return Err(Error::Nccl {
                     call: "ncclGetUniqueId".into(),
                     code: status,
@@ -109,6 +125,13 @@ impl NcclComm {
         }
         let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
         let bytes = group.broadcast_object(Some(&bytes).filter(|_| group.rank() == 0), 0)?;
+        if bytes.is_empty() {
+            return Err(Error::Training(format!(
+                "rank {}: NCCL could not make the communicator's unique id (ncclGetUniqueId \
+                 failed there; see its error)",
+                group.members()[0]
+            )));
+        }
         if bytes.len() != ffi::UNIQUE_ID_BYTES {
             return Err(Error::Training(format!(
                 "the NCCL unique id arrived with {} bytes, not {}",
@@ -261,10 +284,12 @@ impl NcclComm {
         } else {
             format!("point-to-point transfer #{seq} of {what}")
         };
-        let status = {
-            let _api = self.handle.api();
-            launch(self.handle.nccl, self.handle.raw(), self.stream.native())
-        };
+        // The communicator's device is this thread's for the call: NCCL launches a
+        // one-rank communicator's kernels on the current device (PyTorch's device guard).
+        crate::shim::set_cuda_device(self.device_index)?;
+        let status = self
+            .handle
+            .launch(&during, |comm| launch(self.handle.nccl, comm, self.stream.native()))?;
         self.handle.check(status, call, Some(&during))?;
         for t in tensors {
             record_stream(t, &self.stream)?;
@@ -313,6 +338,19 @@ impl NcclComm {
     }
 }
 
+/// NCCL refuses fp8 reductions below compute capability 9.0 and sums in fp8 above, which
+/// loses most of the precision: refused everywhere, as PyTorch refuses them (fp8 moves
+/// through broadcast, all-gather and send/recv, which copy it exactly).
+fn refuse_fp8_reduction(kind: tch::Kind) -> Result<()> {
+    if matches!(kind, tch::Kind::Float8e4m3fn | tch::Kind::Float8e5m2) {
+        return Err(Error::Config(format!(
+            "NCCL reductions of fp8 ({kind:?}) are refused, as PyTorch refuses them: reduce in \
+             bf16 or fp32 (fp8 may be broadcast, gathered and sent)"
+        )));
+    }
+    Ok(())
+}
+
 /// # Safety
 /// `t` must be a live tensor; the pointer is `byte_offset` bytes past its data.
 unsafe fn at(t: &Tensor, elements: usize) -> *mut std::ffi::c_void {
@@ -336,6 +374,7 @@ impl Communicator for NcclComm {
     #[track_caller]
     fn all_reduce_async(&self, tensor: &Tensor, op: ReduceOp) -> Result<Work> {
         let site = Location::caller();
+        refuse_fp8_reduction(tensor.kind())?;
         let dtype = ffi::data_type(tensor.kind(), self.handle.nccl.version)?;
         let red = ffi::reduction(op, tensor.kind())?;
         self.in_place(tensor, |t| {
@@ -390,6 +429,7 @@ impl Communicator for NcclComm {
     #[track_caller]
     fn reduce_scatter_in_place_async(&self, buffer: &Tensor, op: ReduceOp) -> Result<Work> {
         let site = Location::caller();
+        refuse_fp8_reduction(buffer.kind())?;
         let k = in_place_share(buffer, self.size(), "reduce_scatter")?;
         let dtype = ffi::data_type(buffer.kind(), self.handle.nccl.version)?;
         let red = ffi::reduction(op, buffer.kind())?;

@@ -215,18 +215,22 @@ fn creation_is_non_blocking_and_polled_and_failed_calls_name_rank_operation_and_
     let mut data = [0f32; 13];
     let status = {
         let _calls = handle.lock().unwrap();
-        // SAFETY: the stub's ncclAllReduce on host memory of 13 floats.
-        unsafe {
-            (nccl.all_reduce)(
-                data.as_ptr().cast(),
-                data.as_mut_ptr().cast(),
-                13,
-                ffi::data_type::FLOAT32,
-                ffi::red_op::SUM,
-                handle.raw(),
-                std::ptr::null_mut(),
-            )
-        }
+        handle
+            .launch("collective #3", |comm| {
+                // SAFETY: the stub's ncclAllReduce on host memory of 13 floats.
+                unsafe {
+                    (nccl.all_reduce)(
+                        data.as_ptr().cast(),
+                        data.as_mut_ptr().cast(),
+                        13,
+                        ffi::data_type::FLOAT32,
+                        ffi::red_op::SUM,
+                        comm,
+                        std::ptr::null_mut(),
+                    )
+                }
+            })
+            .unwrap()
     };
     let err = handle
         .check(status, "ncclAllReduce", Some("collective #3 all_reduce(sum) of [13] Float"))
@@ -235,7 +239,8 @@ fn creation_is_non_blocking_and_polled_and_failed_calls_name_rank_operation_and_
     assert_eq!(
         err,
         "ncclAllReduce failed on rank 5 in collective #3 all_reduce(sum) of [13] Float: \
-         ncclInvalidArgument (4): stub error string 4; NCCL says: the stub refuses this count"
+         ncclInvalidArgument (4): stub error string 4; NCCL's last warning (process-wide, may \
+         be older): the stub refuses this count"
     );
     drop(handle);
     let log = controls.log();
@@ -438,4 +443,100 @@ fn a_dropped_communicator_is_finalized_then_destroyed_after_its_watchdog_stops()
     let destroyed = log.find("ncclCommDestroy").expect("not destroyed");
     assert!(finalized < destroyed && !log.contains("ncclCommAbort"), "{log}");
     assert!(reports.lock().unwrap().is_empty());
+}
+
+/// A blocking call that never returns (a peer that never makes the same call) does not
+/// freeze the watchdog: it sees the call outlive the timeout, reports it, and aborts at once
+/// — which is what releases the call (NCCL's abort flags), so waiting for it would hang.
+#[test]
+fn a_blocking_call_stuck_on_the_host_is_reported_and_aborted_at_once() {
+    let path = stub("full", &[]);
+    let nccl = Nccl::load(&path).unwrap();
+    let controls = Controls::of(&path);
+    let id = UniqueId { internal: [1; ffi::UNIQUE_ID_BYTES] };
+    let handle =
+        Arc::new(Handle::init(nccl, id, 1, 0, 5, Duration::from_millis(300), true).unwrap());
+    let reports = Arc::new(Mutex::new(Vec::new()));
+    let options = WatchdogOptions {
+        timeout: Duration::from_secs(60),
+        poll: Duration::from_millis(20),
+        on_failure: {
+            let reports = reports.clone();
+            Arc::new(move |m: &str| reports.lock().unwrap().push(m.to_owned()))
+        },
+        behind: Arc::new(|_| String::new()),
+        post_progress: Arc::new(|_, _| {}),
+        device_index: None,
+    };
+    let watchdog = Watchdog::start(handle.clone(), options).unwrap();
+    let stuck = {
+        let (handle, path) = (handle.clone(), path.clone());
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let nccl_side = Controls::of(&path);
+            // Blocked inside NCCL until ncclCommAbort sets its flags.
+            handle
+                .launch("collective #3 all_reduce(sum) of [4] Float", |_| {
+                    while !nccl_side.log().contains("ncclCommAbort")
+                        && started.elapsed() < Duration::from_secs(10)
+                    {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                })
+                .unwrap();
+            started.elapsed()
+        })
+    };
+    wait_for("the report", || !reports.lock().unwrap().is_empty());
+    let report = reports.lock().unwrap()[0].clone();
+    assert!(
+        report.contains("an NCCL call has not returned after 0 s, in collective #3 all_reduce"),
+        "{report}"
+    );
+    let blocked = stuck.join().unwrap();
+    assert!(blocked < Duration::from_secs(5), "the call was released only after {blocked:?}");
+    assert!(controls.log().contains("ncclCommAbort"), "{}", controls.log());
+    assert!(watchdog.failure().is_err());
+    drop(watchdog);
+    drop(handle);
+    assert!(!controls.log().contains("ncclCommFinalize"), "{}", controls.log());
+}
+
+/// Before a communicator is finalized, what is queued is let finish within the timeout
+/// (`NcclComm`'s drop drains its watchdog, then aborts what did not finish).
+#[test]
+fn draining_waits_for_the_operations_in_flight_within_a_bound() {
+    let (_handle, watchdog, _controls, reports, _) = watched(Duration::from_secs(60));
+    let op = Arc::new(Flag(AtomicBool::new(false)));
+    watchdog.track(Tracked {
+        seq: 1,
+        epoch: 0,
+        op: Op::Broadcast,
+        collective: true,
+        what: "[2] Float".into(),
+        started: Instant::now(),
+        done: op.clone(),
+    });
+    let started = Instant::now();
+    assert!(!watchdog.drain(Duration::from_millis(150)), "an unfinished operation drained");
+    assert!(started.elapsed() >= Duration::from_millis(150));
+    let finisher = {
+        let op = op.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            op.0.store(true, Ordering::SeqCst);
+        })
+    };
+    assert!(watchdog.drain(Duration::from_secs(5)));
+    finisher.join().unwrap();
+    assert!(reports.lock().unwrap().is_empty());
+}
+
+#[test]
+fn fp8_is_never_reduced_by_nccl() {
+    for kind in [tch::Kind::Float8e4m3fn, tch::Kind::Float8e5m2] {
+        let err = super::refuse_fp8_reduction(kind).unwrap_err().to_string();
+        assert!(err.contains("NCCL reductions of fp8") && err.contains("bf16"), "{err}");
+    }
+    assert!(super::refuse_fp8_reduction(tch::Kind::BFloat16).is_ok());
 }

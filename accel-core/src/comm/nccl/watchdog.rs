@@ -126,6 +126,24 @@ impl Watchdog {
         }
     }
 
+    /// Waits, at most `timeout`, until every operation tracked has completed; false when
+    /// some has not (or the watchdog found a failure).
+    pub fn drain(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.failure().is_err() || self.shared.handle.is_aborted() {
+                return false;
+            }
+            if self.shared.pending.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+                return true;
+            }
+            if Instant::now() >= deadline || self.thread.as_ref().is_none_or(|t| t.is_finished()) {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Operations not yet seen complete (tests).
     #[cfg(test)]
     pub fn in_flight(&self) -> usize {
@@ -161,7 +179,7 @@ fn watch(shared: &Shared, options: &WatchdogOptions) {
             }
             *shared.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(message.clone());
             (options.on_failure)(&message);
-            shared.handle.abort();
+            shared.handle.abort_at_once();
             return;
         }
         let (seq, epoch) = *shared.enqueued.lock().unwrap_or_else(|e| e.into_inner());
@@ -176,13 +194,23 @@ fn watch(shared: &Shared, options: &WatchdogOptions) {
 /// One look: the communicator's asynchronous error, then the operations in flight, oldest
 /// first (one stream completes them in order). `Some(message)` on a failure.
 fn inspect(shared: &Shared, options: &WatchdogOptions, rank: usize) -> Option<String> {
+    if let Some((for_, what)) = shared.handle.stuck_launch() {
+        return Some(format!(
+            "rank {rank}: an NCCL call has not returned after {:.0} s, in {what} (waiting on \
+             the host for a peer that never made the same call, or was lost?); the \
+             communicator was aborted (ACCEL_NCCL_TIMEOUT or accel launch --timeout sets the \
+             limit)",
+            for_.as_secs_f64()
+        ));
+    }
     match shared.handle.async_error() {
         Ok(SUCCESS | IN_PROGRESS) => {}
         Ok(code) => {
             let e = shared.handle.error("ncclCommGetAsyncError", code, None);
             let oldest =
                 shared.pending.lock().unwrap_or_else(|e| e.into_inner()).front().map(|t| {
-                    format!("; operation in flight: collective #{} {} of {}", t.seq, t.op, t.what)
+                    let kind = if t.collective { "collective" } else { "point-to-point transfer" };
+                    format!("; operation in flight: {kind} #{} {} of {}", t.seq, t.op, t.what)
                 });
             return Some(format!(
                 "NCCL reported an asynchronous error: {e}{}; the communicator was aborted",
