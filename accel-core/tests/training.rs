@@ -602,8 +602,23 @@ fn a_deepspeed_json_config_file_sets_the_run() {
         err.contains("train_batch_size 8 is not a multiple of gradient_accumulation_steps 3"),
         "{err}"
     );
-    std::fs::write(&json, r#"{"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}"#)
-        .unwrap();
+    // An optimizer section of "auto" values stands for the program's optimizer (as
+    // Accelerate's DummyOptim); a value of its own would be lost, so it is refused.
+    std::fs::write(
+        &json,
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}, "zero_optimization": {"stage": 2}}"#,
+    )
+    .unwrap();
+    let acc = Accelerator::builder().config_file(&json).cpu(true).build().unwrap();
+    assert_eq!(acc.config().strategy, accel_core::Strategy::Zero2);
+    std::fs::write(
+        &json,
+        r#"{"optimizer": {"type": "AdamW", "params": {"lr": 0.001}}, "zero_optimization": {"stage": 2}}"#,
+    )
+    .unwrap();
     let err = Accelerator::builder().config_file(&json).cpu(true).build().unwrap_err().to_string();
-    assert!(err.contains("ds_config.json: accel does not implement `optimizer`"), "{err}");
+    assert!(
+        err.contains("ds_config.json: accel cannot run with `optimizer.params.lr` (accel steps the program's optimizer"),
+        "{err}"
+    );
 }
