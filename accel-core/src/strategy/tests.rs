@@ -110,57 +110,18 @@ fn train(
     group: ProcessGroup,
     deferred: bool,
 ) -> (Vec<String>, Vec<(String, Tensor)>) {
-    let (rank, world) = (group.rank(), group.size());
-    let process = Topology {
-        rank,
-        world_size: world,
-        local_rank: rank,
-        local_world_size: world,
-        master_addr: "127.0.0.1".into(),
-        master_port: 0,
-        source: "test",
-    };
-    let config = Config { strategy, ..Config::default() };
-    let dims = ParallelDims::for_run(&config, &process).unwrap();
+    let rank = group.rank();
     let recording = Arc::new(Recording {
         inner: Arc::new(group.clone()),
         log: Mutex::new(Vec::new()),
         deferred,
     });
-    let data: Arc<dyn Communicator> = recording.clone();
-    let mesh = DeviceMesh::from_parts(
-        dims,
-        rank,
-        Some(group),
-        [(Dim::Data, data.clone()), (Dim::DataReplicate, data.clone()), (Dim::DataShard, data)]
-            .into_iter()
-            .filter(|(dim, _)| dims.size(*dim) > 1),
-    );
-    let acc = Accelerator::builder()
-        .strategy(strategy)
-        .accumulate(2)
-        .cpu(true)
-        // Each rank makes its own batches below.
-        .data(crate::config::DataSharding::Manual)
-        .thread_rank(process, mesh)
-        .build()
-        .unwrap();
-    let vs = nn::VarStore::new(Device::Cpu);
-    let root = vs.root();
-    let layers: Vec<Unit<nn::Linear>> = [(5, 8), (8, 3)]
-        .into_iter()
-        .enumerate()
-        .map(|(i, (n_in, n_out))| {
-            let p = &root / "layers" / i;
-            Unit::new(&p, nn::linear(&p, n_in, n_out, Default::default()))
-        })
-        .collect();
-    tch::no_grad(|| {
-        for (name, mut var) in vs.variables() {
-            // Rank 1 starts elsewhere: the strategy's broadcast from rank 0 must win.
-            var.copy_(&(values(&var.size(), name.len() as f64) + rank as f64));
-        }
+    // Each rank makes its own batches below.
+    let acc = thread_accelerator(strategy, group, recording.clone(), |b| {
+        b.accumulate(2).data(crate::config::DataSharding::Manual)
     });
+    // Rank 1 starts elsewhere: the strategy's broadcast from rank 0 must win.
+    let (vs, layers) = two_units(rank);
     acc.prepare_model(&vs).unwrap();
     let mut opt = acc.prepare_optimizer(
         AdamW::new(acc.params(&vs), AdamConfig { lr: 0.05, ..AdamConfig::adamw() }).unwrap(),
@@ -222,10 +183,12 @@ fn every_strategy_issues_the_same_operations_on_every_rank_and_waits_for_each() 
     }
 }
 
-/// An accelerator for thread rank `group.rank()` with `strategy`, further set by `with`.
+/// An accelerator for thread rank `group.rank()` with `strategy`, its data-parallel
+/// dimensions on `data`, further set by `with`.
 fn thread_accelerator(
     strategy: StrategyName,
     group: ProcessGroup,
+    data: Arc<dyn Communicator>,
     with: impl FnOnce(crate::AcceleratorBuilder) -> crate::AcceleratorBuilder,
 ) -> Accelerator {
     let (rank, world) = (group.rank(), group.size());
@@ -240,7 +203,6 @@ fn thread_accelerator(
     };
     let config = Config { strategy, ..Config::default() };
     let dims = ParallelDims::for_run(&config, &process).unwrap();
-    let data: Arc<dyn Communicator> = Arc::new(group.clone());
     let mesh = DeviceMesh::from_parts(
         dims,
         rank,
@@ -284,13 +246,17 @@ fn fsdp_state_dict_types_and_sync_module_states_do_what_accelerate_says() {
         let rank = g.rank();
         let mut whole = Vec::new();
         for how in [StateDict::Sharded, StateDict::Full] {
-            let acc = thread_accelerator(StrategyName::Zero3, g.clone(), |b| b.state_dict(how));
+            let acc =
+                thread_accelerator(StrategyName::Zero3, g.clone(), Arc::new(g.clone()), |b| {
+                    b.state_dict(how)
+                });
             let (vs, _layers) = two_units(rank);
             acc.prepare_model(&vs).unwrap();
             acc.save_state(shared.join(how.to_string())).unwrap();
             whole.push(acc.full_state_dict(&vs).unwrap());
             // Either layout loads back into a run that saves the other way.
-            let other = thread_accelerator(StrategyName::Zero3, g.clone(), |b| b);
+            let other =
+                thread_accelerator(StrategyName::Zero3, g.clone(), Arc::new(g.clone()), |b| b);
             let (vs2, _layers2) = two_units(rank + 7);
             other.prepare_model(&vs2).unwrap();
             other.load_state(shared.join(how.to_string())).unwrap();
@@ -298,7 +264,9 @@ fn fsdp_state_dict_types_and_sync_module_states_do_what_accelerate_says() {
         }
         // Off: each rank keeps its own start (here different), as FSDP without
         // sync_module_states; on (the default, above), rank 0's.
-        let acc = thread_accelerator(StrategyName::Ddp, g, |b| b.sync_module_states(false));
+        let acc = thread_accelerator(StrategyName::Ddp, g.clone(), Arc::new(g), |b| {
+            b.sync_module_states(false)
+        });
         let (vs, _layers) = two_units(rank);
         acc.prepare_model(&vs).unwrap();
         let own = vs.variables()["layers.0.bias"].double_value(&[0]);
