@@ -2,13 +2,15 @@
 //! 95% accuracy on the 360 held-out images. It uses accel's explicit API: the accelerator
 //! (data parallelism, mixed precision, accumulation), accel's AdamW with a cosine schedule,
 //! sharded shuffled loaders, evaluation through `gather_for_metrics` (exactly the 360
-//! images, whatever the number of processes), a progress bar, metrics in JSONL/CSV, a
-//! loss-curve PNG and a checkpoint it can resume from.
+//! images, whatever the number of processes), a progress bar, trackers (JSONL/CSV by
+//! default; `--log-with tensorboard|mlflow|jsonl|all`), a loss-curve PNG and a checkpoint it
+//! can resume from.
 //!
 //!     cargo xtask train                 (2 processes on CPU; installs libtorch on first use)
 //!     cargo run -p accel-examples --example train -- --precision bf16 --accumulate 2
 //!     accel launch --num-processes 2 target/debug/examples/train --resume
 //!     accel launch --num-processes 2 --max-restarts 3 target/debug/examples/train   # resumes itself
+//!     MLFLOW_TRACKING_URI=http://127.0.0.1:5000 cargo xtask train --log-with mlflow,jsonl
 
 use std::path::PathBuf;
 
@@ -16,8 +18,8 @@ use accel_core::comm::ReduceOp;
 use accel_core::data::{DataLoader, LoaderOptions, Sampler, TensorDataset};
 use accel_core::mesh::Dim;
 use accel_core::optim::{AdamConfig, AdamW, Schedule};
-use accel_core::tracking::{MetricsFiles, plot};
-use accel_core::{Accelerator, Precision};
+use accel_core::tracking::plot;
+use accel_core::{Accelerator, LogWith, Precision};
 use accel_examples::Digits;
 use anyhow::{Result, bail};
 use clap::Parser;
@@ -54,6 +56,10 @@ struct Args {
     /// Where metrics and checkpoints go.
     #[arg(long, default_value = "target/train-digits")]
     out: PathBuf,
+    /// Trackers, comma-separated: tensorboard, jsonl, mlflow (MLFLOW_TRACKING_URI names the
+    /// server), all (default: the launcher's `--log-with`, else jsonl).
+    #[arg(long, value_parser = |s: &str| LogWith::parse_list(s).map(TrackerList).map_err(|e| e.to_string()))]
+    log_with: Option<TrackerList>,
     /// Continue from the newest checkpoint in OUT/checkpoints. A run restarted by `accel
     /// launch --max-restarts` does so by itself.
     #[arg(long)]
@@ -70,6 +76,10 @@ struct Args {
     #[arg(long, default_value_t = 0.95)]
     target: f64,
 }
+
+/// `--log-with`'s value (clap takes a `Vec` field as repeated flags, so it is wrapped).
+#[derive(Debug, Clone)]
+struct TrackerList(Vec<LogWith>);
 
 fn mlp(root: &nn::Path, hidden: i64) -> impl Module + use<> {
     nn::seq()
@@ -102,6 +112,19 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let mut builder =
         Accelerator::builder().seed(args.seed).checkpoints(args.out.join("checkpoints"), Some(2));
+    // The trackers write to OUT itself: OUT's parent is the project folder, OUT the project.
+    let (project_dir, project) = match (args.out.parent(), args.out.file_name()) {
+        (Some(parent), Some(name)) => (parent.to_path_buf(), name.to_string_lossy().into_owned()),
+        _ => bail!("--out {} must name a folder", args.out.display()),
+    };
+    builder = builder.project_dir(project_dir);
+    match &args.log_with {
+        Some(list) => builder = builder.log_with(list.0.clone()),
+        None if std::env::var_os("ACCEL_LOG_WITH").is_none() => {
+            builder = builder.log_with([LogWith::Jsonl])
+        }
+        None => {}
+    }
     if args.cpu {
         builder = builder.cpu(true);
     }
@@ -169,7 +192,20 @@ fn main() -> Result<()> {
         h = args.hidden,
     ));
 
-    let mut tracker = MetricsFiles::new(&acc, &args.out, args.resume || restarted)?;
+    // After a resume, so that the JSONL file is added to rather than started over.
+    acc.init_trackers(
+        &project,
+        &serde_json::json!({
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "accumulate": acc.config().accumulate,
+            "precision": acc.config().precision.to_string(),
+            "lr": args.lr,
+            "hidden": args.hidden,
+            "seed": args.seed,
+            "processes": acc.num_processes(),
+        }),
+    )?;
     let bar = acc.progress_bar(micro_steps);
     bar.set_position(acc.counters().micro_steps_total);
     let started = std::time::Instant::now();
@@ -191,7 +227,7 @@ fn main() -> Result<()> {
         let mean_loss = total / f64::from(batches.max(1));
         let mean_loss = acc.reduce(&Tensor::from(mean_loss), ReduceOp::Avg)?.double_value(&[]);
         bar.set_message(format!("loss {mean_loss:.4}"));
-        tracker.log(
+        acc.log(
             epoch + 1,
             &[("loss", mean_loss), ("test_accuracy", test_accuracy), ("lr", opt.lr())],
         )?;
@@ -217,11 +253,16 @@ fn main() -> Result<()> {
     bar.finish_and_clear();
     let checkpoint = acc.save_checkpoint()?;
     let (final_accuracy, scored) = accuracy(&acc, &net, &mut test)?;
+    // The trackers finish here (MLflow's run FINISHED); a failure before leaves it FAILED.
+    acc.end_training()?;
     let curve = args.out.join("loss_curve.png");
-    if acc.is_main_process() {
+    let jsonl = args.out.join("metrics.jsonl");
+    if acc.is_main_process()
+        && acc.config().log_with.iter().any(|w| matches!(w, LogWith::Jsonl | LogWith::All))
+    {
         let title = format!("MLP on the 8x8 digits, {} process(es)", acc.num_processes());
         let svg = args.out.join("loss_curve.svg");
-        plot::plot_jsonl(&args.out.join("metrics.jsonl"), &title, &[&curve, &svg])?;
+        plot::plot_jsonl(&jsonl, &title, &[&curve, &svg])?;
     }
     acc.print(format!(
         "done in {:.1} s: test accuracy {:.2}% on {scored} images (target {:.0}%)\n  metrics {}, \

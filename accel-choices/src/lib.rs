@@ -1,6 +1,6 @@
 //! The named choices of accel's configuration: [`Strategy`], [`Precision`], fp8's
-//! [`Fp8Recipe`], FSDP's [`Sharding`] and
-//! [`DataSharding`]. One definition serves the runtime (accel-core re-exports these enums) and
+//! [`Fp8Recipe`], FSDP's [`Sharding`], [`DataSharding`] and the trackers
+//! ([`LogWith`]). One definition serves the runtime (accel-core re-exports these enums) and
 //! the `#[accelerate]` attribute (accel-macros parses its arguments into them), so the
 //! attribute accepts exactly what the runtime runs.
 
@@ -169,6 +169,27 @@ choices!(
     "manual" => Manual,
 );
 
+choices!(
+    /// An experiment tracker (`log_with`): where `init_trackers` and `log` send a run's
+    /// hyperparameters and values.
+    LogWith, "tracker", "trackers",
+    /// TensorBoard event files.
+    "tensorboard" => TensorBoard,
+    /// `metrics.jsonl`, `metrics.csv` and `hparams.json`.
+    "jsonl" => Jsonl,
+    /// An MLflow tracking server, over its REST API (`MLFLOW_TRACKING_URI`).
+    "mlflow" => MlFlow,
+    /// Every one of them.
+    "all" => All,
+);
+
+impl LogWith {
+    /// Parses a comma-separated list (`"tensorboard,mlflow"`); empty parts are skipped.
+    pub fn parse_list(text: &str) -> Result<Vec<LogWith>, UnknownChoice> {
+        text.split(',').map(str::trim).filter(|p| !p.is_empty()).map(str::parse).collect()
+    }
+}
+
 // Written out: the enums come from a macro shared with `Sharding`, which has no default.
 #[allow(clippy::derivable_impls)]
 impl Default for Strategy {
@@ -237,5 +258,11 @@ mod tests {
         let err = "bf61".parse::<Precision>().unwrap_err().to_string();
         assert!(err.contains("`no`, `fp16`, `bf16`, `fp8`") && err.contains("`bf16`?"), "{err}");
         assert_eq!(Sharding::ShardGradOp.strategy(), Strategy::Zero2);
+        assert_eq!(
+            LogWith::parse_list(" TensorBoard, mlflow,"),
+            Ok(vec![LogWith::TensorBoard, LogWith::MlFlow])
+        );
+        let err = LogWith::parse_list("jsonl,mlfow").unwrap_err().to_string();
+        assert!(err.contains("unknown tracker `mlfow`") && err.contains("`mlflow`?"), "{err}");
     }
 }

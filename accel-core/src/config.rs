@@ -14,7 +14,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
-pub use accel_choices::{DataSharding, Fp8Recipe, Precision, Sharding, Strategy, UnknownChoice};
+pub use accel_choices::{
+    DataSharding, Fp8Recipe, LogWith, Precision, Sharding, Strategy, UnknownChoice,
+};
 
 pub use accel_choices::closest;
 
@@ -62,6 +64,64 @@ pub struct Config {
     /// How `save_state` writes a sharded model (FSDP's `state_dict_type`).
     #[serde(default)]
     pub state_dict: StateDict,
+    /// The trackers `init_trackers` starts (Accelerate's `log_with`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "log_with_list")]
+    pub log_with: Vec<LogWith>,
+}
+
+/// `log_with` in a file: a list (`[tensorboard, mlflow]`) or one comma-separated string.
+mod log_with_list {
+    use super::LogWith;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        One(String),
+        Many(Vec<String>),
+    }
+
+    fn parse<'de, D: Deserializer<'de>>(written: Written) -> Result<Vec<LogWith>, D::Error> {
+        let text = match written {
+            Written::One(text) => text,
+            Written::Many(list) => list.join(","),
+        };
+        LogWith::parse_list(&text).map_err(serde::de::Error::custom)
+    }
+
+    pub(super) fn serialize<S: Serializer>(list: &[LogWith], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&super::log_with_text(list))
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<LogWith>, D::Error> {
+        parse::<D>(Written::deserialize(d)?)
+    }
+
+    /// For `Option<Vec<LogWith>>` fields.
+    pub(super) mod option {
+        use super::*;
+
+        pub(crate) fn serialize<S: Serializer>(
+            list: &Option<Vec<LogWith>>,
+            s: S,
+        ) -> Result<S::Ok, S::Error> {
+            match list {
+                Some(list) => super::serialize(list, s),
+                None => s.serialize_none(),
+            }
+        }
+
+        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Option<Vec<LogWith>>, D::Error> {
+            super::deserialize(d).map(Some)
+        }
+    }
+}
+
+/// `tensorboard,mlflow`: how a list of trackers is written in the environment and messages.
+pub fn log_with_text(list: &[LogWith]) -> String {
+    list.iter().map(|w| w.as_str()).collect::<Vec<_>>().join(",")
 }
 
 fn yes() -> bool {
@@ -178,6 +238,7 @@ impl Default for Config {
             sync_module_states: true,
             wrap: Wrap::Layers,
             state_dict: StateDict::Sharded,
+            log_with: Vec::new(),
         }
     }
 }
@@ -232,6 +293,9 @@ pub struct PartialConfig {
     /// See [`Config::state_dict`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub state_dict: Option<StateDict>,
+    /// See [`Config::log_with`].
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "log_with_list::option")]
+    pub log_with: Option<Vec<LogWith>>,
 }
 
 /// Environment variables read by [`PartialConfig::from_env`] (set by `accel launch`).
@@ -251,6 +315,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("ACCEL_SYNC_MODULE_STATES", "sync_module_states"),
     ("ACCEL_WRAP", "wrap"),
     ("ACCEL_STATE_DICT", "state_dict"),
+    ("ACCEL_LOG_WITH", "log_with"),
 ];
 
 fn parse_bool(value: &str) -> Option<bool> {
@@ -346,6 +411,10 @@ impl PartialConfig {
                 "ACCEL_STATE_DICT" => {
                     config.state_dict = Some(value.parse().map_err(|e| env_error(var, e))?)
                 }
+                "ACCEL_LOG_WITH" => {
+                    config.log_with =
+                        Some(LogWith::parse_list(&value).map_err(|e| env_context(var, e))?)
+                }
                 _ => unreachable!("every ENV_VARS entry is handled"),
             }
         }
@@ -377,6 +446,7 @@ impl PartialConfig {
             sync_module_states: stronger.sync_module_states.or(self.sync_module_states),
             wrap: stronger.wrap.or(self.wrap),
             state_dict: stronger.state_dict.or(self.state_dict),
+            log_with: stronger.log_with.clone().or(self.log_with),
         }
     }
 
@@ -407,7 +477,8 @@ impl PartialConfig {
             offload,
             sync_module_states,
             wrap,
-            state_dict
+            state_dict,
+            log_with
         );
         out
     }
@@ -433,6 +504,7 @@ impl PartialConfig {
             sync_module_states: self.sync_module_states.unwrap_or(d.sync_module_states),
             wrap: self.wrap.unwrap_or(d.wrap),
             state_dict: self.state_dict.unwrap_or(d.state_dict),
+            log_with: self.log_with.clone().unwrap_or(d.log_with),
         };
         if config.tensor_parallel == 0 || config.pipeline_parallel == 0 {
             return Err(Error::Config(format!(
@@ -540,6 +612,22 @@ mod tests {
         };
         assert_eq!(env("ACCEL_WRAP", "size:1000").unwrap().wrap, Some(Wrap::Size(1000)));
         assert_eq!(env("ACCEL_STATE_DICT", "FULL").unwrap().state_dict, Some(StateDict::Full));
+        assert_eq!(
+            env("ACCEL_LOG_WITH", "mlflow,jsonl").unwrap().log_with,
+            Some(vec![LogWith::MlFlow, LogWith::Jsonl])
+        );
+        let err = env("ACCEL_LOG_WITH", "wandb").unwrap_err().to_string();
+        assert!(err.contains("ACCEL_LOG_WITH: unknown tracker `wandb`"), "{err}");
+        // A file takes a list or one comma-separated string, and writes the latter.
+        for text in ["log_with: [tensorboard, mlflow]\n", "log_with: tensorboard,mlflow\n"] {
+            let file: PartialConfig = serde_yaml_ng::from_str(text).unwrap();
+            assert_eq!(file.log_with, Some(vec![LogWith::TensorBoard, LogWith::MlFlow]));
+            let built = file.build().unwrap();
+            assert_eq!(
+                serde_yaml_ng::to_string(&built).unwrap().lines().last(),
+                Some("log_with: tensorboard,mlflow")
+            );
+        }
         let err = env("ACCEL_WRAP", "size:-3").unwrap_err().to_string();
         assert!(
             err.contains("ACCEL_WRAP: wrap `size:-3`: expected layers, none or size:N"),

@@ -49,6 +49,10 @@ pub enum Error {
     #[error("{0}")]
     Training(String),
 
+    /// An experiment tracker could not record (its server, its files).
+    #[error("tracker: {0}")]
+    Tracker(String),
+
     // ---- processes -----------------------------------------------------------------
     /// Finding the other processes failed (rank taken, timeout, bad message ...).
     #[error("rendezvous: {0}")]

@@ -38,7 +38,7 @@ pub use accelerator::{
     PreparedIter, PreparedLoader, StepCounters, StepGuard, current, split_between,
 };
 pub use checkpoint::{HfCheckpoint, merge_weights};
-pub use config::{Config, DataSharding, Fp8Recipe, Precision, Strategy};
+pub use config::{Config, DataSharding, Fp8Recipe, LogWith, Precision, Strategy};
 pub use device::ToDevice;
 pub use error::{Error, Result};
 pub use strategy::fsdp::{ShardOptions, Unit};

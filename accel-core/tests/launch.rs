@@ -538,17 +538,19 @@ fn config_update_rewrites_accelerates_keys_as_accels_and_keeps_the_original() {
 }
 
 #[test]
-fn log_dir_gpu_ids_and_threads_per_process_reach_every_rank() {
+fn log_dir_gpu_ids_threads_per_process_and_trackers_reach_every_rank() {
     let dir = scratch("log-dir");
     let logs = dir.join("logs");
     let output = accel()
         .args(["launch", "--num-processes", "2", "--main-process-port", "0", "--rank0-only"])
-        .args(["--gpu-ids", "0,1", "--num-cpu-threads-per-process", "3", "--log-dir"])
+        .args(["--gpu-ids", "0,1", "--num-cpu-threads-per-process", "3", "--log-with"])
+        .args(["MLflow, tensorboard", "--log-dir"])
         .arg(&logs)
         .args([
             "sh",
             "-c",
-            "echo rank $RANK sees $CUDA_VISIBLE_DEVICES $OMP_NUM_THREADS; echo oops >&2",
+            "echo rank $RANK sees $CUDA_VISIBLE_DEVICES $OMP_NUM_THREADS $ACCEL_LOG_WITH; \
+             echo oops >&2",
         ])
         .output()
         .unwrap();
@@ -557,6 +559,10 @@ fn log_dir_gpu_ids_and_threads_per_process_reach_every_rank() {
     assert!(!out.contains("rank 1 sees"), "--rank0-only still hides rank 1 on the console: {out}");
     for rank in 0..2 {
         let log = std::fs::read_to_string(logs.join(format!("rank{rank}.log"))).unwrap();
-        assert!(log.contains(&format!("rank {rank} sees 0,1 3")) && log.contains("oops"), "{log}");
+        let sees = format!("rank {rank} sees 0,1 3 mlflow,tensorboard");
+        assert!(log.contains(&sees) && log.contains("oops"), "{log}");
     }
+    let output = accel().args(["launch", "--log-with", "wandb", "true"]).output().unwrap();
+    let out = text(&output);
+    assert!(!output.status.success() && out.contains("unknown tracker `wandb`"), "{out}");
 }

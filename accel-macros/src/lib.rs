@@ -38,7 +38,8 @@ pub fn derive_to_device(input: TokenStream) -> TokenStream {
 /// `sync_batchnorm` (the body's `nn::batch_norm*d` become the accelerator's),
 /// `activation_checkpointing` (units recompute their activations in backward),
 /// `fp32_gathers` (zero3/fsdp under bf16: fp32 gathers and reductions instead of bf16),
-/// `config` (a YAML file read at run time), `name` (the accelerator's binding in
+/// `log_with` (trackers, comma-separated: tensorboard, jsonl, mlflow, all; the body starts
+/// them with `accelerator.init_trackers(..)` and the run's end closes them), `config` (a YAML file read at run time), `name` (the accelerator's binding in
 /// the body, default `accelerator`), `model` (which VarStore is the model, when there are
 /// several), `crate` (path to accel-core). Keys left out come from `accel launch`, the
 /// config file or the defaults at run time.

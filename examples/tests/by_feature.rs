@@ -266,3 +266,243 @@ fn char_lm_killed_anywhere_under_zero2_resumes_to_the_uninterrupted_weights() {
         }
     }
 }
+
+/// An MLflow tracking server from the project's .venv (`mlflow server`, SQLite store) on a
+/// free port, read back over its REST API; stopped, with its workers, when dropped.
+struct MlflowServer {
+    child: std::process::Child,
+    uri: String,
+    agent: ureq::Agent,
+}
+
+impl MlflowServer {
+    fn start(dir: &Path) -> Self {
+        use std::os::unix::process::CommandExt;
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+        let mlflow = root.join(".venv/bin/mlflow");
+        assert!(mlflow.exists(), "{} is missing: run `cargo xtask setup`", mlflow.display());
+        std::fs::create_dir_all(dir).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let log = std::fs::File::create(dir.join("server.log")).unwrap();
+        let child = std::process::Command::new(mlflow)
+            .args(["server", "--host", "127.0.0.1", "--port", &port.to_string(), "--workers", "1"])
+            .arg("--backend-store-uri")
+            .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
+            .arg("--default-artifact-root")
+            .arg(dir.join("artifacts"))
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(std::time::Duration::from_secs(30)))
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let mut server = Self { child, uri: format!("http://127.0.0.1:{port}"), agent };
+        let started = std::time::Instant::now();
+        loop {
+            let health = server.agent.get(format!("{}/health", server.uri)).call();
+            if health.is_ok_and(|r| r.status() == 200) {
+                return server;
+            }
+            let log = || std::fs::read_to_string(dir.join("server.log")).unwrap_or_default();
+            if let Some(status) = server.child.try_wait().unwrap() {
+                panic!("mlflow server exited ({status}):\n{}", log());
+            }
+            assert!(started.elapsed().as_secs() < 180, "mlflow server not up in 180 s:\n{}", log());
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+    }
+
+    /// `GET` (`body` None, `query` as given) or `POST` of `/api/2.0/mlflow/{endpoint}`.
+    fn call(
+        &self,
+        endpoint: &str,
+        query: &[(&str, &str)],
+        body: Option<serde_json::Value>,
+    ) -> serde_json::Value {
+        let url = format!("{}/api/2.0/mlflow/{endpoint}", self.uri);
+        let mut response = match body {
+            Some(body) => self
+                .agent
+                .post(&url)
+                .header("Content-Type", "application/json")
+                .send(body.to_string())
+                .unwrap(),
+            None => {
+                let mut request = self.agent.get(&url);
+                for (k, v) in query {
+                    request = request.query(*k, *v);
+                }
+                request.call().unwrap()
+            }
+        };
+        let text = response.body_mut().read_to_string().unwrap();
+        assert_eq!(response.status(), 200, "{endpoint}: {text}");
+        serde_json::from_str(&text).unwrap()
+    }
+
+    /// The runs of the experiment `name`.
+    fn runs(&self, name: &str) -> Vec<serde_json::Value> {
+        let found = self.call("experiments/get-by-name", &[("experiment_name", name)], None);
+        let id = found["experiment"]["experiment_id"].clone();
+        let runs =
+            self.call("runs/search", &[], Some(serde_json::json!({ "experiment_ids": [id] })));
+        runs["runs"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// A metric's points, as (step, value).
+    fn history(&self, run_id: &str, key: &str) -> Vec<(u64, f64)> {
+        let history =
+            self.call("metrics/get-history", &[("run_id", run_id), ("metric_key", key)], None);
+        let mut points: Vec<(u64, f64)> = history["metrics"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| (m["step"].as_u64().unwrap(), m["value"].as_f64().unwrap()))
+            .collect();
+        points.sort_by_key(|p| p.0);
+        points
+    }
+}
+
+impl Drop for MlflowServer {
+    fn drop(&mut self) {
+        // SAFETY: signals the process group the server leads (its own, from process_group(0)).
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+fn tag<'a>(run: &'a serde_json::Value, key: &str) -> Option<&'a str> {
+    run["data"]["tags"].as_array()?.iter().find(|t| t["key"] == key)?["value"].as_str()
+}
+
+fn param<'a>(run: &'a serde_json::Value, key: &str) -> Option<&'a str> {
+    run["data"]["params"].as_array()?.iter().find(|t| t["key"] == key)?["value"].as_str()
+}
+
+/// Trains 6 steps with plain SGD under the attribute, tracking to `server` by hand-made
+/// settings (the process's environment is shared by the tests), and fails at the end if
+/// asked: the run's end decides the MLflow run's status.
+#[accel_core::accelerate(cpu = true, seed = 3)]
+fn tracked(server: &str, experiment: &str, fail: bool) -> anyhow::Result<Vec<f64>> {
+    use tch::nn::{Module, OptimizerConfig};
+    let settings = accel_core::tracking::MlFlowSettings {
+        tracking_uri: server.to_owned(),
+        experiment_name: experiment.to_owned(),
+        run_id: None,
+        run_name: Some(if fail { "failing".into() } else { "succeeding".into() }),
+        tags: vec![("fail".into(), fail.to_string())],
+        authorization: None,
+        timeout: std::time::Duration::from_secs(30),
+        retries: 2,
+    };
+    accelerator.add_tracker(Box::new(accel_core::tracking::MlFlow::start(&settings)?));
+    accelerator.init_trackers(experiment, &serde_json::json!({ "lr": 0.1, "fail": fail }))?;
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let net = tch::nn::linear(vs.root() / "lin", 3, 1, Default::default());
+    let mut opt = tch::nn::Sgd::default().build(&vs, 0.1)?;
+    let mut losses = Vec::new();
+    let data: Vec<tch::Tensor> = (0..6)
+        .map(|i| {
+            tch::Tensor::arange(12, (tch::Kind::Float, tch::Device::Cpu)).view([4, 3])
+                / (i + 4) as f64
+        })
+        .collect();
+    for x in data {
+        let loss = (net.forward(&x) - 1.0).square().mean(tch::Kind::Float);
+        opt.zero_grad();
+        loss.backward();
+        opt.step();
+        losses.push(loss.double_value(&[]));
+        accelerator.log(losses.len() as u64, &[("loss", losses[losses.len() - 1])])?;
+    }
+    if fail {
+        anyhow::bail!("injected failure after training");
+    }
+    Ok(losses)
+}
+
+/// The MLflow tracker against a real MLflow server (the `mlflow` package in .venv): the main
+/// job on 2 processes with `--log-with mlflow,jsonl` writes one run whose params, tags and
+/// per-epoch metrics read back equal to what it wrote to its JSONL file, FINISHED; the
+/// launcher's `ACCEL_LOG_WITH` alone chooses it too; under the attribute the run's end
+/// closes the trackers: FINISHED when the function succeeds, FAILED when it fails.
+#[test]
+fn the_mlflow_tracker_writes_runs_a_real_mlflow_server_reads_back() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("mlflow");
+    let _ = std::fs::remove_dir_all(&dir);
+    let server = MlflowServer::start(&dir);
+    let uri = PathBuf::from(&server.uri);
+
+    // The main job, trackers chosen by its flag, and the launcher's variable alone.
+    let tags = PathBuf::from(r#"{"team": "accel"}"#);
+    let epochs = 4;
+    for (processes, experiment, flag) in [(2, "digits", true), (1, "digits-env", false)] {
+        let out = dir.join(experiment);
+        let mut program = vec![example("train")];
+        let args = ["--cpu", "--epochs", &epochs.to_string(), "--target", "0.5"];
+        program.extend(args.iter().map(|s| s.to_string()));
+        program.extend(["--out".into(), out.display().to_string()]);
+        let experiment = PathBuf::from(experiment);
+        let mut env = vec![
+            ("MLFLOW_TRACKING_URI", uri.as_path()),
+            ("MLFLOW_EXPERIMENT_NAME", experiment.as_path()),
+            ("MLFLOW_TAGS", tags.as_path()),
+        ];
+        let both = PathBuf::from("mlflow,jsonl");
+        if flag {
+            program.extend(["--log-with".into(), "mlflow,jsonl".into()]);
+        } else {
+            env.push(("ACCEL_LOG_WITH", both.as_path()));
+        }
+        launch(processes, program, &env);
+
+        let runs = server.runs(experiment.to_str().unwrap());
+        assert_eq!(runs.len(), 1, "one run per training, written by the main process only");
+        let run = &runs[0];
+        assert_eq!(run["info"]["status"], "FINISHED", "{run}");
+        assert!(run["info"]["end_time"].as_u64().is_some(), "{run}");
+        assert_eq!(param(run, "epochs"), Some("4"));
+        assert_eq!(param(run, "processes"), Some(processes.to_string().as_str()));
+        assert_eq!(param(run, "lr"), Some("0.003"));
+        assert_eq!(tag(run, "team"), Some("accel"));
+        assert_eq!(tag(run, "mlflow.source.type"), Some("LOCAL"));
+        assert!(tag(run, "mlflow.source.name").is_some_and(|s| s.ends_with("train")), "{run}");
+        let run_id = run["info"]["run_id"].as_str().unwrap();
+        let jsonl = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let records: Vec<serde_json::Value> =
+            jsonl.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(records.len(), epochs);
+        for key in ["loss", "test_accuracy", "lr"] {
+            let points = server.history(run_id, key);
+            let written: Vec<(u64, f64)> = records
+                .iter()
+                .map(|r| (r["step"].as_u64().unwrap(), r[key].as_f64().unwrap()))
+                .collect();
+            assert_eq!(points, written, "{key}: MLflow's points against metrics.jsonl");
+        }
+    }
+
+    // Under the attribute: success finishes the run, failure marks it failed.
+    let losses = tracked(&server.uri, "attribute", false).unwrap();
+    let err = tracked(&server.uri, "attribute", true).unwrap_err().to_string();
+    assert!(err.contains("injected failure"), "{err}");
+    let runs = server.runs("attribute");
+    assert_eq!(runs.len(), 2);
+    for run in &runs {
+        let failing = tag(run, "fail") == Some("true");
+        let expected = if failing { "FAILED" } else { "FINISHED" };
+        assert_eq!(run["info"]["status"], expected, "{run}");
+        assert_eq!(param(run, "fail"), Some(if failing { "true" } else { "false" }));
+        let points = server.history(run["info"]["run_id"].as_str().unwrap(), "loss");
+        assert_eq!(points.len(), 6, "{points:?}");
+        if !failing {
+            let expected: Vec<(u64, f64)> = (1..).zip(losses.iter().copied()).collect();
+            assert_eq!(points, expected);
+        }
+    }
+}

@@ -193,15 +193,20 @@ pub struct ExitGuard {
 }
 
 impl ExitGuard {
-    /// The success path: waits for every process to finish. With `ACCEL_FINAL_STATE_DIR`
-    /// set, every process first writes what it ends with (see
+    /// The success path: [`Accelerator::end_training`] (the strategy's last word, the
+    /// trackers finished, a barrier). With `ACCEL_FINAL_STATE_DIR` set, every process also
+    /// writes what it ends with, after the strategy's last word (see
     /// [`Accelerator::write_final_state`]).
     pub fn finish(mut self) -> Result<()> {
         self.armed = false;
+        if let Err(e) = self.accelerator.end_strategy() {
+            let _ = self.accelerator.finish_trackers(true);
+            return Err(e);
+        }
         if let Some(dir) = std::env::var_os(FINAL_STATE_ENV) {
             self.accelerator.write_final_state(std::path::Path::new(&dir))?;
         }
-        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
     }
 }
 
@@ -231,8 +236,13 @@ impl Accelerator {
 }
 
 impl Drop for ExitGuard {
+    /// The failure path: trackers record the failure (MLflow's run FAILED), then the
+    /// process group is aborted so that no peer waits on this process.
     fn drop(&mut self) {
         if self.armed {
+            if let Err(e) = self.accelerator.finish_trackers(true) {
+                eprintln!("accel: {e}");
+            }
             self.accelerator.abort();
         }
     }

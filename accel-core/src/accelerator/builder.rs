@@ -32,7 +32,6 @@ pub struct AcceleratorBuilder {
     /// Whether `.offload(..)` was called (it then wins over a config file's offload).
     offload_set: bool,
     custom: Option<Arc<dyn crate::strategy::Strategy>>,
-    log_with: Vec<crate::tracking::LogWith>,
     project_dir: Option<PathBuf>,
     data: crate::config::DataSharding,
     sync_batchnorm: bool,
@@ -65,12 +64,13 @@ impl AcceleratorBuilder {
     }
 
     /// The experiment trackers [`Accelerator::init_trackers`] starts (Accelerate's
-    /// `log_with`): TensorBoard, JSONL + CSV, or all.
+    /// `log_with`): TensorBoard, JSONL + CSV, MLflow, or all. It wins over `log_with` in
+    /// the environment (`ACCEL_LOG_WITH`, `accel launch --log-with`) and the config file.
     pub fn log_with(
         mut self,
         trackers: impl IntoIterator<Item = crate::tracking::LogWith>,
     ) -> Self {
-        self.log_with.extend(trackers);
+        self.explicit.log_with.get_or_insert_with(Vec::new).extend(trackers);
         self
     }
 
@@ -380,6 +380,7 @@ impl AcceleratorBuilder {
         )
         .with_fp8(fp8.clone());
         let model_options = ModelOptions::from(ddp).sync_module_states(config.sync_module_states);
+        let log_with = config.log_with.clone();
         let accelerator = Accelerator {
             inner: Arc::new(Inner {
                 state: Arc::new(GradientState::new(config.accumulate)),
@@ -397,7 +398,7 @@ impl AcceleratorBuilder {
                 model_options,
                 micro_batch_size,
                 trackers: Mutex::new(crate::tracking::Trackers {
-                    log_with: self.log_with,
+                    log_with,
                     project_dir: self.project_dir,
                     ..Default::default()
                 }),
@@ -406,6 +407,7 @@ impl AcceleratorBuilder {
                 data: self.data,
                 sync_batchnorm: self.sync_batchnorm,
                 warned_autocast: Default::default(),
+                strategy_ended: Default::default(),
                 buffers: Mutex::new(Vec::new()),
             }),
         };

@@ -97,6 +97,8 @@ pub(crate) struct Inner {
     pub(crate) sync_batchnorm: bool,
     /// The warning about a backward with no autocast was printed.
     warned_autocast: std::sync::atomic::AtomicBool,
+    /// Whether the strategy's `end_training` ran (it runs once).
+    pub(crate) strategy_ended: std::sync::atomic::AtomicBool,
     /// Each prepared model's buffers, kept equal across the data-parallel processes.
     buffers: Mutex<Vec<crate::strategy::buffers::BufferSync>>,
 }
@@ -285,11 +287,21 @@ impl Accelerator {
     }
 
     /// The end of training: the strategy's last word (LocalSGD averages the parameters once
-    /// more), then a barrier. An `#[accelerate]` function calls it when it succeeds.
+    /// more), the trackers finished (MLflow's run marked FINISHED), then a barrier. An
+    /// `#[accelerate]` function calls it when it succeeds; calling it again does no more
+    /// than the barrier.
     pub fn end_training(&self) -> Result<()> {
-        self.inner.strategy.end_training(&self.strategy_context())?;
-        self.finish_trackers()?;
+        self.end_strategy()?;
+        self.finish_trackers(false)?;
         self.wait_for_everyone()
+    }
+
+    /// The strategy's `end_training`, once.
+    pub(crate) fn end_strategy(&self) -> Result<()> {
+        if self.inner.strategy_ended.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
+        self.inner.strategy.end_training(&self.strategy_context())
     }
 
     /// Seeds torch's generators; `device_specific` adds the rank so processes differ.

@@ -215,6 +215,9 @@ impl LaunchConfig {
         if let Some(v) = t.state_dict {
             env.push(("ACCEL_STATE_DICT", v.to_string()));
         }
+        if let Some(list) = &t.log_with {
+            env.push(("ACCEL_LOG_WITH", crate::config::log_with_text(list)));
+        }
         if let Some(ids) = &self.gpu_ids {
             env.push(("CUDA_VISIBLE_DEVICES", ids.clone()));
         }

@@ -10,7 +10,7 @@ use serde_yaml_ng::Value;
 
 use super::check::{Report, Verdict, show_yaml};
 use super::config::LaunchConfig;
-use crate::config::{StateDict, Strategy, Wrap, closest};
+use crate::config::{LogWith, StateDict, Strategy, Wrap, closest, log_with_text};
 use crate::error::{Error, Result};
 
 /// Our keys.
@@ -35,6 +35,7 @@ pub(super) const OURS: &[&str] = &[
     "sync_module_states",
     "wrap",
     "state_dict",
+    "log_with",
     "gpu_ids",
     "num_cpu_threads_per_process",
     "deepspeed_config_file",
@@ -341,6 +342,20 @@ impl Reader {
                 let d: StateDict = as_str(key, v)?.parse()?;
                 self.training().state_dict = Some(d);
                 applied(format!("save_state writes sharded models {d}"))
+            }
+            "log_with" => {
+                let text = match v {
+                    Value::Sequence(items) => items
+                        .iter()
+                        .map(|item| as_str(key, item))
+                        .collect::<Result<Vec<_>>>()?
+                        .join(","),
+                    other => as_str(key, other)?.to_owned(),
+                };
+                let list = LogWith::parse_list(&text)
+                    .map_err(|e| Error::Config(format!("`{key}`: {e}")))?;
+                self.training().log_with = Some(list.clone());
+                applied(format!("trackers {} (started by init_trackers)", log_with_text(&list)))
             }
             "gpu_ids" => self.gpu_ids(v),
             "num_cpu_threads_per_process" => {

@@ -2,21 +2,23 @@
 //! [`Accelerator::init_trackers`] starts them with the run's hyperparameters,
 //! [`Accelerator::log`] records values at a step, [`Accelerator::end_training`] closes
 //! them. Only the main process writes. Built in: TensorBoard event files
-//! ([`TensorBoard`]) and JSONL + CSV files ([`MetricsFiles`]); a [`Tracker`] of one's own
-//! is added with [`Accelerator::add_tracker`]. Also here: plots of the metrics
+//! ([`TensorBoard`]), JSONL + CSV files ([`MetricsFiles`]) and an MLflow server
+//! ([`MlFlow`]); a [`Tracker`] of one's own is added with [`Accelerator::add_tracker`]. Also here: plots of the metrics
 //! ([`plot`]) and the progress bar.
 
 mod files;
+mod mlflow;
 pub mod plot;
 mod tensorboard;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::str::FromStr;
 
 use indicatif::{ProgressBar, ProgressStyle};
 
+pub use crate::config::LogWith;
 pub use files::MetricsFiles;
+pub use mlflow::{MlFlow, MlFlowSettings};
 pub use tensorboard::TensorBoard;
 
 use crate::accelerator::Accelerator;
@@ -38,31 +40,10 @@ pub trait Tracker: Send {
     fn finish(&mut self) -> Result<()> {
         Ok(())
     }
-}
-
-/// A built-in tracker, as `log_with` names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogWith {
-    /// TensorBoard event files.
-    TensorBoard,
-    /// `metrics.jsonl` and `metrics.csv` (and `hparams.json`).
-    Jsonl,
-    /// Every built-in one.
-    All,
-}
-
-impl FromStr for LogWith {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.to_ascii_lowercase().as_str() {
-            "tensorboard" => Ok(Self::TensorBoard),
-            "jsonl" | "csv" => Ok(Self::Jsonl),
-            "all" => Ok(Self::All),
-            other => Err(Error::Config(format!(
-                "log_with `{other}`: accel's trackers are `tensorboard`, `jsonl` (with csv) and \
-                 `all`; add one of your own with Accelerator::add_tracker"
-            ))),
-        }
+    /// Flushes and closes when the run ends by an error (an `#[accelerate]` function that
+    /// fails); a tracker with a run status records it as failed.
+    fn fail(&mut self) -> Result<()> {
+        self.finish()
     }
 }
 
@@ -74,18 +55,26 @@ pub(crate) struct Trackers {
     pub(crate) started: Vec<Box<dyn Tracker>>,
     /// Added before `init_trackers`.
     pub(crate) pending: Vec<Box<dyn Tracker>>,
+    /// Whether `init_trackers` ran.
+    pub(crate) initialised: bool,
 }
 
 impl Accelerator {
-    /// Starts the trackers `log_with` named (the builder's `.log_with`) and those added
-    /// with [`add_tracker`](Self::add_tracker), in `project_dir/project_name` (the
-    /// builder's `.project_dir`, else `runs`), and records `config` (the run's
-    /// hyperparameters) in each. Only the main process writes; call it on every process.
+    /// Starts the trackers `log_with` named (the builder's `.log_with`, else
+    /// `ACCEL_LOG_WITH`, `accel launch --log-with` or the config file's `log_with`) and
+    /// those added with [`add_tracker`](Self::add_tracker), and records `config` (the run's
+    /// hyperparameters) in each. Files go to `project_dir/project_name` (the builder's
+    /// `.project_dir`, else `runs`); a run resumed from a checkpoint before this call adds
+    /// to its `metrics.jsonl` instead of starting it over. MLflow's run goes to the
+    /// experiment `MLFLOW_EXPERIMENT_NAME`, else `project_name`. Only the main process
+    /// writes; call it on every process.
     pub fn init_trackers(&self, project_name: &str, config: &serde_json::Value) -> Result<()> {
+        let resumed = self.counters().micro_steps_total > 0;
         let mut trackers = self.trackers();
-        if !trackers.started.is_empty() {
+        if trackers.initialised {
             return Err(Error::Config("init_trackers was called twice".into()));
         }
+        trackers.initialised = true;
         let main = self.is_main_process();
         let dir = trackers.project_dir.clone().unwrap_or_else(|| "runs".into()).join(project_name);
         let wanted =
@@ -95,7 +84,18 @@ impl Accelerator {
             started.push(Box::new(TensorBoard::new(&dir, main)?));
         }
         if wanted(LogWith::Jsonl) {
-            started.push(Box::new(MetricsFiles::open(&dir, main, false)?));
+            started.push(Box::new(MetricsFiles::open(&dir, main, resumed)?));
+        }
+        // `all` is every tracker that can run here, as Accelerate's is every one installed:
+        // MLflow when a server is named.
+        let mlflow = trackers.log_with.contains(&LogWith::MlFlow)
+            || (wanted(LogWith::All) && std::env::var_os("MLFLOW_TRACKING_URI").is_some());
+        if mlflow {
+            // Every process checks the settings, so that a bad one stops them all alike.
+            let settings = MlFlowSettings::from_env(project_name)?;
+            if main {
+                started.push(Box::new(MlFlow::start(&settings)?));
+            }
         }
         started.append(&mut trackers.pending);
         if main {
@@ -126,14 +126,28 @@ impl Accelerator {
         Ok(())
     }
 
-    /// Finishes every tracker (from [`Accelerator::end_training`]).
-    pub(crate) fn finish_trackers(&self) -> Result<()> {
+    /// Finishes every tracker (from [`Accelerator::end_training`]), or with `failed`
+    /// records that the run ended by an error. Trackers named by `log_with` but never
+    /// started (no `init_trackers`) are warned of, once.
+    pub(crate) fn finish_trackers(&self, failed: bool) -> Result<()> {
         let mut trackers = self.trackers();
-        for tracker in &mut trackers.started {
-            tracker.finish()?;
+        if !trackers.initialised && !trackers.log_with.is_empty() && self.is_main_process() {
+            eprintln!(
+                "accel: log_with names {} but init_trackers was never called, so nothing was \
+                 tracked: call accelerator.init_trackers(project, &config) before training, as \
+                 with Accelerate",
+                crate::config::log_with_text(&trackers.log_with)
+            );
+            trackers.initialised = true;
         }
-        trackers.started.clear();
-        Ok(())
+        let mut first_error = None;
+        for mut tracker in trackers.started.drain(..) {
+            let done = if failed { tracker.fail() } else { tracker.finish() };
+            if let Err(e) = done {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     fn trackers(&self) -> std::sync::MutexGuard<'_, Trackers> {

@@ -1,7 +1,7 @@
 //! Parsing the attribute's arguments (syntax only): `key = value, ...` into raw values that
 //! keep their spans. Validation of values and of combinations lives in `check.rs`.
 
-use accel_choices::{DataSharding, Fp8Recipe, Precision, Sharding, Strategy};
+use accel_choices::{DataSharding, Fp8Recipe, LogWith, Precision, Sharding, Strategy};
 use proc_macro2::{Span, TokenStream};
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
@@ -26,6 +26,7 @@ pub(crate) const KEYS: &[&str] = &[
     "sync_batchnorm",
     "activation_checkpointing",
     "fp32_gathers",
+    "log_with",
     "config",
     "name",
     "model",
@@ -60,6 +61,8 @@ pub(crate) struct RawArgs {
     pub sync_batchnorm: Option<Spanned<bool>>,
     pub activation_checkpointing: Option<Spanned<bool>>,
     pub fp32_gathers: Option<Spanned<bool>>,
+    /// The trackers, as written: `"tensorboard,mlflow"`.
+    pub log_with: Option<Spanned<Vec<LogWith>>>,
     pub config: Option<Spanned<String>>,
     pub name: Option<syn::Ident>,
     /// The model's VarStore: a variable or a field (`vs`, `self.vs`).
@@ -100,6 +103,29 @@ fn expect_choice<T: std::str::FromStr<Err = accel_choices::UnknownChoice>>(
             format!("unknown {} \"{}\"; the {} are {list}{hint}", e.what, e.got, e.plural),
         )
     })
+}
+
+/// A comma-separated list of `T`'s choices (`log_with = "tensorboard,mlflow"`).
+fn expect_choices(expr: &Expr, key: &str, example: &str) -> syn::Result<Spanned<Vec<LogWith>>> {
+    let text = expect_str(expr, key, example)?;
+    let value = LogWith::parse_list(&text.value).map_err(|e| {
+        let list = e.valid.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ");
+        let hint = super::check::did_you_mean(&e.got, e.valid);
+        syn::Error::new(
+            text.span,
+            format!(
+                "unknown {} \"{}\"; the {} are {list} (several: comma-separated){hint}",
+                e.what, e.got, e.plural
+            ),
+        )
+    })?;
+    if value.is_empty() {
+        return Err(syn::Error::new(
+            text.span,
+            format!("`{key}` names no tracker; e.g. `{key} = {example}`"),
+        ));
+    }
+    Ok(Spanned { value, span: text.span })
 }
 
 fn expect_u64(expr: &Expr, key: &str, example: &str) -> syn::Result<Spanned<u64>> {
@@ -233,6 +259,9 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
                     raw.activation_checkpointing = Some(expect_bool(v, &key)?)
                 }
                 "fp32_gathers" => raw.fp32_gathers = Some(expect_bool(v, &key)?),
+                "log_with" => {
+                    raw.log_with = Some(expect_choices(v, &key, "\"tensorboard,mlflow\"")?)
+                }
                 "config" => raw.config = Some(expect_str(v, &key, "\"accel.yaml\"")?),
                 "name" => raw.name = Some(expect_ident(v, &key)?),
                 "model" => raw.model = Some(expect_place(v, &key)?),

@@ -106,6 +106,10 @@ pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path, loops: usize) -> TokenSt
         let f = f.value;
         calls.extend(quote!(.fp32_gathers(#f)));
     }
+    if let Some(l) = &raw.log_with {
+        let v = l.value.iter().map(|w| ident(w.variant_name()));
+        calls.extend(quote!(.log_with([#(#krate::LogWith::#v),*])));
+    }
     if let Some(c) = &raw.config {
         let c = &c.value;
         calls.extend(quote!(.config_file(#c)));

@@ -224,6 +224,10 @@ struct LaunchArgs {
     /// ACCEL_OFFLOAD.
     #[arg(long)]
     offload: bool,
+    /// Trackers that `init_trackers` starts, comma-separated (tensorboard, jsonl, mlflow,
+    /// all), passed as ACCEL_LOG_WITH.
+    #[arg(long, value_parser = |s: &str| accel_core::LogWith::parse_list(s).map(|_| s.to_owned()).map_err(|e| e.to_string()))]
+    log_with: Option<String>,
     /// GPUs the processes may use (`0,1`), passed as CUDA_VISIBLE_DEVICES.
     #[arg(long)]
     gpu_ids: Option<String>,
@@ -280,6 +284,11 @@ impl LaunchArgs {
                 sequence_parallel: self.sequence_parallel.then_some(true),
                 activation_checkpointing: self.activation_checkpointing.then_some(true),
                 offload: self.offload.then_some(true),
+                log_with: self
+                    .log_with
+                    .as_deref()
+                    .map(accel_core::LogWith::parse_list)
+                    .transpose()?,
                 ..Default::default()
             },
             gpu_ids: self.gpu_ids.clone(),
