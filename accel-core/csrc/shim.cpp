@@ -503,6 +503,12 @@ char* accel_cuda_reset_peak_memory(int device_index) {
                 ->resetPeakStats(static_cast<c10::DeviceIndex>(device_index)))
 }
 
+// Gives the caching allocator's unused blocks back to the driver (torch.cuda.empty_cache),
+// so that a retry with a smaller batch after an out-of-memory error can have them.
+char* accel_cuda_empty_cache() {
+  ACCEL_TRY(c10::getDeviceAllocator(c10::DeviceType::CUDA)->emptyCache())
+}
+
 // ---- profiler (Kineto) --------------------------------------------------------------
 
 // Starts libtorch's profiler on this thread (torch.profiler.profile): CPU operators, and

@@ -408,6 +408,7 @@ impl AcceleratorBuilder {
                 sync_batchnorm: self.sync_batchnorm,
                 warned_autocast: Default::default(),
                 strategy_ended: Default::default(),
+                trigger: Default::default(),
                 buffers: Mutex::new(Vec::new()),
             }),
         };

@@ -133,19 +133,6 @@ impl Accelerator {
         Ok(out)
     }
 
-    /// Runs `f` on the main process first, then on the others (e.g. a download or a cache
-    /// that one process should make).
-    pub fn main_process_first<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
-        if !self.is_main_process() {
-            self.wait_for_everyone()?;
-        }
-        let out = f();
-        if self.is_main_process() {
-            self.wait_for_everyone()?;
-        }
-        Ok(out)
-    }
-
     /// This process's contiguous share of `items` (the first `len % N` processes get one
     /// more); with `pad`, shares are padded with the last item to equal length.
     pub fn split_between_processes<T: Clone>(&self, items: &[T], pad: bool) -> Vec<T> {

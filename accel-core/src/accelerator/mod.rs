@@ -8,6 +8,7 @@ mod builder;
 mod collectives;
 mod data;
 mod driven;
+pub(crate) mod helpers;
 mod layers;
 mod layout;
 mod optimizer;
@@ -59,6 +60,8 @@ pub(crate) struct Registry {
     pub(crate) models: Vec<Vec<Param>>,
     pub(crate) optimizers: Vec<AcceleratedOptimizer>,
     pub(crate) loaders: Vec<Arc<Mutex<DataPosition>>>,
+    /// States of the program's own (`register_for_checkpointing`).
+    pub(crate) custom: Vec<Arc<Mutex<dyn crate::checkpoint::Stateful>>>,
 }
 
 pub(crate) struct Inner {
@@ -97,6 +100,8 @@ pub(crate) struct Inner {
     pub(crate) sync_batchnorm: bool,
     /// The warning about a backward with no autocast was printed.
     warned_autocast: std::sync::atomic::AtomicBool,
+    /// This process's flag for `check_trigger`.
+    pub(crate) trigger: std::sync::atomic::AtomicBool,
     /// Whether the strategy's `end_training` ran (it runs once).
     pub(crate) strategy_ended: std::sync::atomic::AtomicBool,
     /// Each prepared model's buffers, kept equal across the data-parallel processes.

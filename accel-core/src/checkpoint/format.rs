@@ -67,6 +67,10 @@ pub(crate) struct Manifest {
     /// The shapes of the model variables saved in pieces (what `merge_weights` restores).
     #[serde(default)]
     pub shapes: BTreeMap<String, Vec<i64>>,
+    /// The states registered with `register_for_checkpointing`, in order (the main
+    /// process's).
+    #[serde(default)]
+    pub custom: Vec<serde_json::Value>,
 }
 
 pub(crate) fn model_file(i: usize) -> String {

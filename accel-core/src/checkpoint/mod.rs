@@ -34,6 +34,38 @@ use format::{
 pub use hf::HfCheckpoint;
 pub use model::merge_weights;
 
+/// A state of one's own that `save_state` saves and `load_state` restores once registered
+/// with [`Accelerator::register_for_checkpointing`] (Accelerate's objects with `state_dict`
+/// and `load_state_dict`). Every type serde can write and read is one, as JSON in the
+/// checkpoint's manifest; implement it by hand for anything else.
+pub trait Stateful: Send {
+    /// The state to save.
+    fn state(&self) -> Result<serde_json::Value>;
+    /// Takes back a state [`state`](Self::state) gave.
+    fn load(&mut self, state: serde_json::Value) -> Result<()>;
+}
+
+impl<T: Serialize + serde::de::DeserializeOwned + Send> Stateful for T {
+    fn state(&self) -> Result<serde_json::Value> {
+        serde_json::to_value(self).map_err(|e| {
+            Error::Training(format!(
+                "register_for_checkpointing: a {} cannot be saved: {e}",
+                std::any::type_name::<T>()
+            ))
+        })
+    }
+
+    fn load(&mut self, state: serde_json::Value) -> Result<()> {
+        *self = serde_json::from_value(state).map_err(|e| {
+            Error::Training(format!(
+                "register_for_checkpointing: the saved state is not a {}: {e}",
+                std::any::type_name::<T>()
+            ))
+        })?;
+        Ok(())
+    }
+}
+
 /// What one process saved of a tensor in its shard file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 enum PieceReport {
@@ -331,6 +363,11 @@ impl Accelerator {
             rng_devices: rng_devices().into_iter().map(device_name).collect(),
             pieces,
             shapes: part.shapes,
+            custom: registry
+                .custom
+                .iter()
+                .map(|c| c.lock().unwrap_or_else(|e| e.into_inner()).state())
+                .collect::<Result<_>>()?,
         };
         manifest.write(tmp)
     }
@@ -361,6 +398,11 @@ impl Accelerator {
         expect("models", manifest.models, registry.models.len())?;
         expect("optimizers", manifest.optimizers.len(), registry.optimizers.len())?;
         expect("data loaders", manifest.loaders.len(), registry.loaders.len())?;
+        expect(
+            "states registered for checkpointing",
+            manifest.custom.len(),
+            registry.custom.len(),
+        )?;
         if manifest.scaler.is_some() != self.inner.scaler.is_some() {
             return Err(bad(
                 dir,
@@ -499,7 +541,14 @@ impl Accelerator {
             })?;
         }
 
-        // Apply.
+        // Apply: the registered states first (a state that does not read back as its type
+        // is an error before any tensor changes).
+        for (i, (custom, saved)) in registry.custom.iter().zip(&manifest.custom).enumerate() {
+            let mut custom = custom.lock().unwrap_or_else(|e| e.into_inner());
+            custom.load(saved.clone()).map_err(|e| {
+                bad(dir, format!("registered state #{i} (register_for_checkpointing): {e}"))
+            })?;
+        }
         let strategy = &self.inner.strategy;
         for (params, tensors) in registry.models.iter().zip(&models) {
             for p in params {

@@ -171,3 +171,13 @@ pub fn reset_peak_memory(device_index: usize) -> Result<()> {
     // SAFETY: plain call.
     check(unsafe { ffi::accel_cuda_reset_peak_memory(index(device_index)?) }, "reset_peak_memory")
 }
+
+/// Gives the CUDA caching allocator's unused memory back to the driver
+/// (`torch.cuda.empty_cache()`); nothing without CUDA.
+pub fn empty_cache() -> Result<()> {
+    if !tch::Cuda::is_available() {
+        return Ok(());
+    }
+    // SAFETY: plain call.
+    check(unsafe { ffi::accel_cuda_empty_cache() }, "empty_cache")
+}

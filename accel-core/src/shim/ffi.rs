@@ -104,6 +104,7 @@ unsafe extern "C" {
         bytes: *mut u64,
     ) -> *mut c_char;
     pub(crate) fn accel_cuda_reset_peak_memory(device_index: i32) -> *mut c_char;
+    pub(crate) fn accel_cuda_empty_cache() -> *mut c_char;
 
     pub(crate) fn accel_set_onednn_enabled(enabled: bool, previous: *mut bool) -> *mut c_char;
 

@@ -338,4 +338,4 @@ pub(crate) fn builtin(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

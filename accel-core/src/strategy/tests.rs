@@ -185,7 +185,7 @@ fn every_strategy_issues_the_same_operations_on_every_rank_and_waits_for_each() 
 
 /// An accelerator for thread rank `group.rank()` with `strategy`, its data-parallel
 /// dimensions on `data`, further set by `with`.
-fn thread_accelerator(
+pub(crate) fn thread_accelerator(
     strategy: StrategyName,
     group: ProcessGroup,
     data: Arc<dyn Communicator>,
