@@ -242,6 +242,27 @@ fn main() -> Result<()> {
             other => bail!("unknown schedule `{other}`; use 1f1b or gpipe"),
         };
         let pipeline = Pipeline::new(&acc, schedule);
+        // One optimizer step over a window of micro-batches (emptied).
+        let window = |batches: &mut Vec<(Tensor, Tensor)>,
+                      opt: &mut accel_core::AcceleratedOptimizer,
+                      write: &mut dyn FnMut(u64, f64) -> Result<()>,
+                      step: &mut u64|
+         -> Result<()> {
+            let losses = pipeline.train_step(
+                &acc,
+                batches,
+                |x| net.forward(x),
+                |logits, y| logits.cross_entropy_for_logits(y),
+            )?;
+            for loss in losses {
+                write(*step, loss)?;
+                *step += 1;
+            }
+            opt.step()?;
+            opt.zero_grad()?;
+            batches.clear();
+            Ok(())
+        };
         for _ in loader.epoch()..args.epochs {
             let mut batches = Vec::new();
             for batch in loader.iter() {
@@ -250,19 +271,7 @@ fn main() -> Result<()> {
                 if batches.len() < acc.config().accumulate as usize {
                     continue;
                 }
-                let losses = pipeline.train_step(
-                    &acc,
-                    &batches,
-                    |x| net.forward(x),
-                    |logits, y| logits.cross_entropy_for_logits(y),
-                )?;
-                for loss in losses {
-                    write(step, loss)?;
-                    step += 1;
-                }
-                opt.step()?;
-                opt.zero_grad()?;
-                batches.clear();
+                window(&mut batches, &mut opt, &mut write, &mut step)?;
                 if let (Some(dir), Some(n)) = (&args.state, args.stop_after)
                     && acc.counters().micro_steps_total == n
                 {
@@ -270,12 +279,10 @@ fn main() -> Result<()> {
                     return finish(&acc, &vs, &args);
                 }
             }
+            // The epoch's short last window, stepped as accumulation without a pipeline ends
+            // an epoch.
             if !batches.is_empty() {
-                bail!(
-                    "{} batch(es) left over: with a pipeline, the batches per epoch must be a \
-                     multiple of --accumulate",
-                    batches.len()
-                );
+                window(&mut batches, &mut opt, &mut write, &mut step)?;
             }
         }
         if let Some(p) = profiler {

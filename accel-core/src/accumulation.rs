@@ -65,11 +65,13 @@ impl GradientState {
         self.lock().backwards_on_batch = Some(0);
     }
 
-    /// A pipeline step starts: its micro-batches (fetched ahead) are one accumulation
-    /// window, each backward one micro-step, the last one the sync step.
-    pub(crate) fn start_window(&self) {
+    /// A pipeline step of `micro_batches` starts: they (fetched ahead) are one accumulation
+    /// window, each backward one micro-step, the last one the sync step. A short window (the
+    /// end of an epoch) is the last `micro_batches` of a full one, as accumulation without a
+    /// pipeline ends an epoch: the loss still divided by `accumulate`, the step at its end.
+    pub(crate) fn start_window(&self, micro_batches: u64) {
         let mut s = self.lock();
-        s.counters.micro_step = 0;
+        s.counters.micro_step = self.accumulate - micro_batches.min(self.accumulate);
         s.end_of_dataloader = false;
         s.backwards_on_batch = None;
     }

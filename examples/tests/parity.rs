@@ -90,10 +90,15 @@ fn make_weights_and_data(dir: &Path, seed: u64) -> (PathBuf, PathBuf) {
 
 /// [`make_weights_and_data`] with other hidden widths.
 fn make_weights_and_data_with(dir: &Path, seed: u64, hidden: &str) -> (PathBuf, PathBuf) {
+    make_weights_and_samples(dir, seed, hidden, 45)
+}
+
+/// [`make_weights_and_data_with`] with `n` samples.
+fn make_weights_and_samples(dir: &Path, seed: u64, hidden: &str, n: usize) -> (PathBuf, PathBuf) {
     let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
     let made = Command::new(root().join(".venv/bin/python"))
         .arg(root().join("python/reference/parity_accelerate.py"))
-        .args(["make", "--n", "45", "--d", "10", "--hidden", hidden, "--classes", "3"])
+        .args(["make", "--n", &n.to_string(), "--d", "10", "--hidden", hidden, "--classes", "3"])
         .args(["--seed", &seed.to_string()])
         .arg("--init")
         .arg(&w)
@@ -721,6 +726,43 @@ fn hybrid_sharding_on_2_machines_of_2_trains_like_ddp_on_4_and_checkpoints_once(
     assert_eq!(max_diff(&stopped, &merged), 0.0, "merged hybrid shards vs the gathered weights");
     // And it continues on one machine of 2 under zero3.
     run_parity(&dir, 2, "zero3", "hybrid-into-zero3", &["--resume", &state]);
+}
+
+/// A pipeline step takes a short last window as accumulation without a pipeline ends an
+/// epoch: 26 batches with accumulate 3 (8 full windows and one of 2 per epoch), on 2 stages
+/// under each schedule, equal Accelerate on 1 process — losses and weights, with plain SGD
+/// (which sees the scale of every gradient: a window divided by 2 instead of 3 shows).
+#[test]
+fn the_pipeline_steps_a_short_last_window_as_accelerate_does() {
+    let dir = scratch("pp-short-window");
+    let (w, d) = make_weights_and_samples(&dir, 6, "16,16", 52);
+    let common: Vec<String> = [
+        "--init",
+        w.to_str().unwrap(),
+        "--data",
+        d.to_str().unwrap(),
+        "--hidden",
+        "16,16",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+        "--weight-decay",
+        "0",
+        "--batch-size",
+        "2",
+        "--accumulate",
+        "3",
+        "--epochs",
+        "2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for schedule in ["1f1b", "gpipe"] {
+        let extra = ["--pipeline-parallel", "2", "--schedule", schedule];
+        compare_with_accelerate_as(&dir, &format!("pp2-{schedule}"), 1, common.clone(), 2, &extra);
+    }
 }
 
 /// Megatron-style column/row pairs and pipeline stages (both schedules) train the parity

@@ -97,8 +97,10 @@ impl Pipeline {
     /// targets) through this stage: `forward` runs the stage's layers (on the first stage
     /// on the inputs, elsewhere on the activations the previous stage sends), `loss` turns
     /// the last stage's output and the targets into a scalar. Gradients accumulate in the
-    /// parameters, divided by the number of micro-batches, which must be the accelerator's
-    /// `accumulate`; then step the optimizer. Returns each micro-batch's loss, on every stage.
+    /// parameters, each micro-batch's loss divided by the accelerator's `accumulate`; then
+    /// step the optimizer. A step takes `accumulate` micro-batches, or fewer at the end of an
+    /// epoch (a short last window, as Accelerate ends one: still divided by `accumulate`).
+    /// Returns each micro-batch's loss, on every stage.
     pub fn train_step(
         &self,
         accelerator: &Accelerator,
@@ -108,14 +110,14 @@ impl Pipeline {
     ) -> Result<Vec<f64>> {
         let m = micro_batches.len();
         let accumulate = accelerator.config().accumulate as usize;
-        if m != accumulate {
+        if m == 0 || m > accumulate {
             return Err(Error::Config(format!(
                 "a pipeline step of {m} micro-batches with accumulate = {accumulate}: the \
-                 micro-batches of one step are the accumulation window, so pass exactly \
-                 `accumulate` of them"
+                 micro-batches of one step are the accumulation window, so pass `accumulate` \
+                 of them (fewer only for the last window of an epoch)"
             )));
         }
-        accelerator.inner.state.start_window();
+        accelerator.inner.state.start_window(m as u64);
         let mut run = schedule::Run {
             pipeline: self,
             accelerator,
