@@ -4,6 +4,7 @@
 pub mod gpt;
 pub mod llama;
 pub mod local_sgd;
+pub mod raw;
 
 use std::path::{Path, PathBuf};
 

@@ -5,13 +5,16 @@
 //! `cargo xtask bench` runs both; scripts/gpu-check.sh runs both on a GPU at width 2048.
 //!
 //!     target/release/examples/lm_bench [--precision no|bf16|fp8] [--width 2048 --heads 16 --device cuda]
+//!     target/release/examples/lm_bench --raw      (the limit: the same ATen work, no accelerator)
+//!     target/release/examples/lm_bench --attribute (an ordinary tch loop under #[accelerate])
 
 use accel_core::optim::{AdamConfig, AdamW};
 use accel_core::{Accelerator, Precision};
 use accel_examples::gpt::{Gpt, GptConfig};
+use accel_examples::raw::RawAdamW;
 use anyhow::Result;
 use clap::Parser;
-use tch::nn::{self, Module};
+use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
 const WARMUP: usize = 20;
@@ -43,10 +46,122 @@ struct Args {
     /// `cpu` (one thread) or `cuda` (cuda:0).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// The same ATen work with no accelerator: tch's forward and backward, ATen's fused
+    /// AdamW (fp32, CPU).
+    #[arg(long, conflicts_with = "attribute")]
+    raw: bool,
+    /// The step as an ordinary tch loop with `#[accelerate]` on it (fp32, CPU).
+    #[arg(long)]
+    attribute: bool,
+}
+
+impl Args {
+    fn config(&self) -> GptConfig {
+        GptConfig {
+            vocab: 72,
+            context: self.context,
+            width: self.width,
+            blocks: self.blocks,
+            heads: self.heads,
+            seed: 0,
+        }
+    }
+
+    /// `steps=.. samples_per_s=.. step_ms=.. peak_rss_mib=.. loss=..`.
+    fn report(&self, seconds: f64, last: f64) -> String {
+        let peak = accel_examples::proc_status_bytes("VmHWM:").unwrap_or(0.0);
+        format!(
+            "steps={} samples_per_s={:.1} step_ms={:.2} peak_rss_mib={:.0} loss={last:.4}",
+            self.steps,
+            (self.steps as i64 * self.batch) as f64 / seconds,
+            1e3 * seconds / self.steps as f64,
+            peak / (1024.0 * 1024.0)
+        )
+    }
+
+    /// The random batch every mode trains on.
+    fn batch(&self, device: Device) -> (Tensor, Tensor) {
+        let c = self.config();
+        let ids = Tensor::randint(c.vocab, [self.batch, c.context + 1], (Kind::Int64, Device::Cpu))
+            .to_device(device);
+        (ids.narrow(1, 0, c.context), ids.narrow(1, 1, c.context))
+    }
+}
+
+/// Times `step`: warm-up, then `steps` timed; returns (seconds, last loss).
+fn time(steps: usize, mut step: impl FnMut() -> Result<Tensor>) -> Result<(f64, f64)> {
+    for _ in 0..WARMUP {
+        let _ = step()?;
+    }
+    // The loss's value is read once at the end: reading it each step would wait for the GPU.
+    step()?.double_value(&[]);
+    let started = std::time::Instant::now();
+    let mut last = Tensor::zeros([], (Kind::Float, Device::Cpu));
+    for _ in 0..steps {
+        last = step()?;
+    }
+    let last = last.double_value(&[]);
+    Ok((started.elapsed().as_secs_f64(), last))
+}
+
+/// The limit: the model's forward and backward and ATen's fused AdamW, nothing else.
+fn raw(args: &Args) -> Result<()> {
+    anyhow::ensure!(args.precision == Precision::No && args.device == "cpu", "--raw: fp32 on CPU");
+    tch::set_num_threads(1);
+    tch::manual_seed(0);
+    let config = args.config();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = Gpt::new(&vs.root(), &config)?;
+    let mut opt = RawAdamW::new(vs.trainable_variables(), 1e-3);
+    let (x, y) = args.batch(Device::Cpu);
+    let (seconds, last) = time(args.steps, || {
+        let logits = model.forward(&x);
+        let loss = logits.view([-1, config.vocab]).cross_entropy_for_logits(&y.reshape([-1]));
+        loss.backward();
+        opt.step()?;
+        Ok(loss)
+    })?;
+    println!("{}", args.report(seconds, last));
+    Ok(())
+}
+
+/// The step as an ordinary tch function under the attribute (its AdamW becomes accel's).
+#[accel_core::accelerate(seed = 0, cpu = true, data = "manual")]
+fn annotated(args: &Args) -> Result<(f64, f64)> {
+    tch::set_num_threads(1);
+    let config = args.config();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = Gpt::new(&vs.root(), &config)?;
+    let mut opt = nn::AdamW::default().build(&vs, 1e-3)?;
+    let (x, y) = args.batch(Device::Cpu);
+    let mut times = Vec::new();
+    for step in 0..WARMUP + 1 + args.steps {
+        if step == WARMUP + 1 {
+            times.push(std::time::Instant::now());
+        }
+        let logits = model.forward(&x);
+        let loss = logits.view([-1, config.vocab]).cross_entropy_for_logits(&y.reshape([-1]));
+        opt.zero_grad();
+        loss.backward();
+        opt.step();
+        if step + 1 == WARMUP + 1 + args.steps {
+            return Ok((times[0].elapsed().as_secs_f64(), loss.double_value(&[])));
+        }
+    }
+    unreachable!("the loop returns at its last step")
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.raw {
+        return raw(&args);
+    }
+    if args.attribute {
+        anyhow::ensure!(args.precision == Precision::No && args.device == "cpu", "--attribute: fp32 on CPU");
+        let (seconds, last) = annotated(&args)?;
+        println!("{}", args.report(seconds, last));
+        return Ok(());
+    }
     let cpu = args.device == "cpu";
     let acc = Accelerator::builder().precision(args.precision).seed(0).cpu(cpu).build()?;
     if cpu {
@@ -54,14 +169,7 @@ fn main() -> Result<()> {
     } else {
         anyhow::ensure!(acc.device() != Device::Cpu, "--device {}: no GPU is visible", args.device);
     }
-    let config = GptConfig {
-        vocab: 72,
-        context: args.context,
-        width: args.width,
-        blocks: args.blocks,
-        heads: args.heads,
-        seed: 0,
-    };
+    let config = args.config();
     let vs = nn::VarStore::new(acc.device());
     // The accelerator's tensor-parallel handle (one rank here) carries fp8 to the layers.
     let model = Gpt::stage(&vs.root(), &config, &acc.tensor_parallel(), 0..config.layers())?;
@@ -70,38 +178,15 @@ fn main() -> Result<()> {
         acc.params(&vs),
         AdamConfig { lr: 1e-3, ..AdamConfig::adamw() },
     )?);
-    let ids =
-        Tensor::randint(config.vocab, [args.batch, config.context + 1], (Kind::Int64, Device::Cpu))
-            .to_device(acc.device());
-    let (x, y) = (ids.narrow(1, 0, config.context), ids.narrow(1, 1, config.context));
-    let mut step = || -> Result<Tensor> {
+    let (x, y) = args.batch(acc.device());
+    let (seconds, last) = time(args.steps, || {
         let logits = acc.forward(|| model.forward(&x))?;
         let loss = logits.view([-1, config.vocab]).cross_entropy_for_logits(&y.reshape([-1]));
         acc.backward(&loss)?;
         opt.step()?;
         opt.zero_grad()?;
         Ok(loss)
-    };
-    for _ in 0..WARMUP {
-        let _ = step()?;
-    }
-    // The loss's value is read once at the end: reading it each step would wait for the GPU.
-    let sync = |t: &Tensor| t.double_value(&[]);
-    sync(&step()?);
-    let started = std::time::Instant::now();
-    let mut last = Tensor::zeros([], (Kind::Float, Device::Cpu));
-    for _ in 0..args.steps {
-        last = step()?;
-    }
-    let last = sync(&last);
-    let seconds = started.elapsed().as_secs_f64();
-    let peak = accel_examples::proc_status_bytes("VmHWM:").unwrap_or(0.0);
-    acc.print(format!(
-        "steps={} samples_per_s={:.1} step_ms={:.2} peak_rss_mib={:.0} loss={last:.4}",
-        args.steps,
-        (args.steps as i64 * args.batch) as f64 / seconds,
-        1e3 * seconds / args.steps as f64,
-        peak / (1024.0 * 1024.0)
-    ));
+    })?;
+    acc.print(args.report(seconds, last));
     Ok(())
 }

@@ -506,3 +506,66 @@ fn the_mlflow_tracker_writes_runs_a_real_mlflow_server_reads_back() {
         }
     }
 }
+
+/// The figure `key=` a benchmark printed.
+fn figure(text: &str, key: &str) -> f64 {
+    text.split_whitespace()
+        .find_map(|w| w.strip_prefix(key))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {text}"))
+}
+
+/// Every configuration `cargo xtask bench` measures runs, tiny (speed printed, never
+/// asserted); the limit (`--raw`), the explicit API and the attribute do the same ATen work:
+/// their losses are equal, on 1 and 2 processes.
+#[test]
+fn every_benchmark_configuration_runs_and_the_raw_loop_does_the_same_work() {
+    let run = |processes: usize, program: &str, args: &[&str], env: &[(&str, &str)]| -> String {
+        let mut command = if processes == 1 {
+            std::process::Command::new(example(program))
+        } else {
+            let accel = Path::new(&example(program))
+                .parent()
+                .unwrap()
+                .parent()
+                .unwrap()
+                .join("accel");
+            let mut c = std::process::Command::new(accel);
+            c.args(["launch", "--num-processes", "2", "--main-process-port", "0", "--rank0-only"])
+                .arg(example(program));
+            c
+        };
+        let output = command.args(args).envs(env.iter().copied()).output().unwrap();
+        let text = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(
+            output.status.success(),
+            "{program} {args:?} on {processes}: {text}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        eprintln!("bench smoke: {program} {args:?} {env:?} on {processes}: {}", text.trim());
+        text
+    };
+    for processes in [1, 2] {
+        let tiny = ["--batches", "8"];
+        let mut losses = Vec::new();
+        for mode in [None, Some("--raw"), Some("--attribute")] {
+            let args: Vec<&str> = tiny.iter().copied().chain(mode).collect();
+            losses.push(figure(&run(processes, "mlp_bench", &args, &[]), "loss="));
+        }
+        assert!(losses.iter().all(|l| *l == losses[0]), "{processes}: {losses:?}");
+        run(processes, "mlp_bench", &["--batches", "8", "--batch-norm"], &[]);
+        run(processes, "mlp_bench", &["--batches", "8", "--batch-norm", "--no-broadcast-buffers"], &[]);
+    }
+    run(2, "mlp_bench", &["--batches", "8"], &[("ACCEL_CHECK_COLLECTIVES", "0")]);
+    let tiny = ["--steps", "2", "--width", "32", "--blocks", "1", "--context", "16", "--batch", "4"];
+    let mut losses = Vec::new();
+    for mode in [None, Some("--raw"), Some("--attribute")] {
+        let args: Vec<&str> = tiny.iter().copied().chain(mode).collect();
+        losses.push(figure(&run(1, "lm_bench", &args, &[]), "loss="));
+    }
+    assert!(losses.iter().all(|l| *l == losses[0]), "transformer: {losses:?}");
+    for precision in ["bf16", "fp8"] {
+        let args: Vec<&str> = tiny.iter().copied().chain(["--precision", precision]).collect();
+        run(1, "lm_bench", &args, &[]);
+    }
+}
