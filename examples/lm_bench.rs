@@ -157,7 +157,10 @@ fn main() -> Result<()> {
         return raw(&args);
     }
     if args.attribute {
-        anyhow::ensure!(args.precision == Precision::No && args.device == "cpu", "--attribute: fp32 on CPU");
+        anyhow::ensure!(
+            args.precision == Precision::No && args.device == "cpu",
+            "--attribute: fp32 on CPU"
+        );
         let (seconds, last) = annotated(&args)?;
         println!("{}", args.report(seconds, last));
         return Ok(());

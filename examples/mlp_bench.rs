@@ -106,7 +106,12 @@ fn explicit(x: Tensor, y: Tensor, batch_norm: bool, broadcast: bool) -> Result<M
         loss = l.double_value(&[]);
     }
     acc.wait_for_everyone()?;
-    Ok(Measured { steps, seconds: started.elapsed().as_secs_f64(), loss, procs: acc.num_processes() })
+    Ok(Measured {
+        steps,
+        seconds: started.elapsed().as_secs_f64(),
+        loss,
+        procs: acc.num_processes(),
+    })
 }
 
 /// An ordinary tch loop with the attribute on it (its AdamW becomes accel's).

@@ -49,14 +49,7 @@ impl RawAdamW {
                 let _ = s.g_add_scalar_(1.0);
             }
         });
-        fused_adamw(
-            &self.params,
-            &grads,
-            &self.exp_avgs,
-            &self.exp_avg_sqs,
-            &self.steps,
-            self.hp,
-        )?;
+        fused_adamw(&self.params, &grads, &self.exp_avgs, &self.exp_avg_sqs, &self.steps, self.hp)?;
         for mut g in grads {
             let _ = g.zero_();
         }

@@ -582,10 +582,12 @@ char* accel_set_onednn_enabled(bool enabled, bool* previous) {
 
 // One AdamW step over n parameters with ATen's fused kernel. `steps` are the float
 // step counters, already incremented for this step (as torch.optim.AdamW does).
-char* accel_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs,
-                        at::Tensor** exp_avg_sqs, at::Tensor** steps, size_t n, double lr,
-                        double beta1, double beta2, double weight_decay, double eps,
-                        bool maximize) {
+// One Adam step over every parameter in one call: AdamW's decoupled weight decay
+// (torch._fused_adamw_) or Adam's L2 penalty (torch._fused_adam_).
+char* accel_fused_adam(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs,
+                       at::Tensor** exp_avg_sqs, at::Tensor** steps, size_t n, double lr,
+                       double beta1, double beta2, double weight_decay, double eps,
+                       bool maximize, bool decoupled) {
   ACCEL_TRY({
     std::vector<at::Tensor> p, g, m, v, s;
     for (size_t i = 0; i < n; ++i) {
@@ -595,8 +597,31 @@ char* accel_fused_adamw(at::Tensor** params, at::Tensor** grads, at::Tensor** ex
       v.push_back(*exp_avg_sqs[i]);
       s.push_back(*steps[i]);
     }
-    at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr, beta1, beta2, weight_decay, eps,
-                      /*amsgrad=*/false, maximize);
+    if (decoupled) {
+      at::_fused_adamw_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr, beta1, beta2, weight_decay,
+                        eps, /*amsgrad=*/false, maximize);
+    } else {
+      at::_fused_adam_(p, g, m, v, /*max_exp_avg_sqs=*/{}, s, lr, beta1, beta2, weight_decay,
+                       eps, /*amsgrad=*/false, maximize);
+    }
+  })
+}
+
+// One SGD step over every parameter in one call (torch._fused_sgd_). With momentum, the
+// buffers are updated in place; on the first step (`is_first_step`) the kernel sets them to
+// the (decayed) gradient, as torch's SGD creates them. Without momentum, no buffers.
+char* accel_fused_sgd(at::Tensor** params, at::Tensor** grads, at::Tensor** buffers, size_t n,
+                      size_t n_buffers, double weight_decay, double momentum, double lr,
+                      double dampening, bool nesterov, bool maximize, bool is_first_step) {
+  ACCEL_TRY({
+    std::vector<at::Tensor> p, g, b;
+    for (size_t i = 0; i < n; ++i) {
+      p.push_back(*params[i]);
+      g.push_back(*grads[i]);
+    }
+    for (size_t i = 0; i < n_buffers; ++i) b.push_back(*buffers[i]);
+    at::_fused_sgd_(p, g, b, weight_decay, momentum, lr, dampening, nesterov, maximize,
+                    is_first_step);
   })
 }
 

@@ -90,51 +90,72 @@ fn sgd(config: SgdConfig) -> impl FnOnce(Vec<Tensor>) -> Box<dyn Optimizer> {
     move |p| Box::new(Sgd::new(unnamed_params(&p), config).unwrap())
 }
 
+/// The reference of configuration `name`, through torch's fused kernel when `fused`.
+fn reference_name(name: &str, fused: bool) -> String {
+    if fused { format!("{name}_fused") } else { name.to_owned() }
+}
+
+/// Each configuration through torch's single-tensor path and through ATen's fused kernel
+/// (`fused: true`, one call per group), against `torch.optim.SGD` without and with
+/// `fused=True`.
 #[test]
-fn sgd_equals_torch_over_100_steps() {
-    check_optimizer("sgd", sgd(SgdConfig { lr: 0.1, ..Default::default() }));
-    check_optimizer(
-        "sgd_momentum",
-        sgd(SgdConfig {
-            lr: 0.05,
-            momentum: 0.9,
-            dampening: 0.1,
-            weight_decay: 0.01,
-            ..Default::default()
-        }),
-    );
-    check_optimizer(
-        "sgd_nesterov",
-        sgd(SgdConfig {
-            lr: 0.05,
-            momentum: 0.9,
-            nesterov: true,
-            weight_decay: 0.01,
-            ..Default::default()
-        }),
-    );
-    check_optimizer(
-        "sgd_maximize",
-        sgd(SgdConfig { lr: 0.05, momentum: 0.5, maximize: true, ..Default::default() }),
-    );
+fn sgd_equals_torch_over_100_steps_unfused_and_fused() {
+    for fused in [false, true] {
+        let name = |n: &str| reference_name(n, fused);
+        check_optimizer(&name("sgd"), sgd(SgdConfig { lr: 0.1, fused, ..Default::default() }));
+        check_optimizer(
+            &name("sgd_momentum"),
+            sgd(SgdConfig {
+                lr: 0.05,
+                momentum: 0.9,
+                dampening: 0.1,
+                weight_decay: 0.01,
+                fused,
+                ..Default::default()
+            }),
+        );
+        check_optimizer(
+            &name("sgd_nesterov"),
+            sgd(SgdConfig {
+                lr: 0.05,
+                momentum: 0.9,
+                nesterov: true,
+                weight_decay: 0.01,
+                fused,
+                ..Default::default()
+            }),
+        );
+        check_optimizer(
+            &name("sgd_maximize"),
+            sgd(SgdConfig { lr: 0.05, momentum: 0.5, maximize: true, fused, ..Default::default() }),
+        );
+    }
 }
 
 #[test]
-fn adam_equals_torch_over_100_steps() {
-    check_optimizer("adam", |p| {
-        Box::new(
-            Adam::new(
-                unnamed_params(&p),
-                AdamConfig { lr: 1e-2, weight_decay: 0.01, ..Default::default() },
+fn adam_equals_torch_over_100_steps_unfused_and_fused() {
+    for fused in [false, true] {
+        check_optimizer(&reference_name("adam", fused), |p| {
+            Box::new(
+                Adam::new(
+                    unnamed_params(&p),
+                    AdamConfig { lr: 1e-2, weight_decay: 0.01, fused, ..Default::default() },
+                )
+                .unwrap(),
             )
-            .unwrap(),
-        )
-    });
-    check_optimizer("adam_betas", |p| {
-        let config =
-            AdamConfig { lr: 3e-3, beta1: 0.8, beta2: 0.99, eps: 1e-6, ..Default::default() };
-        Box::new(Adam::new(unnamed_params(&p), config).unwrap())
-    });
+        });
+        check_optimizer(&reference_name("adam_betas", fused), |p| {
+            let config = AdamConfig {
+                lr: 3e-3,
+                beta1: 0.8,
+                beta2: 0.99,
+                eps: 1e-6,
+                fused,
+                ..Default::default()
+            };
+            Box::new(Adam::new(unnamed_params(&p), config).unwrap())
+        });
+    }
 }
 
 #[test]

@@ -524,12 +524,8 @@ fn every_benchmark_configuration_runs_and_the_raw_loop_does_the_same_work() {
         let mut command = if processes == 1 {
             std::process::Command::new(example(program))
         } else {
-            let accel = Path::new(&example(program))
-                .parent()
-                .unwrap()
-                .parent()
-                .unwrap()
-                .join("accel");
+            let accel =
+                Path::new(&example(program)).parent().unwrap().parent().unwrap().join("accel");
             let mut c = std::process::Command::new(accel);
             c.args(["launch", "--num-processes", "2", "--main-process-port", "0", "--rank0-only"])
                 .arg(example(program));
@@ -554,10 +550,16 @@ fn every_benchmark_configuration_runs_and_the_raw_loop_does_the_same_work() {
         }
         assert!(losses.iter().all(|l| *l == losses[0]), "{processes}: {losses:?}");
         run(processes, "mlp_bench", &["--batches", "8", "--batch-norm"], &[]);
-        run(processes, "mlp_bench", &["--batches", "8", "--batch-norm", "--no-broadcast-buffers"], &[]);
+        run(
+            processes,
+            "mlp_bench",
+            &["--batches", "8", "--batch-norm", "--no-broadcast-buffers"],
+            &[],
+        );
     }
     run(2, "mlp_bench", &["--batches", "8"], &[("ACCEL_CHECK_COLLECTIVES", "0")]);
-    let tiny = ["--steps", "2", "--width", "32", "--blocks", "1", "--context", "16", "--batch", "4"];
+    let tiny =
+        ["--steps", "2", "--width", "32", "--blocks", "1", "--context", "16", "--batch", "4"];
     let mut losses = Vec::new();
     for mode in [None, Some("--raw"), Some("--attribute")] {
         let args: Vec<&str> = tiny.iter().copied().chain(mode).collect();

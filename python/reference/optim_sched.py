@@ -34,6 +34,11 @@ OPTIMIZERS = {
     "adam_amsgrad": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.01, amsgrad=True)),
     "adamw_amsgrad": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
 }
+# Each SGD and Adam configuration again through torch's fused kernels (fused=True), which
+# round differently from the single-tensor path: accel's `fused: true` is compared with these.
+for name in ["sgd", "sgd_momentum", "sgd_nesterov", "sgd_maximize", "adam", "adam_betas"]:
+    cls, kwargs = OPTIMIZERS[name]
+    OPTIMIZERS[f"{name}_fused"] = (cls, dict(kwargs, fused=True))
 
 for name, (cls, kwargs) in OPTIMIZERS.items():
     params = [p.clone().requires_grad_(True) for p in init]

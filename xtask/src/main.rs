@@ -223,6 +223,8 @@ fn median_of(
 /// Seconds to rebuild `example` after touching its source; the attribute's share shows as
 /// the difference between the annotated example and its plain twin.
 fn rebuild_seconds(example: &str) -> Result<f64, String> {
+    // Everything it depends on up to date first: only the example's own crate is timed.
+    cargo(&["build", "--quiet", "-p", "accel-examples", "--example", example], &[])?;
     let source = root().join("examples").join(format!("{example}.rs"));
     let text = std::fs::read(&source).map_err(|e| format!("{}: {e}", source.display()))?;
     std::fs::write(&source, &text).map_err(|e| format!("{}: {e}", source.display()))?;
@@ -277,19 +279,20 @@ fn bench() -> Result<(), String> {
     let script = root.join("python/reference/accelerate_mlp.py");
     let mut report = Report::default();
     eprintln!("xtask: measuring, {RUNS} runs of each (a quarter of an hour) ...");
+    let once = |procs: usize, flags: &[&str], env: &[(&str, &str)]| {
+        let mut command = if procs == 1 {
+            Command::new(&example)
+        } else {
+            let mut c = Command::new(&accel);
+            c.args(["launch", "--num-processes", "2", "--main-process-port", "0"])
+                .args(["--rank0-only"])
+                .arg(&example);
+            c
+        };
+        mlp_figures(command.args(flags).envs(env.iter().copied()))
+    };
     let ours = |procs: usize, flags: &[&str], env: &[(&str, &str)]| {
-        median_of(RUNS, || {
-            let mut command = if procs == 1 {
-                Command::new(&example)
-            } else {
-                let mut c = Command::new(&accel);
-                c.args(["launch", "--num-processes", "2", "--main-process-port", "0"])
-                    .args(["--rank0-only"])
-                    .arg(&example);
-                c
-            };
-            mlp_figures(command.args(flags).envs(env.iter().copied()))
-        })
+        median_of(RUNS, || once(procs, flags, env))
     };
     let theirs = |procs: usize, fused: bool| {
         median_of(RUNS, || {
@@ -360,15 +363,24 @@ fn bench() -> Result<(), String> {
     report.figure("mlp.overhead_percent.1", overhead(ours_.2.0, raw.2.0));
     report.figure("mlp.overhead_percent.2", overhead(ours_.3.0, raw.3.0));
     report.figure("mlp.vs_accelerate_fused.2", ours_.3.0 / accf.3.0);
-    // The collective sequence check (a ledger compared through the store each step).
-    let unchecked = ours(2, &[], &[("ACCEL_CHECK_COLLECTIVES", "0")])?.0;
+    // The collective sequence check (a ledger compared through the store each step): with
+    // and without, alternated run by run, so that the machine's drift falls on both alike.
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    for _ in 0..2 * RUNS - 1 {
+        with.push(once(2, &[], &[("ACCEL_CHECK_COLLECTIVES", "1")])?.0);
+        without.push(once(2, &[], &[("ACCEL_CHECK_COLLECTIVES", "0")])?.0);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (checked, unchecked) = (median(&mut with), median(&mut without));
     report.say(format!(
-        "the collective sequence check, 2 processes: {:.0} samples/s with it, {unchecked:.0} \
-         without: it costs {:.1}%",
-        ours_.3.0,
-        overhead(ours_.3.0, unchecked)
+        "the collective sequence check, 2 processes, alternated: {checked:.0} samples/s with it, \
+         {unchecked:.0} without: it costs {:.1}%",
+        overhead(checked, unchecked)
     ));
-    report.figure("mlp.collective_check_percent", overhead(ours_.3.0, unchecked));
+    report.figure("mlp.collective_check_percent", overhead(checked, unchecked));
     // Batch norm after each hidden layer: its running statistics are broadcast from rank 0
     // after every step (one collective of 4096 floats), or left per process.
     let synced = ours(2, &["--batch-norm"], &[])?.0;
@@ -390,7 +402,8 @@ fn bench() -> Result<(), String> {
             mlp_figures(&mut command)
         })
     };
-    let lm_ours = |flag: Option<&str>| median_of(RUNS, || mlp_figures(Command::new(&lm).args(flag)));
+    let lm_ours =
+        |flag: Option<&str>| median_of(RUNS, || mlp_figures(Command::new(&lm).args(flag)));
     let lm_rows = [
         ("raw tch loop (the limit)", "raw", lm_ours(Some("--raw"))?),
         ("accel, explicit API", "accel", lm_ours(None)?),

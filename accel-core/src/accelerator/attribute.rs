@@ -60,6 +60,9 @@ impl IntoAccelOptimizer for tch::nn::Sgd {
             weight_decay: self.wd,
             nesterov: self.nesterov,
             maximize: false,
+            // torch's default path, which an ordinary tch program is compared with; ATen's
+            // fused kernel rounds differently (about 1e-6 after 100 momentum steps).
+            fused: false,
         };
         let mut groups = param_groups(acc, vs)?.into_iter();
         let mut sgd = Sgd::new(groups.next().unwrap_or_default(), config)?;

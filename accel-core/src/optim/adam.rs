@@ -9,7 +9,7 @@ use super::{
     Optimizer, OptimizerState, Param, ParamGroup, groups_from_json, groups_to_json, restore_slot,
 };
 use crate::error::{Error, Result};
-use crate::shim::{AdamWStep, fused_adamw};
+use crate::shim::{AdamWStep, fused_adam, fused_adamw};
 
 /// Hyper-parameters of Adam and AdamW, with torch's defaults (AdamW's weight decay
 /// defaults to 0.01 through [`AdamConfig::adamw`]).
@@ -27,7 +27,9 @@ pub struct AdamConfig {
     pub weight_decay: f64,
     /// Maximise the objective instead.
     pub maximize: bool,
-    /// Use ATen's fused kernel (AdamW only; AMSGrad steps take torch's single-tensor path).
+    /// Use ATen's fused kernel: one call over every parameter of a group
+    /// (`torch._fused_adamw_` / `torch._fused_adam_`; AMSGrad steps take torch's
+    /// single-tensor path).
     pub fused: bool,
     /// AMSGrad: normalise by the largest second moment seen so far (`amsgrad=True`).
     #[serde(default)]
@@ -112,11 +114,6 @@ struct AdamCore {
 impl AdamCore {
     fn add_param_group(&mut self, params: Vec<Param>, config: AdamConfig) -> Result<()> {
         config.validate(self.name)?;
-        if config.fused && !self.decoupled {
-            return Err(Error::Unsupported(
-                "Adam: the fused kernel is wired for AdamW only; use fused: false".into(),
-            ));
-        }
         self.moments.extend(params.iter().map(|_| None));
         self.groups.push(ParamGroup { params, hyper: config });
         Ok(())
@@ -143,7 +140,7 @@ impl AdamCore {
                 .filter_map(|(p, m)| m.as_ref().map(|m| (p, m)))
                 .collect();
             if h.fused && !h.amsgrad {
-                fused_step(&live, h)?;
+                fused_step(&live, h, self.decoupled)?;
             } else {
                 for (param, moments) in live {
                     single_tensor_step(param, moments, h, self.decoupled)?;
@@ -245,7 +242,7 @@ fn single_tensor_step(param: &Param, m: &Moments, h: AdamConfig, decoupled: bool
     })
 }
 
-fn fused_step(live: &[(&Param, &Moments)], h: AdamConfig) -> Result<()> {
+fn fused_step(live: &[(&Param, &Moments)], h: AdamConfig, decoupled: bool) -> Result<()> {
     if live.is_empty() {
         return Ok(());
     }
@@ -263,7 +260,8 @@ fn fused_step(live: &[(&Param, &Moments)], h: AdamConfig) -> Result<()> {
             Ok(if step.device() == device { step } else { step.f_to_device(device)? })
         })
         .collect::<Result<_>>()?;
-    fused_adamw(
+    let kernel = if decoupled { fused_adamw } else { fused_adam };
+    kernel(
         &params,
         &grads,
         &exp_avgs,

@@ -1,5 +1,6 @@
 //! SGD with momentum, dampening, Nesterov momentum and L2 weight decay, step for step
-//! `torch.optim.SGD` (its single-tensor path, the default on CPU).
+//! `torch.optim.SGD` (its single-tensor path, the default on CPU; `fused: true` is
+//! `fused=True`, ATen's one call over every parameter of a group).
 
 use serde::{Deserialize, Serialize};
 use tch::Tensor;
@@ -8,6 +9,7 @@ use super::{
     Optimizer, OptimizerState, Param, ParamGroup, groups_from_json, groups_to_json, restore_slot,
 };
 use crate::error::{Error, Result};
+use crate::shim::{SgdStep, fused_sgd};
 
 /// `torch.optim.SGD`'s hyper-parameters, with its defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -24,6 +26,9 @@ pub struct SgdConfig {
     pub nesterov: bool,
     /// Maximise the objective instead.
     pub maximize: bool,
+    /// One call of ATen's fused kernel over the group's parameters (`fused=True`).
+    #[serde(default)]
+    pub fused: bool,
 }
 
 impl Default for SgdConfig {
@@ -35,6 +40,7 @@ impl Default for SgdConfig {
             weight_decay: 0.0,
             nesterov: false,
             maximize: false,
+            fused: false,
         }
     }
 }
@@ -100,6 +106,47 @@ impl Sgd {
     }
 }
 
+/// One fused step over a group's parameters that have a gradient: those whose momentum
+/// buffers exist already, then (as torch's first step makes them) those whose do not.
+fn fused_step(params: &[Param], buffers: &mut [Option<Tensor>], h: SgdConfig) -> Result<()> {
+    let step = SgdStep {
+        lr: h.lr,
+        momentum: h.momentum,
+        dampening: h.dampening,
+        weight_decay: h.weight_decay,
+        nesterov: h.nesterov,
+        maximize: h.maximize,
+    };
+    let live = || params.iter().zip(buffers.iter()).filter(|(p, _)| p.tensor.grad().defined());
+    if h.momentum == 0.0 {
+        let (ps, gs): (Vec<Tensor>, Vec<Tensor>) =
+            live().map(|(p, _)| (p.tensor.shallow_clone(), p.tensor.grad())).unzip();
+        return if ps.is_empty() { Ok(()) } else { fused_sgd(&ps, &gs, &[], step, false) };
+    }
+    let (mut old, mut fresh) = (Vec::new(), Vec::new());
+    for (i, (p, b)) in params.iter().zip(buffers.iter()).enumerate() {
+        if p.tensor.grad().defined() {
+            if b.is_some() { old.push(i) } else { fresh.push(i) }
+        }
+    }
+    for i in &fresh {
+        buffers[*i] = Some(params[*i].tensor.grad().f_empty_like()?);
+    }
+    for (which, first) in [(old, false), (fresh, true)] {
+        if which.is_empty() {
+            continue;
+        }
+        let ps: Vec<Tensor> = which.iter().map(|&i| params[i].tensor.shallow_clone()).collect();
+        let gs: Vec<Tensor> = which.iter().map(|&i| params[i].tensor.grad()).collect();
+        let bs: Vec<Tensor> = which
+            .iter()
+            .map(|&i| buffers[i].as_ref().expect("made above").shallow_clone())
+            .collect();
+        fused_sgd(&ps, &gs, &bs, step, first)?;
+    }
+    Ok(())
+}
+
 impl Optimizer for Sgd {
     fn name(&self) -> &'static str {
         "SGD"
@@ -111,6 +158,12 @@ impl Optimizer for Sgd {
         tch::no_grad(|| -> Result<()> {
             for group in &self.groups {
                 let h = group.hyper;
+                if h.fused {
+                    let buffers = &mut self.momentum_buffers[index..index + group.params.len()];
+                    index += group.params.len();
+                    fused_step(&group.params, buffers, h)?;
+                    continue;
+                }
                 for param in &group.params {
                     let buffer = &mut self.momentum_buffers[index];
                     index += 1;

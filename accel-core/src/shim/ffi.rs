@@ -121,7 +121,7 @@ unsafe extern "C" {
     pub(crate) fn accel_recording() -> bool;
 
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn accel_fused_adamw(
+    pub(crate) fn accel_fused_adam(
         params: *const *mut C_tensor,
         grads: *const *mut C_tensor,
         exp_avgs: *const *mut C_tensor,
@@ -134,6 +134,22 @@ unsafe extern "C" {
         weight_decay: f64,
         eps: f64,
         maximize: bool,
+        decoupled: bool,
+    ) -> *mut c_char;
+
+    pub(crate) fn accel_fused_sgd(
+        params: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        buffers: *const *mut C_tensor,
+        n: usize,
+        n_buffers: usize,
+        weight_decay: f64,
+        momentum: f64,
+        lr: f64,
+        dampening: f64,
+        nesterov: bool,
+        maximize: bool,
+        is_first_step: bool,
     ) -> *mut c_char;
 
     pub(crate) fn accel_amp_unscale(

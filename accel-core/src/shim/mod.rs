@@ -8,7 +8,7 @@
 //!   its views stay valid objects (ZeRO-3 parameters between uses);
 //! - [`cuda`]: CUDA streams and events, `record_stream`, peak memory (what the NCCL
 //!   communicator orders its work with);
-//! - [`fused_adamw`]: ATen's fused AdamW kernel;
+//! - [`fused_adamw`], [`fused_adam`], [`fused_sgd`]: ATen's fused optimizer kernels;
 //! - [`amp_unscale`]: GradScaler's fused inf/NaN check and unscale;
 //! - [`rng_state`] / [`set_rng_state`]: the default generators' states, for checkpoints.
 
@@ -232,10 +232,36 @@ pub fn fused_adamw(
     steps: &[Tensor],
     hp: AdamWStep,
 ) -> Result<()> {
+    fused_adam_any(params, grads, exp_avgs, exp_avg_sqs, steps, hp, true)
+}
+
+/// [`fused_adamw`] for Adam (`torch._fused_adam_`): `weight_decay` is an L2 penalty added to
+/// the gradient, as `torch.optim.Adam(fused=True)` applies it.
+pub fn fused_adam(
+    params: &[Tensor],
+    grads: &[Tensor],
+    exp_avgs: &[Tensor],
+    exp_avg_sqs: &[Tensor],
+    steps: &[Tensor],
+    hp: AdamWStep,
+) -> Result<()> {
+    fused_adam_any(params, grads, exp_avgs, exp_avg_sqs, steps, hp, false)
+}
+
+fn fused_adam_any(
+    params: &[Tensor],
+    grads: &[Tensor],
+    exp_avgs: &[Tensor],
+    exp_avg_sqs: &[Tensor],
+    steps: &[Tensor],
+    hp: AdamWStep,
+    decoupled: bool,
+) -> Result<()> {
+    let op = if decoupled { "fused_adamw" } else { "fused_adam" };
     let n = params.len();
     if [grads.len(), exp_avgs.len(), exp_avg_sqs.len(), steps.len()].iter().any(|&l| l != n) {
         return Err(Error::Libtorch {
-            op: "fused_adamw",
+            op,
             message: format!(
                 "list lengths differ: {n} params, {} grads, {} exp_avgs, {} exp_avg_sqs, {} steps",
                 grads.len(),
@@ -252,7 +278,7 @@ pub fn fused_adamw(
     tch::no_grad(|| {
         // SAFETY: five arrays of n live tensor pointers, alive for the call.
         let message = unsafe {
-            ffi::accel_fused_adamw(
+            ffi::accel_fused_adam(
                 p.as_ptr(),
                 g.as_ptr(),
                 m.as_ptr(),
@@ -265,9 +291,74 @@ pub fn fused_adamw(
                 hp.weight_decay,
                 hp.eps,
                 hp.maximize,
+                decoupled,
             )
         };
-        check(message, "fused_adamw")
+        check(message, op)
+    })
+}
+
+/// SGD's hyper-parameters for one fused step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SgdStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// Momentum factor (0: no buffers).
+    pub momentum: f64,
+    /// Dampening of the momentum.
+    pub dampening: f64,
+    /// L2 penalty added to the gradient.
+    pub weight_decay: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// Maximise the objective instead.
+    pub maximize: bool,
+}
+
+/// One SGD step with ATen's fused kernel (`torch._fused_sgd_`) over parameters and their
+/// gradients, updated in place. With momentum, `buffers` (one per parameter) are updated in
+/// place too; `first_step` says they were just made (`empty_like`), and the kernel sets them
+/// as torch's SGD creates them. Without momentum, `buffers` is empty.
+pub fn fused_sgd(
+    params: &[Tensor],
+    grads: &[Tensor],
+    buffers: &[Tensor],
+    hp: SgdStep,
+    first_step: bool,
+) -> Result<()> {
+    let n = params.len();
+    let expected_buffers = if hp.momentum != 0.0 { n } else { 0 };
+    if grads.len() != n || buffers.len() != expected_buffers {
+        return Err(Error::Libtorch {
+            op: "fused_sgd",
+            message: format!(
+                "{n} params, {} grads, {} momentum buffers (expected {expected_buffers})",
+                grads.len(),
+                buffers.len()
+            ),
+        });
+    }
+    let ptrs = |ts: &[Tensor]| ts.iter().map(raw).collect::<Vec<_>>();
+    let (p, g, b) = (ptrs(params), ptrs(grads), ptrs(buffers));
+    tch::no_grad(|| {
+        // SAFETY: arrays of n (and n_buffers) live tensor pointers, alive for the call.
+        let message = unsafe {
+            ffi::accel_fused_sgd(
+                p.as_ptr(),
+                g.as_ptr(),
+                b.as_ptr(),
+                n,
+                b.len(),
+                hp.weight_decay,
+                hp.momentum,
+                hp.lr,
+                hp.dampening,
+                hp.nesterov,
+                hp.maximize,
+                first_step,
+            )
+        };
+        check(message, "fused_sgd")
     })
 }
 
