@@ -10,13 +10,16 @@
 //!
 //! The same model runs tensor-parallel (its heads, MLP and vocabulary split Megatron-style;
 //! `--sequence-parallel` splits the rest along the sequence) and pipeline-parallel (its
-//! embeddings, blocks and head cut into stages, `--accumulate` micro-batches per step):
+//! embeddings, blocks and head cut into stages, `--accumulate` micro-batches per step) and
+//! context-parallel (each sequence split across `--context-parallel` ranks, attention
+//! exchanging heads by all-to-all):
 //!
 //!     cargo run --release -p accel-examples --example char_lm
 //!     accel launch --num-processes 2 --cpu target/release/examples/char_lm
 //!     accel launch --num-processes 2 --cpu --strategy zero3 target/release/examples/char_lm --steps 300
 //!     accel launch --num-processes 4 --cpu target/release/examples/char_lm \
 //!         --tensor-parallel 2 --pipeline-parallel 2 --accumulate 4
+//!     accel launch --num-processes 4 --cpu target/release/examples/char_lm --context-parallel 2
 //!
 //! With `--checkpoint-every N` it saves every N steps and, restarted by `accel launch
 //! --max-restarts`, continues from the newest complete checkpoint (`--resume` by hand).
@@ -86,6 +89,10 @@ struct Args {
     /// Pipeline stages.
     #[arg(long, default_value_t = 1)]
     pipeline_parallel: usize,
+    /// Context-parallel ranks: each sequence split among them (default: the launcher's
+    /// configuration, else 1).
+    #[arg(long)]
+    context_parallel: Option<usize>,
     /// Pipeline schedule: `1f1b` or `gpipe`.
     #[arg(long, default_value = "1f1b")]
     schedule: String,
@@ -155,7 +162,13 @@ fn main() -> Result<()> {
     if let Some(accumulate) = args.accumulate {
         builder = builder.accumulate(accumulate);
     }
+    if let Some(ranks) = args.context_parallel {
+        builder = builder.context_parallel(ranks);
+    }
     let acc = builder.build()?;
+    // Every rank of a context group is dealt the same batches and keeps its part of each
+    // sequence (inputs and targets alike).
+    let cp = acc.context_parallel();
     let schedule = match args.schedule.as_str() {
         "1f1b" => pp::Schedule::OneForwardOneBackward,
         "gpipe" => pp::Schedule::GPipe,
@@ -186,7 +199,7 @@ fn main() -> Result<()> {
         seed: 0,
     };
     let layers = pipeline.layers(config.layers())?;
-    let model = Gpt::stage(&vs.root(), &config, &acc.tensor_parallel(), layers)?;
+    let model = Gpt::split(&vs.root(), &config, &acc.tensor_parallel(), &cp, layers)?;
     acc.prepare_model(&vs)?;
     let parameters: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
     let mut opt = acc.prepare_optimizer(AdamW::new(
@@ -195,7 +208,7 @@ fn main() -> Result<()> {
     )?);
     // As in Accelerate, the schedule advances once per data-parallel replica at each
     // optimizer step, so its length counts the same way.
-    let replicas = acc.mesh().dims().size(Dim::Data) as u64;
+    let replicas = acc.mesh().dims().size(Dim::Batch) as u64;
     opt.set_schedule(Schedule::CosineWarmup {
         warmup_steps: args.steps * replicas / 20,
         total_steps: args.steps * replicas,
@@ -243,16 +256,18 @@ fn main() -> Result<()> {
                 |logits, y| model.token_losses(logits, y).sum(Kind::Float),
             )?;
             let totals = Tensor::from_slice(&[sums.iter().sum::<f64>(), count as f64]);
-            acc.mesh().comm(Dim::Data).all_reduce(&totals, ReduceOp::Sum)?;
+            acc.mesh().comm(Dim::Batch).all_reduce(&totals, ReduceOp::Sum)?;
             return Ok(totals.double_value(&[0]) / totals.double_value(&[1]));
         }
         let (mut total, mut count) = (0.0, 0i64);
         tch::no_grad(|| -> Result<()> {
             for batch in held_out.iter() {
                 let batch = batch?;
-                let logits = acc.forward(|| model.forward_stage(&batch[0]))?;
-                let losses = model.token_losses(&logits, &batch[1]).view([-1]);
-                let losses = acc.gather_for_metrics(&losses)?;
+                let input = cp.shard(&batch[0], 1)?;
+                let logits = acc.forward(|| model.forward_stage(&input))?;
+                let losses = model.token_losses(&logits, &cp.shard(&batch[1], 1)?);
+                // Whole sequences from the context ranks, then the batches of every replica.
+                let losses = acc.gather_for_metrics(&cp.gather(&losses, 1)?.view([-1]))?;
                 total += losses.sum(Kind::Double).double_value(&[]);
                 count += losses.numel() as i64;
             }
@@ -302,10 +317,12 @@ fn main() -> Result<()> {
                 )?;
                 micro.clear();
             } else {
-                let logits = acc.forward(|| model.forward_stage(&batch[0]))?;
-                let loss = model.loss(&logits, &batch[1]);
+                let input = cp.shard(&batch[0], 1)?;
+                let logits = acc.forward(|| model.forward_stage(&input))?;
+                let loss = model.loss(&logits, &cp.shard(&batch[1], 1)?);
                 acc.backward(&loss)?;
-                losses.push(loss.double_value(&[]));
+                // The loss of the whole sequences: the mean of the context ranks' means.
+                losses.push(cp.average(&loss)?.double_value(&[]));
                 if !acc.sync_gradients() {
                     continue;
                 }
@@ -361,7 +378,8 @@ fn main() -> Result<()> {
             // attention keeps the padding out of the real positions).
             let mut window = context[start..].to_vec();
             let real = window.len();
-            window.resize(real.next_multiple_of(acc.tensor_parallel().size()), 0);
+            // So does context parallelism.
+            window.resize(real.next_multiple_of(acc.tensor_parallel().size() * cp.size()), 0);
             let input = Tensor::from_slice(&window).unsqueeze(0).to_device(acc.device());
             let logits = model.forward(&input).select(1, real as i64 - 1).squeeze_dim(0) / 0.8;
             let next = logits.softmax(-1, Kind::Float).multinomial(1, false).int64_value(&[0]);

@@ -3,7 +3,8 @@
 //! layout: with a [`TensorParallel`] of one rank it is an ordinary transformer; with more,
 //! its attention heads, MLP and vocabulary are split Megatron-style (and with sequence
 //! parallelism its norms run on a part of the sequence); a pipeline stage builds only its
-//! own layers (embeddings, blocks, head).
+//! own layers (embeddings, blocks, head); with a [`ContextParallel`] of several ranks each
+//! runs on its part of every sequence, attention exchanging heads by all-to-all.
 //!
 //! Each layer is initialised from `seed + its index`, so every layout holds exactly the
 //! weights of the one-process model built with the same seed.
@@ -11,6 +12,7 @@
 use std::ops::Range;
 
 use accel_core::Unit;
+use accel_core::strategy::cp::ContextParallel;
 use accel_core::strategy::tp::{
     ColumnParallelLinear, LinearOptions, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
     gather_from_region, parallel_layer_norm, vocab_parallel_token_losses,
@@ -57,13 +59,29 @@ pub struct Block {
     down: RowParallelLinear,
     /// Heads on this rank.
     heads: i64,
+    /// The ranks holding the other parts of each sequence (attention spans them all).
+    cp: ContextParallel,
 }
 
 impl Block {
     /// The block's variables under `p`.
-    pub fn new(tp: &TensorParallel, p: &nn::Path, width: i64, heads: i64) -> Result<Self> {
+    pub fn new(
+        tp: &TensorParallel,
+        cp: &ContextParallel,
+        p: &nn::Path,
+        width: i64,
+        heads: i64,
+    ) -> Result<Self> {
         if heads % tp.size() as i64 != 0 {
             bail!("{heads} heads do not divide among {} tensor-parallel ranks", tp.size());
+        }
+        let local = heads / tp.size() as i64;
+        if local % cp.size() as i64 != 0 {
+            bail!(
+                "{local} heads per tensor-parallel rank do not divide among {} context-parallel \
+                 ranks (attention exchanges whole heads)",
+                cp.size()
+            );
         }
         let options = LinearOptions::default();
         Ok(Self {
@@ -73,7 +91,8 @@ impl Block {
             ln2: parallel_layer_norm(tp, &(p / "ln2"), width)?,
             up: ColumnParallelLinear::new(tp, &(p / "up"), width, 4 * width, options)?,
             down: RowParallelLinear::new(tp, &(p / "down"), 4 * width, width, options)?,
-            heads: heads / tp.size() as i64,
+            heads: local,
+            cp: cp.clone(),
         })
     }
 }
@@ -84,6 +103,9 @@ impl Module for Block {
         let (b, t, local) = qkv.size3().expect("[batch, time, 3 × local width]");
         let head_width = local / 3 / self.heads;
         let qkv = qkv.view([b, t, self.heads, 3, head_width]);
+        // Every position, this context rank's heads (all of them without context parallelism).
+        let qkv = (self.cp.sequence_to_heads(&qkv))
+            .unwrap_or_else(|e| panic!("context parallelism: exchanging q, k, v: {e}"));
         let part = |i: i64| qkv.select(3, i).transpose(1, 2);
         let attended = Tensor::scaled_dot_product_attention::<Tensor>(
             &part(0),
@@ -95,7 +117,9 @@ impl Module for Block {
             None,
             false,
         );
-        let merged = attended.transpose(1, 2).contiguous().view([b, t, self.heads * head_width]);
+        let attended = (self.cp.heads_to_sequence(&attended.transpose(1, 2)))
+            .unwrap_or_else(|e| panic!("context parallelism: exchanging attention's output: {e}"));
+        let merged = attended.contiguous().view([b, t, self.heads * head_width]);
         let x = x + merged.apply(&self.proj);
         let mlp = x.apply(&self.ln2).apply(&self.up).gelu("tanh").apply(&self.down);
         x + mlp
@@ -107,6 +131,7 @@ impl Module for Block {
 #[derive(Debug)]
 pub struct Gpt {
     tp: TensorParallel,
+    cp: ContextParallel,
     tokens: Option<(VocabParallelEmbedding, nn::Embedding)>,
     blocks: Vec<Unit<Block>>,
     head: Option<(nn::LayerNorm, ColumnParallelLinear)>,
@@ -124,6 +149,18 @@ impl Gpt {
         p: &nn::Path,
         c: &GptConfig,
         tp: &TensorParallel,
+        layers: Range<usize>,
+    ) -> Result<Self> {
+        Self::split(p, c, tp, &ContextParallel::single(), layers)
+    }
+
+    /// [`stage`](Self::stage), each rank of `cp` running on its part of every sequence
+    /// (inputs and targets from [`ContextParallel::shard`]).
+    pub fn split(
+        p: &nn::Path,
+        c: &GptConfig,
+        tp: &TensorParallel,
+        cp: &ContextParallel,
         layers: Range<usize>,
     ) -> Result<Self> {
         let last = c.layers() - 1;
@@ -145,7 +182,7 @@ impl Gpt {
         for i in layers.clone().filter(|&i| i >= 1 && i < last) {
             seeded(i);
             let path = p / "blocks" / (i - 1);
-            blocks.push(Unit::new(&path, Block::new(tp, &path, c.width, c.heads)?));
+            blocks.push(Unit::new(&path, Block::new(tp, cp, &path, c.width, c.heads)?));
         }
         let head = match layers.contains(&last) {
             true => {
@@ -156,17 +193,18 @@ impl Gpt {
             }
             false => None,
         };
-        Ok(Self { tp: tp.clone(), tokens, blocks, head })
+        Ok(Self { tp: tp.clone(), cp: cp.clone(), tokens, blocks, head })
     }
 
     /// This stage's layers on `x`: token ids `[batch, time]` on the first stage, hidden
     /// states elsewhere; on the last stage the logits `[batch, time, vocab / T]` (this tensor
-    /// rank's part of the vocabulary).
+    /// rank's part of the vocabulary). With context parallelism `time` is this rank's part
+    /// of the sequence.
     pub fn forward_stage(&self, x: &Tensor) -> Tensor {
         let mut x = match &self.tokens {
             Some((tokens, positions)) => {
                 let t = x.size()[1];
-                let mut pos = Tensor::arange(t, (Kind::Int64, x.device())).apply(positions);
+                let mut pos = self.cp.positions(t, x.device()).apply(positions);
                 if self.tp.sequence_parallel() {
                     // Each rank adds the positions of its part of the sequence.
                     let part = t / self.tp.size() as i64;
@@ -203,8 +241,12 @@ impl Gpt {
 }
 
 impl Module for Gpt {
-    /// Logits `[batch, time, vocab]` for token ids `[batch, time]` (the whole model).
+    /// Logits `[batch, time, vocab]` for token ids `[batch, time]` (the whole model; with
+    /// context parallelism each rank runs its part of the sequence, and the parts are
+    /// gathered, without gradients).
     fn forward(&self, ids: &Tensor) -> Tensor {
-        self.whole_logits(&self.forward_stage(ids))
+        let part = self.cp.shard(ids, 1).unwrap_or_else(|e| panic!("{e}"));
+        let logits = self.whole_logits(&self.forward_stage(&part));
+        self.cp.gather(&logits, 1).unwrap_or_else(|e| panic!("gathering logits: {e}"))
     }
 }

@@ -40,6 +40,8 @@ pub enum Op {
     ReduceScatter(ReduceOp),
     /// Point-to-point send and receive.
     SendRecv,
+    /// Equal parts exchanged with every rank.
+    AllToAll,
     /// An exchange of serialised objects (control traffic).
     Objects,
     /// A barrier.
@@ -54,6 +56,7 @@ impl fmt::Display for Op {
             Op::AllGather => f.write_str("all_gather"),
             Op::ReduceScatter(r) => write!(f, "reduce_scatter({r})"),
             Op::SendRecv => f.write_str("send/recv"),
+            Op::AllToAll => f.write_str("all_to_all"),
             Op::Objects => f.write_str("object exchange"),
             Op::Barrier => f.write_str("barrier"),
         }

@@ -44,6 +44,10 @@ pub struct Config {
     pub tensor_parallel: usize,
     /// Pipeline stages, >= 1.
     pub pipeline_parallel: usize,
+    /// Context-parallel ranks: each sequence split among them, attention exchanging heads
+    /// by all-to-all (Accelerate's `parallelism_config` cp_size), >= 1.
+    #[serde(default = "one")]
+    pub context_parallel: usize,
     /// Split the activations outside tensor-parallel regions along the sequence.
     pub sequence_parallel: bool,
     /// Recompute each unit's activations in backward instead of keeping them (FSDP's
@@ -122,6 +126,10 @@ mod log_with_list {
 /// `tensorboard,mlflow`: how a list of trackers is written in the environment and messages.
 pub fn log_with_text(list: &[LogWith]) -> String {
     list.iter().map(|w| w.as_str()).collect::<Vec<_>>().join(",")
+}
+
+fn one() -> usize {
+    1
 }
 
 fn yes() -> bool {
@@ -232,6 +240,7 @@ impl Default for Config {
             cpu: false,
             tensor_parallel: 1,
             pipeline_parallel: 1,
+            context_parallel: 1,
             sequence_parallel: false,
             activation_checkpointing: false,
             offload: false,
@@ -275,6 +284,9 @@ pub struct PartialConfig {
     /// See [`Config::pipeline_parallel`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline_parallel: Option<usize>,
+    /// See [`Config::context_parallel`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context_parallel: Option<usize>,
     /// See [`Config::sequence_parallel`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sequence_parallel: Option<bool>,
@@ -309,6 +321,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("ACCEL_CPU", "cpu"),
     ("ACCEL_TENSOR_PARALLEL", "tensor_parallel"),
     ("ACCEL_PIPELINE_PARALLEL", "pipeline_parallel"),
+    ("ACCEL_CONTEXT_PARALLEL", "context_parallel"),
     ("ACCEL_SEQUENCE_PARALLEL", "sequence_parallel"),
     ("ACCEL_ACTIVATION_CHECKPOINTING", "activation_checkpointing"),
     ("ACCEL_OFFLOAD", "offload"),
@@ -383,6 +396,10 @@ impl PartialConfig {
                     config.pipeline_parallel =
                         Some(value.parse().map_err(|_| parse_err(var, &value, "an integer >= 1"))?)
                 }
+                "ACCEL_CONTEXT_PARALLEL" => {
+                    config.context_parallel =
+                        Some(value.parse().map_err(|_| parse_err(var, &value, "an integer >= 1"))?)
+                }
                 "ACCEL_SEQUENCE_PARALLEL" => {
                     config.sequence_parallel = Some(
                         parse_bool(&value)
@@ -438,6 +455,7 @@ impl PartialConfig {
             cpu: stronger.cpu.or(self.cpu),
             tensor_parallel: stronger.tensor_parallel.or(self.tensor_parallel),
             pipeline_parallel: stronger.pipeline_parallel.or(self.pipeline_parallel),
+            context_parallel: stronger.context_parallel.or(self.context_parallel),
             sequence_parallel: stronger.sequence_parallel.or(self.sequence_parallel),
             activation_checkpointing: stronger
                 .activation_checkpointing
@@ -472,6 +490,7 @@ impl PartialConfig {
             cpu,
             tensor_parallel,
             pipeline_parallel,
+            context_parallel,
             sequence_parallel,
             activation_checkpointing,
             offload,
@@ -496,6 +515,7 @@ impl PartialConfig {
             cpu: self.cpu.unwrap_or(d.cpu),
             tensor_parallel: self.tensor_parallel.unwrap_or(d.tensor_parallel),
             pipeline_parallel: self.pipeline_parallel.unwrap_or(d.pipeline_parallel),
+            context_parallel: self.context_parallel.unwrap_or(d.context_parallel),
             sequence_parallel: self.sequence_parallel.unwrap_or(d.sequence_parallel),
             activation_checkpointing: self
                 .activation_checkpointing
@@ -511,6 +531,11 @@ impl PartialConfig {
                 "tensor_parallel = {}, pipeline_parallel = {}: each degree must be >= 1",
                 config.tensor_parallel, config.pipeline_parallel
             )));
+        }
+        if config.context_parallel == 0 {
+            return Err(Error::Config(
+                "context_parallel = 0: the degree must be >= 1 (1: no context parallelism)".into(),
+            ));
         }
         if config.sequence_parallel && config.tensor_parallel == 1 {
             return Err(Error::Config(

@@ -1,11 +1,21 @@
 //! The run's parallel dimensions, validated once ([`ParallelDims`], as torchtitan's), and
 //! a communicator per dimension ([`DeviceMesh`]).
 //!
-//! Ranks are laid out `[pipeline, data-replicate, data-shard, tensor]`, the tensor dimension
-//! varying fastest (its ranks are neighbours, on one machine when they fit), then the
-//! data-parallel ones. Data parallelism is `replicate × shard`: DDP and ZeRO-1 replicate
-//! over all of it; ZeRO-2/3 shard over all of it; hybrid sharding shards within a machine
-//! and replicates across machines — a shape of the mesh, not a strategy of its own.
+//! Ranks are laid out `[pipeline, data-replicate, data-shard, context, tensor]` (torchtitan's
+//! order), the tensor dimension varying fastest (its ranks are neighbours, on one machine
+//! when they fit), then the context and data-parallel ones. Some dimensions are flattened
+//! views of several axes, as torchtitan's `dp_shard_cp` and `batch` are:
+//!
+//! - [`Dim::Batch`] = data-replicate × data-shard: the ranks that see different batches
+//!   (what a data loader deals over).
+//! - [`Dim::DataShard`] = data-shard × context, and [`Dim::Data`] = data-replicate ×
+//!   data-shard × context: what gradients are averaged and parameters sharded over. The
+//!   ranks of a context group hold the same weights and compute gradients on different
+//!   parts of one sequence, so to a strategy they are data-parallel ranks like any other.
+//!
+//! DDP and ZeRO-1 replicate over all of `Data`; ZeRO-2/3 shard over all of it; hybrid
+//! sharding shards within a machine and replicates across machines — a shape of the mesh,
+//! not a strategy of its own.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -30,8 +40,14 @@ pub enum Dim {
     DataReplicate,
     /// Data-parallel shards (ZeRO-2/3; hybrid sharding's processes of one machine).
     DataShard,
-    /// All data parallelism: `DataReplicate × DataShard`.
+    /// All data parallelism: `DataReplicate × DataShard` (the context ranks included:
+    /// gradients are averaged over it).
     Data,
+    /// The ranks that see different batches: `DataReplicate × DataShard` without the context
+    /// ranks (which share a batch and split its sequences).
+    Batch,
+    /// Context parallelism: the ranks that split each sequence ([`crate::strategy::cp`]).
+    Context,
     /// Tensor (and sequence) parallelism.
     Tensor,
 }
@@ -43,6 +59,8 @@ impl fmt::Display for Dim {
             Dim::DataReplicate => "data-replicate",
             Dim::DataShard => "data-shard",
             Dim::Data => "data",
+            Dim::Batch => "batch",
+            Dim::Context => "context",
             Dim::Tensor => "tensor",
         })
     }
@@ -57,6 +75,8 @@ pub struct ParallelDims {
     pub data_replicate: usize,
     /// Data-parallel shards.
     pub data_shard: usize,
+    /// Context-parallel ranks (each sequence split among them).
+    pub context: usize,
     /// Tensor-parallel ranks.
     pub tensor: usize,
 }
@@ -65,9 +85,13 @@ impl fmt::Display for ParallelDims {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "pipeline {} × data-replicate {} × data-shard {} × tensor {}",
-            self.pipeline, self.data_replicate, self.data_shard, self.tensor
-        )
+            "pipeline {} × data-replicate {} × data-shard {} × ",
+            self.pipeline, self.data_replicate, self.data_shard
+        )?;
+        if self.context > 1 {
+            write!(f, "context {} × ", self.context)?;
+        }
+        write!(f, "tensor {}", self.tensor)
     }
 }
 
@@ -79,15 +103,17 @@ impl ParallelDims {
         pipeline: usize,
         data_replicate: usize,
         data_shard: usize,
+        context: usize,
         tensor: usize,
     ) -> Result<Self> {
-        let dims = Self { pipeline, data_replicate, data_shard, tensor };
-        if [pipeline, data_replicate, data_shard, tensor].contains(&0) {
+        let dims = Self { pipeline, data_replicate, data_shard, context, tensor };
+        if [pipeline, data_replicate, data_shard, context, tensor].contains(&0) {
             return Err(Error::Config(format!("every parallel degree must be at least 1: {dims}")));
         }
         let product = pipeline
             .checked_mul(data_replicate)
             .and_then(|p| p.checked_mul(data_shard))
+            .and_then(|p| p.checked_mul(context))
             .and_then(|p| p.checked_mul(tensor));
         if product != Some(world) {
             return Err(Error::Config(format!(
@@ -103,25 +129,35 @@ impl ParallelDims {
     /// over each machine's processes and replicates across machines.
     pub fn for_run(config: &Config, topology: &Topology) -> Result<Self> {
         let world = topology.world_size;
-        let (tp, pp) = (config.tensor_parallel, config.pipeline_parallel);
-        let model = tp * pp;
+        let (tp, pp, cp) =
+            (config.tensor_parallel, config.pipeline_parallel, config.context_parallel);
+        let model = tp * pp * cp;
         if model == 0 || world % model != 0 {
+            let context = if cp > 1 { format!(" × context_parallel {cp}") } else { String::new() };
             return Err(Error::Config(format!(
-                "tensor_parallel {tp} × pipeline_parallel {pp} = {model} does not divide the \
-                 {world} process(es): the data-parallel degree would be {world}/{model}"
+                "tensor_parallel {tp} × pipeline_parallel {pp}{context} = {model} does not divide \
+                 the {world} process(es): the data-parallel degree would be {world}/{model}"
+            )));
+        }
+        if cp > 1 && pp > 1 {
+            return Err(Error::Unsupported(format!(
+                "context_parallel {cp} together with pipeline_parallel {pp}: not implemented; \
+                 use context parallelism with data and tensor parallelism"
             )));
         }
         let dp = world / model;
         match config.strategy {
-            Strategy::Single | Strategy::Ddp | Strategy::Zero1 => Self::new(world, pp, dp, 1, tp),
+            Strategy::Single | Strategy::Ddp | Strategy::Zero1 => {
+                Self::new(world, pp, dp, 1, cp, tp)
+            }
             // Auto decides later among them all: the sharded layout serves every one (the
             // data dimension spans the same processes).
             Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp | Strategy::Auto => {
-                Self::new(world, pp, 1, dp, tp)
+                Self::new(world, pp, 1, dp, cp, tp)
             }
             Strategy::HybridShard if model > 1 => Err(Error::Unsupported(format!(
-                "hybrid_shard together with tensor_parallel {tp} / pipeline_parallel {pp}: use \
-                 zero3 (sharded over every data-parallel process)"
+                "hybrid_shard together with tensor_parallel {tp} / pipeline_parallel {pp} / \
+                 context_parallel {cp}: use zero3 (sharded over every data-parallel process)"
             ))),
             Strategy::HybridShard => {
                 let local = topology.local_world_size;
@@ -132,53 +168,63 @@ impl ParallelDims {
                          one machine"
                     )));
                 }
-                Self::new(world, 1, world / local, local, 1)
+                Self::new(world, 1, world / local, local, 1, 1)
             }
         }
     }
 
     /// Number of processes.
     pub fn world(&self) -> usize {
-        self.pipeline * self.data_replicate * self.data_shard * self.tensor
+        self.pipeline * self.data_replicate * self.data_shard * self.context * self.tensor
+    }
+
+    /// The axes each dimension spans (indices into [`coords`](Self::coords)), outermost
+    /// first: the one place that says which dimensions are flattened views of several.
+    fn axes(dim: Dim) -> &'static [usize] {
+        match dim {
+            Dim::Pipeline => &[0],
+            Dim::DataReplicate => &[1],
+            Dim::DataShard => &[2, 3],
+            Dim::Data => &[1, 2, 3],
+            Dim::Batch => &[1, 2],
+            Dim::Context => &[3],
+            Dim::Tensor => &[4],
+        }
+    }
+
+    fn sizes(&self) -> [usize; 5] {
+        [self.pipeline, self.data_replicate, self.data_shard, self.context, self.tensor]
     }
 
     /// Size of `dim`.
     pub fn size(&self, dim: Dim) -> usize {
-        match dim {
-            Dim::Pipeline => self.pipeline,
-            Dim::DataReplicate => self.data_replicate,
-            Dim::DataShard => self.data_shard,
-            Dim::Data => self.data_replicate * self.data_shard,
-            Dim::Tensor => self.tensor,
+        Self::axes(dim).iter().map(|&a| self.sizes()[a]).product()
+    }
+
+    /// `rank`'s coordinates: (pipeline, data-replicate, data-shard, context, tensor).
+    pub fn coords(&self, rank: usize) -> [usize; 5] {
+        let sizes = self.sizes();
+        let mut coords = [0; 5];
+        let mut rest = rank;
+        for axis in (0..5).rev() {
+            coords[axis] = rest % sizes[axis];
+            rest /= sizes[axis];
         }
+        coords
     }
 
-    /// `rank`'s coordinates: (pipeline, data-replicate, data-shard, tensor).
-    pub fn coords(&self, rank: usize) -> [usize; 4] {
-        let tensor = rank % self.tensor;
-        let rest = rank / self.tensor;
-        let shard = rest % self.data_shard;
-        let rest = rest / self.data_shard;
-        [rest / self.data_replicate, rest % self.data_replicate, shard, tensor]
+    fn rank_of(&self, coords: [usize; 5]) -> usize {
+        coords.iter().zip(self.sizes()).fold(0, |rank, (&c, size)| rank * size + c)
     }
 
-    fn rank_of(&self, [p, r, s, t]: [usize; 4]) -> usize {
-        ((p * self.data_replicate + r) * self.data_shard + s) * self.tensor + t
-    }
-
-    /// Every group along `dim`: the lists of ranks that differ only in that dimension (both
-    /// data dimensions for [`Dim::Data`]), each in rank order, the lists ordered by their
-    /// first rank.
+    /// Every group along `dim`: the lists of ranks that differ only in its axes, each in
+    /// rank order, the lists ordered by their first rank.
     pub fn groups(&self, dim: Dim) -> Vec<Vec<usize>> {
-        let mut groups: BTreeMap<[usize; 4], Vec<usize>> = BTreeMap::new();
+        let mut groups: BTreeMap<[usize; 5], Vec<usize>> = BTreeMap::new();
         for rank in 0..self.world() {
             let mut key = self.coords(rank);
-            match dim {
-                Dim::Pipeline => key[0] = 0,
-                Dim::DataReplicate => key[1] = 0,
-                Dim::DataShard => key[2] = 0,
-                Dim::Data => (key[1], key[2]) = (0, 0),
-                Dim::Tensor => key[3] = 0,
+            for &axis in Self::axes(dim) {
+                key[axis] = 0;
             }
             groups.entry(key).or_default().push(rank);
         }
@@ -189,18 +235,12 @@ impl ParallelDims {
 
     /// `rank`'s position within its group along `dim`.
     pub fn index(&self, dim: Dim, rank: usize) -> usize {
-        let [p, r, s, t] = self.coords(rank);
-        match dim {
-            Dim::Pipeline => p,
-            Dim::DataReplicate => r,
-            Dim::DataShard => s,
-            Dim::Data => r * self.data_shard + s,
-            Dim::Tensor => t,
-        }
+        let (coords, sizes) = (self.coords(rank), self.sizes());
+        Self::axes(dim).iter().fold(0, |index, &a| index * sizes[a] + coords[a])
     }
 
     /// The rank at `coords` (for tests and layouts).
-    pub fn rank(&self, coords: [usize; 4]) -> usize {
+    pub fn rank(&self, coords: [usize; 5]) -> usize {
         self.rank_of(coords)
     }
 }
@@ -226,7 +266,15 @@ impl fmt::Debug for DeviceMesh {
     }
 }
 
-const DIMS: [Dim; 5] = [Dim::Data, Dim::DataReplicate, Dim::DataShard, Dim::Tensor, Dim::Pipeline];
+const DIMS: [Dim; 7] = [
+    Dim::Data,
+    Dim::DataReplicate,
+    Dim::DataShard,
+    Dim::Batch,
+    Dim::Context,
+    Dim::Tensor,
+    Dim::Pipeline,
+];
 
 /// `ACCEL_GROUP_OF_ONE=1`: a run of one process still makes its process group, and its
 /// strategy runs over real communicators of one rank (NCCL's on a GPU) instead of none —
@@ -238,7 +286,7 @@ pub fn group_of_one() -> bool {
 impl DeviceMesh {
     /// One process: every dimension of size 1.
     pub fn single() -> Self {
-        let dims = ParallelDims::new(1, 1, 1, 1, 1).expect("1 = 1");
+        let dims = ParallelDims::new(1, 1, 1, 1, 1, 1).expect("1 = 1");
         let comms = DIMS.iter().map(|&d| (d, Arc::new(LocalComm) as Arc<dyn Communicator>));
         Self {
             dims,
@@ -390,17 +438,19 @@ mod tests {
 
     #[test]
     fn degrees_that_do_not_multiply_to_the_world_show_the_arithmetic() {
-        let err = ParallelDims::new(8, 2, 1, 2, 3).unwrap_err().to_string();
+        let err = ParallelDims::new(8, 2, 1, 2, 1, 3).unwrap_err().to_string();
         assert!(
             err.contains("pipeline 2 × data-replicate 1 × data-shard 2 × tensor 3 = 12 ≠ 8"),
             "{err}"
         );
-        assert!(ParallelDims::new(4, 1, 0, 4, 1).unwrap_err().to_string().contains("at least 1"));
+        assert!(
+            ParallelDims::new(4, 1, 0, 4, 1, 1).unwrap_err().to_string().contains("at least 1")
+        );
     }
 
     #[test]
     fn tensor_ranks_are_neighbours_and_groups_partition_the_world() {
-        let dims = ParallelDims::new(8, 2, 1, 2, 2).unwrap();
+        let dims = ParallelDims::new(8, 2, 1, 2, 1, 2).unwrap();
         assert_eq!(dims.groups(Dim::Tensor), vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
         assert_eq!(dims.groups(Dim::Data), vec![vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]);
         assert_eq!(

@@ -99,6 +99,16 @@ fn char_lm_run(
     processes: usize,
     extra: &[&str],
 ) -> (Vec<f64>, Vec<(String, tch::Tensor)>) {
+    char_lm_run_with(name, processes, extra, &[])
+}
+
+/// [`char_lm_run`] with `env` set for the processes (e.g. `ACCEL_STRATEGY`).
+fn char_lm_run_with(
+    name: &str,
+    processes: usize,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Vec<f64>, Vec<(String, tch::Tensor)>) {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("char-lm-split");
     std::fs::create_dir_all(&dir).unwrap();
     let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/kjv-genesis-exodus.txt");
@@ -111,7 +121,8 @@ fn char_lm_run(
     program.extend(["--text".into(), text.display().to_string()]);
     program.extend(["--losses".into(), losses.display().to_string()]);
     program.extend(["--weights".into(), weights.display().to_string()]);
-    let plan = LaunchPlan { rank0_only: true, ..LaunchPlan::local(processes, program) };
+    let mut plan = LaunchPlan { rank0_only: true, ..LaunchPlan::local(processes, program) };
+    plan.env.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
     assert_eq!(run(&plan).unwrap(), 0, "char_lm {extra:?} on {processes} process(es) failed");
     let losses = std::fs::read_to_string(&losses).unwrap();
     let losses = losses
@@ -145,22 +156,56 @@ fn the_transformer_trains_alike_split_by_tensor_sequence_and_pipeline() {
         ),
     ];
     for (name, processes, extra) in runs {
-        let (losses, weights) = char_lm_run(name, processes, extra);
-        for (step, (a, b)) in reference.iter().zip(&losses).enumerate() {
-            assert!((a - b).abs() < 1e-5, "{name}: step {} loss {b} vs one process {a}", step + 1);
-        }
-        assert_eq!(weights.len(), whole.len(), "{name}: the whole state dict has other names");
-        for ((key, a), (other, b)) in whole.iter().zip(&weights) {
-            assert_eq!(key, other);
-            // Key biases get no gradient (softmax ignores a shift of every score), so Adam
-            // turns their rounding noise into full steps: they cannot agree, nor matter.
-            if key.ends_with("qkv.bias") {
-                continue;
-            }
-            let relative = (a - b).norm().double_value(&[]) / a.norm().double_value(&[]);
-            assert!(relative < 1e-4, "{name}: {key} differs from one process by {relative:.2e}");
-        }
+        assert_trains_alike(name, (&reference, &whole), char_lm_run(name, processes, extra));
     }
+}
+
+/// Every step's loss within 1e-5 and every weight within 1e-4 (relative) of the reference.
+fn assert_trains_alike(
+    name: &str,
+    (reference, whole): (&[f64], &[(String, tch::Tensor)]),
+    (losses, weights): (Vec<f64>, Vec<(String, tch::Tensor)>),
+) {
+    assert_eq!(losses.len(), reference.len(), "{name}: another number of steps");
+    for (step, (a, b)) in reference.iter().zip(&losses).enumerate() {
+        assert!((a - b).abs() < 1e-5, "{name}: step {} loss {b} vs the reference's {a}", step + 1);
+    }
+    assert_eq!(weights.len(), whole.len(), "{name}: the whole state dict has other names");
+    for ((key, a), (other, b)) in whole.iter().zip(&weights) {
+        assert_eq!(key, other);
+        // Key biases get no gradient (softmax ignores a shift of every score), so Adam
+        // turns their rounding noise into full steps: they cannot agree, nor matter.
+        if key.ends_with("qkv.bias") {
+            continue;
+        }
+        let relative = (a - b).norm().double_value(&[]) / a.norm().double_value(&[]);
+        assert!(relative < 1e-4, "{name}: {key} differs from the reference by {relative:.2e}");
+    }
+}
+
+/// Context parallelism: each sequence split across 2 ranks (attention's heads exchanged by
+/// all-to-all) trains as the whole sequences do — on 2 processes as on one, with 2
+/// data-parallel replicas (DDP and zero3) as those replicas without it, and beside tensor
+/// and sequence parallelism on 4 as on one.
+#[test]
+fn the_transformer_trains_alike_split_along_the_sequence_by_context_parallelism() {
+    let (reference, whole) = char_lm_run("cp-reference", 1, &[]);
+    let cp2 = char_lm_run("cp2", 2, &["--context-parallel", "2"]);
+    assert_trains_alike("cp2 on 2 processes", (&reference, &whole), cp2);
+    let tp2 = ["--context-parallel", "2", "--tensor-parallel", "2", "--sequence-parallel"];
+    let cp2_tp2 = char_lm_run("cp2-tp2-sp", 4, &tp2);
+    assert_trains_alike("cp2 × tp2 (sequence-parallel) on 4", (&reference, &whole), cp2_tp2);
+    let (dp2, dp2_whole) = char_lm_run("dp2", 2, &[]);
+    let cp2_dp2 = char_lm_run("cp2-dp2", 4, &["--context-parallel", "2"]);
+    assert_trains_alike("cp2 × dp2 on 4 against dp2 on 2", (&dp2, &dp2_whole), cp2_dp2);
+    // ZeRO-3 shards over the context ranks too (torchtitan's dp_shard × cp).
+    let zero3 = char_lm_run_with(
+        "cp2-dp2-zero3",
+        4,
+        &["--context-parallel", "2"],
+        &[("ACCEL_STRATEGY", "zero3")],
+    );
+    assert_trains_alike("cp2 × dp2 under zero3 against dp2", (&dp2, &dp2_whole), zero3);
 }
 
 /// The main job under `accel launch --max-restarts 1` with a rank that fails after epoch 5

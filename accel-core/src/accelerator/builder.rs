@@ -156,6 +156,12 @@ impl AcceleratorBuilder {
         self.explicit.pipeline_parallel = Some(stages);
         self
     }
+    /// Context-parallel ranks (the mesh's context dimension): each sequence split among them
+    /// ([`crate::strategy::cp`]).
+    pub fn context_parallel(mut self, ranks: usize) -> Self {
+        self.explicit.context_parallel = Some(ranks);
+        self
+    }
     /// Split activations along the sequence outside tensor-parallel regions.
     pub fn sequence_parallel(mut self, on: bool) -> Self {
         self.explicit.sequence_parallel = Some(on);
@@ -266,7 +272,7 @@ impl AcceleratorBuilder {
         if let (None, Some(ds)) = (wanted.accumulate, &deepspeed) {
             // DeepSpeed infers it from its batch sizes (train ÷ micro ÷ data-parallel ranks).
             let partial = wanted.build()?;
-            let replicas = ParallelDims::for_run(&partial, &process)?.size(crate::mesh::Dim::Data);
+            let replicas = ParallelDims::for_run(&partial, &process)?.size(crate::mesh::Dim::Batch);
             wanted.accumulate = ds.inferred_accumulation(replicas);
         }
         let config = wanted.build()?;
@@ -344,7 +350,7 @@ impl AcceleratorBuilder {
         let dims = ParallelDims::for_run(&config, &process)?;
         let micro_batch_size = match &deepspeed {
             Some(ds) => {
-                ds.check_batch_sizes(config.accumulate, dims.size(crate::mesh::Dim::Data))?
+                ds.check_batch_sizes(config.accumulate, dims.size(crate::mesh::Dim::Batch))?
             }
             None => None,
         };

@@ -56,10 +56,10 @@ impl Accelerator {
         // A sharded forward that failed where it could not say so (evaluation under zero3).
         self.inner.strategy.take_error()?;
         // Over the data-parallel replicas: their tensor ranks and stages hold the same samples.
-        let gathered = match self.inner.mesh.dims().size(crate::mesh::Dim::Data) {
+        let gathered = match self.inner.mesh.dims().size(crate::mesh::Dim::Batch) {
             replicas if replicas == self.num_processes() => self.gather(tensor)?,
             _ => {
-                let data = self.inner.mesh.comm(crate::mesh::Dim::Data);
+                let data = self.inner.mesh.comm(crate::mesh::Dim::Batch);
                 let t =
                     if tensor.dim() == 0 { tensor.f_reshape([1])? } else { tensor.shallow_clone() };
                 let (t, home) = to_comm_device(data.as_ref(), self.device(), &t)?;

@@ -268,17 +268,24 @@ impl Accelerator {
         self.inner.tp.clone()
     }
 
+    /// The context dimension of the mesh: which part of each sequence this process holds,
+    /// and the exchanges attention needs (a group of one without context parallelism).
+    pub fn context_parallel(&self) -> crate::strategy::cp::ContextParallel {
+        crate::strategy::cp::ContextParallel::new(self.inner.mesh.comm(crate::mesh::Dim::Context))
+    }
+
     /// This process's index along mesh dimension `dim`.
     pub(crate) fn index_along(&self, dim: crate::mesh::Dim) -> usize {
         self.inner.mesh.dims().index(dim, self.process_index())
     }
 
-    /// This process's data-parallel index and the number of data-parallel replicas (the
-    /// process index and count without tensor or pipeline parallelism).
+    /// This process's data-parallel index and the number of data-parallel replicas that see
+    /// different batches (the process index and count without tensor, pipeline or context
+    /// parallelism; the ranks of a context group share a batch).
     pub fn data_parallel(&self) -> (usize, usize) {
         (
-            self.index_along(crate::mesh::Dim::Data),
-            self.inner.mesh.dims().size(crate::mesh::Dim::Data),
+            self.index_along(crate::mesh::Dim::Batch),
+            self.inner.mesh.dims().size(crate::mesh::Dim::Batch),
         )
     }
 

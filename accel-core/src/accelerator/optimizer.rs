@@ -104,7 +104,7 @@ impl AcceleratedOptimizer {
             scaler: inner.scaler.clone(),
             clip: inner.config.clip_grad_norm,
             num_processes: inner.process.world_size,
-            data_replicas: inner.mesh.dims().size(crate::mesh::Dim::Data),
+            data_replicas: inner.mesh.dims().size(crate::mesh::Dim::Batch),
             accelerator: Arc::downgrade(inner),
         }
     }

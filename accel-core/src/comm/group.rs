@@ -555,6 +555,31 @@ impl Communicator for ProcessGroup {
         }))
     }
 
+    /// Pairwise exchanges (gloo's all-to-all): at step `s` each rank sends to `rank + s`
+    /// while receiving from `rank − s`, so every pair meets once and no rank waits on two.
+    #[track_caller]
+    fn all_to_all_async(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        let k = crate::comm::all_to_all_part(self.world, output, input)? as usize;
+        let send = Buffer::new(input)?;
+        let mut recv = Buffer::new(output)?;
+        let (kind, numel) = (WireKind::of(input.kind())?, input.numel() as u64);
+        let what = format!("{} into {}", describe(input), describe(output));
+        Ok(self.collective(Op::AllToAll, what, kind, numel, move |links, tag| {
+            let (n, rank, bytes) = (links.world, links.rank, k * send.elem());
+            let part = |i: usize| i * bytes..(i + 1) * bytes;
+            recv.bytes_mut(part(rank)).copy_from_slice(send.bytes(part(rank)));
+            for step in 1..n {
+                let (to, from) = ((rank + step) % n, (rank + n - step) % n);
+                let incoming = recv.bytes_mut(part(from));
+                links.exchange(to, send.bytes(part(to)), from, bytes, tag, |offset, got| {
+                    incoming[offset..offset + got.len()].copy_from_slice(got);
+                    Ok(())
+                })?;
+            }
+            Ok(())
+        }))
+    }
+
     fn abort(&self) {
         for socket in self.sockets.iter() {
             let _ = socket.shutdown(std::net::Shutdown::Both);

@@ -217,6 +217,35 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         self.recv_async(recv, from)
     }
 
+    /// Exchanges equal parts with every rank (all-to-all; torch's `all_to_all_single`):
+    /// `input` and the contiguous `output` have the same number of elements, `size()` parts
+    /// of it in their flat layout; part `j` of `input` goes to rank `j`, and part `i` of
+    /// `output` receives rank `i`'s part `rank()`. By default pairwise exchanges over
+    /// [`send_recv_async`](Self::send_recv_async) (gloo's algorithm), waited for here;
+    /// backends override it with one operation of their own.
+    #[track_caller]
+    fn all_to_all_async(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        let k = all_to_all_part(self.size(), output, input)?;
+        let (n, rank) = (self.size(), self.rank());
+        let (input, flat) = (input.f_contiguous()?.f_view([-1])?, output.f_view([-1])?);
+        let part = |t: &Tensor, i: usize| t.f_narrow(0, i as i64 * k, k);
+        part(&flat, rank)?.f_copy_(&part(&input, rank)?)?;
+        for step in 1..n {
+            let (to, from) = ((rank + step) % n, (rank + n - step) % n);
+            self.send_recv_async(&part(&input, to)?, to, &part(&flat, from)?, from)?.wait()?;
+        }
+        Ok(Work::done(Ok(())))
+    }
+
+    /// [`all_to_all_async`](Self::all_to_all_async) into a new tensor of `input`'s shape,
+    /// waited for.
+    #[track_caller]
+    fn all_to_all(&self, input: &Tensor) -> Result<Tensor> {
+        let output = Tensor::f_empty(input.size(), (input.kind(), input.device()))?;
+        self.all_to_all_async(&output, input)?.wait()?;
+        Ok(output)
+    }
+
     /// [`all_reduce_async`](Self::all_reduce_async), waited for.
     #[track_caller]
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
@@ -324,6 +353,31 @@ impl Communicator for LocalComm {
         Err(Error::Training(format!("recv from rank {from} in a group of one process")))
     }
     fn abort(&self) {}
+}
+
+/// The elements in each of an all-to-all's `world` parts; an error naming the shapes where
+/// `output` and `input` cannot be split so.
+pub(crate) fn all_to_all_part(world: usize, output: &Tensor, input: &Tensor) -> Result<i64> {
+    let n = input.numel();
+    if output.numel() != n || n % world != 0 || !output.is_contiguous() {
+        return Err(Error::Training(format!(
+            "all_to_all needs a contiguous output with as many elements as the input, divisible \
+             into {world} equal parts; got input {:?} and output {:?}{}",
+            input.size(),
+            output.size(),
+            if output.is_contiguous() { "" } else { " (not contiguous)" }
+        )));
+    }
+    if output.kind() != input.kind() || output.device() != input.device() {
+        return Err(Error::Training(format!(
+            "all_to_all: input {:?} on {:?}, output {:?} on {:?}: they must agree",
+            input.kind(),
+            input.device(),
+            output.kind(),
+            output.device()
+        )));
+    }
+    Ok((n / world) as i64)
 }
 
 pub(crate) fn check_rank(rank: usize, world: usize) -> Result<()> {

@@ -188,6 +188,91 @@ fn check_the_other_collectives(direct_copy: bool) {
 }
 
 #[test]
+fn all_to_all_sends_part_j_to_rank_j_by_direct_copy_by_tcp_and_by_pairwise_send_recv() {
+    for direct_copy in [true, false] {
+        let options = GroupOptions { timeout: SECOND, direct_copy, ..Default::default() };
+        let results = on_ranks_with(3, options, |g| {
+            // Part j of rank r holds 100·r + 10·j, 100·r + 10·j + 1.
+            let r = g.rank() as i64;
+            let input = Tensor::from_slice(
+                &(0..3).flat_map(|j| [100 * r + 10 * j, 100 * r + 10 * j + 1]).collect::<Vec<_>>(),
+            )
+            .view([3, 2]);
+            let out = g.all_to_all(&input).unwrap();
+            // The trait's own pairwise exchange, as backends without one of their own run it.
+            let default = Tensor::zeros([3, 2], (Kind::Int64, Device::Cpu));
+            struct Plain<'a>(&'a ProcessGroup);
+            impl std::fmt::Debug for Plain<'_> {
+                fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("Plain")
+                }
+            }
+            impl Communicator for Plain<'_> {
+                fn rank(&self) -> usize {
+                    self.0.rank()
+                }
+                fn size(&self) -> usize {
+                    self.0.size()
+                }
+                fn backend(&self) -> Backend {
+                    Backend::Cpu
+                }
+                fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<Work> {
+                    self.0.all_reduce_async(t, op)
+                }
+                fn broadcast_async(&self, t: &Tensor, root: usize) -> Result<Work> {
+                    self.0.broadcast_async(t, root)
+                }
+                fn all_gather_in_place_async(&self, t: &Tensor) -> Result<Work> {
+                    self.0.all_gather_in_place_async(t)
+                }
+                fn reduce_scatter_in_place_async(&self, t: &Tensor, op: ReduceOp) -> Result<Work> {
+                    self.0.reduce_scatter_in_place_async(t, op)
+                }
+                fn send_async(&self, t: &Tensor, to: usize) -> Result<Work> {
+                    self.0.send_async(t, to)
+                }
+                fn recv_async(&self, t: &Tensor, from: usize) -> Result<Work> {
+                    self.0.recv_async(t, from)
+                }
+                fn send_recv_async(
+                    &self,
+                    s: &Tensor,
+                    to: usize,
+                    r: &Tensor,
+                    from: usize,
+                ) -> Result<Work> {
+                    self.0.send_recv_async(s, to, r, from)
+                }
+                fn abort(&self) {}
+            }
+            Plain(&g)
+                .all_to_all_async(&default, &input.transpose(0, 1).contiguous().transpose(0, 1))
+                .unwrap()
+                .wait()
+                .unwrap();
+            let wrong = g.all_to_all_async(&Tensor::zeros([5], (Kind::Int64, Device::Cpu)), &input);
+            (
+                Vec::<i64>::try_from(out.view([-1])).unwrap(),
+                Vec::<i64>::try_from(default.view([-1])).unwrap(),
+                wrong.map(|_| ()).unwrap_err().to_string(),
+            )
+        });
+        for (rank, (out, default, wrong)) in results.into_iter().enumerate() {
+            let j = rank as i64;
+            let expected: Vec<i64> =
+                (0..3).flat_map(|i| [100 * i + 10 * j, 100 * i + 10 * j + 1]).collect();
+            assert_eq!(out, expected, "rank {rank}, direct copy {direct_copy}");
+            assert_eq!(default, expected, "rank {rank}: the pairwise default");
+            assert!(wrong.contains("as many elements as the input"), "{wrong}");
+        }
+    }
+    // One rank: the part it sends itself.
+    let one = LocalComm.all_to_all(&Tensor::from_slice(&[1.0f32, 2.0])).unwrap();
+    assert_eq!(Vec::<f32>::try_from(one).unwrap(), [1.0, 2.0]);
+}
+
+#[test]
 fn async_handles_complete_in_order() {
     let results = on_ranks(2, SECOND, |g| {
         let a = Tensor::ones([1 << 16], (Kind::Float, Device::Cpu));

@@ -197,6 +197,9 @@ impl LaunchConfig {
         if let Some(v) = t.pipeline_parallel {
             env.push(("ACCEL_PIPELINE_PARALLEL", v.to_string()));
         }
+        if let Some(v) = t.context_parallel {
+            env.push(("ACCEL_CONTEXT_PARALLEL", v.to_string()));
+        }
         if let Some(v) = t.sequence_parallel {
             env.push(("ACCEL_SEQUENCE_PARALLEL", v.to_string()));
         }

@@ -29,6 +29,7 @@ pub(super) const OURS: &[&str] = &[
     "cpu",
     "tensor_parallel",
     "pipeline_parallel",
+    "context_parallel",
     "sequence_parallel",
     "activation_checkpointing",
     "offload",
@@ -316,6 +317,10 @@ impl Reader {
             "pipeline_parallel" => {
                 self.training().pipeline_parallel = Some(as_usize(key, v)?);
                 applied("pipeline stages")
+            }
+            "context_parallel" => {
+                self.training().context_parallel = Some(as_usize(key, v)?);
+                applied("context-parallel ranks")
             }
             "sequence_parallel" => {
                 self.training().sequence_parallel = Some(as_bool(key, v)?);
@@ -779,13 +784,13 @@ impl Reader {
                     ignored("off")
                 }
             }
-            "megatron_lm_context_parallel_size"
-            | "megatron_lm_expert_model_parallel_size"
+            "megatron_lm_context_parallel_size" => self.context_size(degree(v)?),
+            "megatron_lm_expert_model_parallel_size"
             | "megatron_lm_expert_tensor_parallel_size" => {
                 if degree(v)? <= 1 {
                     ignored("1: none")
                 } else {
-                    refused("context and expert parallelism are not implemented")
+                    refused("expert parallelism is not implemented")
                 }
             }
             "megatron_lm_recompute_granularity"
@@ -833,22 +838,32 @@ impl Reader {
                 self.data_sizes.1 = Some(size(v)?);
                 applied("data-parallel shards (checked with dp_replicate_size)")
             }
-            "cp_size" | "sp_size" => {
-                if size(v)? <= 1 {
-                    ignored("1: none")
-                } else {
-                    refused("context and sequence (Ulysses) parallelism are not implemented yet")
-                }
-            }
-            "cp_comm_strategy"
-            | "cp_backend"
-            | "sp_backend"
-            | "sp_seq_length"
-            | "sp_seq_length_is_variable"
-            | "sp_attn_implementation" => {
-                ignored("only with context/sequence parallelism, which accel refuses above 1")
+            // Accelerate's two ways of splitting the sequence (torch's ring attention, and
+            // DeepSpeed-Ulysses) are accel's one context dimension, exchanging by all-to-all.
+            "cp_size" | "sp_size" => self.context_size(size(v)?),
+            "cp_comm_strategy" | "cp_backend" | "sp_backend" | "sp_attn_implementation" => ignored(
+                "accel's context parallelism always exchanges attention's heads by \
+                     all-to-all (Ulysses; accel::cp)",
+            ),
+            "sp_seq_length" | "sp_seq_length_is_variable" => {
+                ignored("the model's inputs set the sequence length (accel::cp shards them)")
             }
             _ => refused("not a parallelism_config key accel knows"),
+        }
+    }
+
+    /// A context-parallel degree from `cp_size`, `sp_size` or Megatron's: one context
+    /// dimension, so two different degrees above 1 are refused.
+    fn context_size(&mut self, size: usize) -> Result<Verdict> {
+        match self.training().context_parallel {
+            _ if size <= 1 => ignored("1: none"),
+            Some(other) if other > 1 && other != size => refused(format!(
+                "a second context degree ({other} already): accel has one context dimension"
+            )),
+            _ => {
+                self.training().context_parallel = Some(size);
+                applied("context-parallel ranks (attention's heads exchanged by all-to-all)")
+            }
         }
     }
 
@@ -940,10 +955,11 @@ impl Reader {
         }
         match self.data_sizes {
             (Some(r), Some(s)) if r > 1 && s > 1 => {
-                let per_machine = self
-                    .config
-                    .num_processes
-                    .map(|n| n / self.config.training.tensor_parallel.unwrap_or(1).max(1));
+                let per_machine = self.config.num_processes.map(|n| {
+                    let training = &self.config.training;
+                    n / (training.tensor_parallel.unwrap_or(1).max(1)
+                        * training.context_parallel.unwrap_or(1).max(1))
+                });
                 if per_machine.is_some_and(|p| p != s) {
                     self.report.push(
                         "parallelism_config",

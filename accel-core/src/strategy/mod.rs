@@ -10,6 +10,7 @@
 
 pub mod auto;
 pub mod buffers;
+pub mod cp;
 pub mod ddp;
 pub mod fsdp;
 pub mod pp;

@@ -21,6 +21,7 @@ pub(crate) const KEYS: &[&str] = &[
     "tensor_parallel",
     "sequence_parallel",
     "pipeline_parallel",
+    "context_parallel",
     "data",
     "broadcast_buffers",
     "sync_batchnorm",
@@ -55,6 +56,7 @@ pub(crate) struct RawArgs {
     pub tensor_parallel: Option<Spanned<u64>>,
     pub sequence_parallel: Option<Spanned<bool>>,
     pub pipeline_parallel: Option<Spanned<u64>>,
+    pub context_parallel: Option<Spanned<u64>>,
     /// Who deals the data: the accelerator (`"prepared"`) or the program (`"manual"`).
     pub data: Option<Spanned<DataSharding>>,
     pub broadcast_buffers: Option<Spanned<bool>>,
@@ -252,6 +254,7 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
                 "tensor_parallel" => raw.tensor_parallel = Some(expect_u64(v, &key, "2")?),
                 "sequence_parallel" => raw.sequence_parallel = Some(expect_bool(v, &key)?),
                 "pipeline_parallel" => raw.pipeline_parallel = Some(expect_u64(v, &key, "2")?),
+                "context_parallel" => raw.context_parallel = Some(expect_u64(v, &key, "2")?),
                 "data" => raw.data = Some(expect_choice(v, &key, "\"manual\"")?),
                 "broadcast_buffers" => raw.broadcast_buffers = Some(expect_bool(v, &key)?),
                 "sync_batchnorm" => raw.sync_batchnorm = Some(expect_bool(v, &key)?),

@@ -33,12 +33,14 @@ fn accumulate_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     }
 }
 
-/// Tensor and pipeline parallelism split each model replica over this many processes; 0
-/// processes cannot hold one.
+/// Tensor, pipeline and context parallelism split each model replica (or each sequence)
+/// over this many processes; 0 processes cannot hold one.
 fn parallel_sizes_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
-    for (key, size) in
-        [("tensor_parallel", &raw.tensor_parallel), ("pipeline_parallel", &raw.pipeline_parallel)]
-    {
+    for (key, size) in [
+        ("tensor_parallel", &raw.tensor_parallel),
+        ("pipeline_parallel", &raw.pipeline_parallel),
+        ("context_parallel", &raw.context_parallel),
+    ] {
         if let Some(n) = size {
             if n.value == 0 || n.value > 1 << 20 {
                 errors.push(syn::Error::new(
@@ -76,15 +78,17 @@ fn hybrid_alone(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
                     .map(|s| s.span)
             },
         );
-    let split =
-        [&raw.tensor_parallel, &raw.pipeline_parallel].into_iter().flatten().find(|n| n.value > 1);
+    let split = [&raw.tensor_parallel, &raw.pipeline_parallel, &raw.context_parallel]
+        .into_iter()
+        .flatten()
+        .find(|n| n.value > 1);
     if let (Some(span), Some(n)) = (hybrid, split) {
         let mut e = syn::Error::new(
             span,
-            "hybrid sharding cannot be combined with tensor or pipeline parallelism; use \
-             \"zero3\" (or \"fsdp\") across the data-parallel replicas instead",
+            "hybrid sharding cannot be combined with tensor, pipeline or context parallelism; \
+             use \"zero3\" (or \"fsdp\") across the data-parallel replicas instead",
         );
-        e.combine(syn::Error::new(n.span, "tensor or pipeline parallelism is set here"));
+        e.combine(syn::Error::new(n.span, "tensor, pipeline or context parallelism is set here"));
         errors.push(e);
     }
 }

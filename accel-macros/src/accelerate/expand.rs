@@ -86,6 +86,10 @@ pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path, loops: usize) -> TokenSt
         let p = p.value as usize;
         calls.extend(quote!(.pipeline_parallel(#p)));
     }
+    if let Some(c) = &raw.context_parallel {
+        let c = c.value as usize;
+        calls.extend(quote!(.context_parallel(#c)));
+    }
     if let Some(d) = &raw.data {
         let v = ident(d.value.variant_name());
         calls.extend(quote!(.data(#krate::DataSharding::#v)));

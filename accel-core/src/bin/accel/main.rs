@@ -213,6 +213,10 @@ struct LaunchArgs {
     /// Pipeline stages, passed as ACCEL_PIPELINE_PARALLEL.
     #[arg(long)]
     pipeline_parallel: Option<usize>,
+    /// Context-parallel ranks (each sequence split among them), passed as
+    /// ACCEL_CONTEXT_PARALLEL.
+    #[arg(long)]
+    context_parallel: Option<usize>,
     /// Sequence parallelism (with tensor parallelism), passed as ACCEL_SEQUENCE_PARALLEL.
     #[arg(long)]
     sequence_parallel: bool,
@@ -281,6 +285,7 @@ impl LaunchArgs {
                 cpu: self.cpu.then_some(true),
                 tensor_parallel: self.tensor_parallel,
                 pipeline_parallel: self.pipeline_parallel,
+                context_parallel: self.context_parallel,
                 sequence_parallel: self.sequence_parallel.then_some(true),
                 activation_checkpointing: self.activation_checkpointing.then_some(true),
                 offload: self.offload.then_some(true),

@@ -124,6 +124,7 @@ fn op_code(op: Op) -> u8 {
         Op::SendRecv => 50,
         Op::Objects => 60,
         Op::Barrier => 70,
+        Op::AllToAll => 80,
     }
 }
 
@@ -136,6 +137,7 @@ fn op_of(code: u8) -> Option<Op> {
         50 => Op::SendRecv,
         60 => Op::Objects,
         70 => Op::Barrier,
+        80 => Op::AllToAll,
         _ => return None,
     })
 }
@@ -180,6 +182,7 @@ mod tests {
             Op::SendRecv,
             Op::Objects,
             Op::Barrier,
+            Op::AllToAll,
         ];
         for op in ops {
             for kind in [WireKind::Bytes, WireKind::F32, WireKind::Bf16, WireKind::Bool] {

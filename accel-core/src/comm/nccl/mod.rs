@@ -526,6 +526,39 @@ impl Communicator for NcclComm {
         })
     }
 
+    /// One NCCL group of a send to and a receive from every rank (how torch's
+    /// `all_to_all_single` runs on NCCL), the part for this rank copied by NCCL as well.
+    #[track_caller]
+    fn all_to_all_async(&self, output: &Tensor, input: &Tensor) -> Result<Work> {
+        let site = Location::caller();
+        let k = crate::comm::all_to_all_part(self.size(), output, input)? as usize;
+        let input = input.f_contiguous()?;
+        let dtype = ffi::data_type(input.kind(), self.handle.nccl.version)?;
+        let n = self.size();
+        self.enqueue(Op::AllToAll, site, &[output, &input], "ncclGroupEnd", |nccl, comm, stream| {
+            // SAFETY: live contiguous tensors of n × k elements (checked above); NCCL groups
+            // the calls and launches them at ncclGroupEnd, whose status is returned.
+            unsafe {
+                let started = (nccl.group_start)();
+                if started != ffi::SUCCESS {
+                    return started;
+                }
+                let mut first_failure = None;
+                for peer in 0..n {
+                    let sent =
+                        (nccl.send)(at(&input, peer * k), k, dtype, peer as c_int, comm, stream);
+                    let received =
+                        (nccl.recv)(at(output, peer * k), k, dtype, peer as c_int, comm, stream);
+                    first_failure = first_failure.or([sent, received]
+                        .into_iter()
+                        .find(|&s| s != ffi::SUCCESS && s != ffi::IN_PROGRESS));
+                }
+                let ended = (nccl.group_end)();
+                first_failure.unwrap_or(ended)
+            }
+        })
+    }
+
     /// An all-reduce of one element on the GPU, waited for by the host.
     #[track_caller]
     fn barrier(&self) -> Result<()> {
