@@ -385,6 +385,7 @@ impl AcceleratorBuilder {
             config.sequence_parallel,
         )
         .with_fp8(fp8.clone());
+        let cp = crate::strategy::cp::ContextParallel::new(mesh.comm(crate::mesh::Dim::Context));
         let model_options = ModelOptions::from(ddp).sync_module_states(config.sync_module_states);
         let log_with = config.log_with.clone();
         let accelerator = Accelerator {
@@ -398,6 +399,7 @@ impl AcceleratorBuilder {
                 checkpoint_dir: self.checkpoint_dir,
                 checkpoint_limit: self.checkpoint_limit,
                 tp,
+                cp,
                 fp8,
                 mesh,
                 strategy,

@@ -79,6 +79,8 @@ pub(crate) struct Inner {
     pub(crate) strategy: Arc<dyn crate::strategy::Strategy>,
     /// The tensor dimension: its communicator and the parameters its layers split.
     pub(crate) tp: crate::strategy::tp::TensorParallel,
+    /// The context dimension (and whether the program split a sequence with it).
+    pub(crate) cp: crate::strategy::cp::ContextParallel,
     /// Under precision fp8: the recipe and the fp8 layers made so far.
     pub(crate) fp8: Option<Arc<crate::precision::fp8::Fp8Layers>>,
     pub(crate) model_options: ModelOptions,
@@ -271,7 +273,7 @@ impl Accelerator {
     /// The context dimension of the mesh: which part of each sequence this process holds,
     /// and the exchanges attention needs (a group of one without context parallelism).
     pub fn context_parallel(&self) -> crate::strategy::cp::ContextParallel {
-        crate::strategy::cp::ContextParallel::new(self.inner.mesh.comm(crate::mesh::Dim::Context))
+        self.inner.cp.clone()
     }
 
     /// This process's index along mesh dimension `dim`.
@@ -582,6 +584,7 @@ impl Accelerator {
         let sync = self.inner.state.begin_micro_step();
         if sync {
             self.check_data_was_dealt()?;
+            self.check_context_was_split()?;
         }
         self.check_autocast()?;
         // The step's autocast (`autocast_step`) stays off while autograd runs.
@@ -628,6 +631,25 @@ impl Accelerator {
              under #[accelerate], loop over the batches in the annotated function), or, if each \
              process already loads its own part, say so: `.data(DataSharding::Manual)` on the \
              builder, #[accelerate(data = \"manual\")]",
+            self.process_index()
+        )))
+    }
+
+    /// The net under a context dimension nothing used: with `context_parallel` above 1, a
+    /// step on which no sequence was split would have every context rank compute the same
+    /// thing (correct, but not what was asked for, and at the cost of the whole sequence).
+    fn check_context_was_split(&self) -> Result<()> {
+        let cp = &self.inner.cp;
+        if cp.size() < 2 || cp.has_split() {
+            return Ok(());
+        }
+        Err(Error::Config(format!(
+            "context_parallel = {} on rank {}, but nothing split a sequence: each context rank \
+             would run the whole sequences. Feed the model this rank's part \
+             (`accelerator.context_parallel().shard(&inputs, 1)`, the targets likewise) and run \
+             attention through `ContextParallel::attention` (or `sequence_to_heads` / \
+             `heads_to_sequence`); or run with context_parallel = 1",
+            cp.size(),
             self.process_index()
         )))
     }

@@ -311,6 +311,28 @@ mod tests {
     }
 
     #[test]
+    fn accelerates_cp_and_sp_sizes_and_megatrons_context_size_set_the_context_dimension() {
+        for yaml in [
+            "parallelism_config:\n  parallelism_config_cp_size: 2\n  \
+             parallelism_config_cp_comm_strategy: alltoall\n",
+            "parallelism_config:\n  parallelism_config_sp_size: 2\n",
+            "megatron_lm_config:\n  megatron_lm_context_parallel_size: 2\n",
+            "context_parallel: 2\n",
+        ] {
+            let config = LaunchConfig::from_yaml(yaml).unwrap();
+            assert_eq!(config.training.context_parallel, Some(2), "{yaml}");
+            assert!(
+                config.training_env().contains(&("ACCEL_CONTEXT_PARALLEL", "2".to_owned())),
+                "{yaml}"
+            );
+        }
+        let yaml = "parallelism_config:\n  parallelism_config_cp_size: 2\n  \
+                    parallelism_config_sp_size: 4\n";
+        let err = LaunchConfig::from_yaml(yaml).unwrap_err().to_string();
+        assert!(err.contains("sp_size") && err.contains("one context dimension"), "{err}");
+    }
+
+    #[test]
     fn accelerates_fp8_config_is_read_and_other_backends_refused() {
         let yaml = "mixed_precision: fp8\nfp8_config:\n  backend: AO\nfp8_recipe: rowwise\n";
         let config = LaunchConfig::from_yaml(yaml).unwrap();

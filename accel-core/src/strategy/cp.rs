@@ -23,6 +23,7 @@
 //! the whole sequence.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tch::{Device, Kind, Tensor};
 
@@ -36,6 +37,9 @@ use crate::shim::add_grad_hook;
 #[derive(Clone)]
 pub struct ContextParallel {
     comm: Arc<dyn Communicator>,
+    /// Whether a sequence was split ([`shard`](Self::shard)) through this handle or a
+    /// clone: the accelerator refuses a context-parallel step that split nothing.
+    split: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for ContextParallel {
@@ -51,7 +55,7 @@ impl ContextParallel {
     /// Context parallelism over `comm` (its ranks hold consecutive parts of each sequence,
     /// in rank order).
     pub fn new(comm: Arc<dyn Communicator>) -> Self {
-        Self { comm }
+        Self { comm, split: Arc::default() }
     }
 
     /// No context parallelism: one rank holding whole sequences.
@@ -81,6 +85,7 @@ impl ContextParallel {
         if self.size() == 1 {
             return Ok(x.shallow_clone());
         }
+        self.split.store(true, Ordering::Relaxed);
         let length = x.size().get(dim as usize).copied().unwrap_or(0);
         let n = self.size() as i64;
         if length % n != 0 {
@@ -93,6 +98,11 @@ impl ContextParallel {
         }
         // Contiguous: what is fed the model is viewed in any shape (targets flattened).
         Ok(x.f_narrow(dim, self.rank() as i64 * (length / n), length / n)?.f_contiguous()?)
+    }
+
+    /// Whether anything split a sequence through this handle (or a clone) yet.
+    pub(crate) fn has_split(&self) -> bool {
+        self.split.load(Ordering::Relaxed)
     }
 
     /// The positions (in the whole sequence) of this rank's `local` positions, for position
@@ -225,6 +235,50 @@ mod tests {
 
     fn tensor(values: &[f64], shape: [i64; 4]) -> Tensor {
         Tensor::from_slice(values).view(shape)
+    }
+
+    /// A context-parallel step on which nothing split a sequence is refused, naming what to
+    /// do; once the program splits its inputs, the same step runs.
+    #[test]
+    fn a_step_that_split_no_sequence_is_refused_under_context_parallelism() {
+        use crate::mesh::{DeviceMesh, Dim, ParallelDims};
+        let outcomes = on_ranks(2, Duration::from_secs(30), |group| {
+            let rank = group.rank();
+            let process = crate::topology::Topology {
+                rank,
+                world_size: 2,
+                local_rank: rank,
+                local_world_size: 2,
+                master_addr: "127.0.0.1".into(),
+                master_port: 0,
+                source: "test",
+            };
+            let dims = ParallelDims::new(2, 1, 1, 1, 2, 1).unwrap();
+            let comm: Arc<dyn Communicator> = Arc::new(group.clone());
+            let comms = [Dim::Data, Dim::DataShard, Dim::Context].map(|d| (d, comm.clone()));
+            let mesh = DeviceMesh::from_parts(dims, rank, Some(group), comms);
+            let acc = crate::Accelerator::builder()
+                .strategy(crate::Strategy::Ddp)
+                .cpu(true)
+                .thread_rank(process, mesh)
+                .build()
+                .unwrap();
+            let vs = tch::nn::VarStore::new(Device::Cpu);
+            let linear = tch::nn::linear(vs.root() / "l", 3, 1, Default::default());
+            acc.prepare_model(&vs).unwrap();
+            let x = Tensor::ones([2, 4, 3], (Kind::Float, Device::Cpu));
+            let loss = |x: &Tensor| x.apply(&linear).mean(Kind::Float);
+            let refused = acc.backward(&loss(&x)).unwrap_err().to_string();
+            let cp = acc.context_parallel();
+            let part = cp.shard(&x, 1).unwrap();
+            (refused, acc.backward(&loss(&part)).is_ok(), part.size())
+        });
+        for (refused, ran, shape) in outcomes {
+            assert!(refused.contains("nothing split a sequence"), "{refused}");
+            assert!(refused.contains("context_parallel().shard"), "{refused}");
+            assert!(ran, "the step after the inputs were split failed");
+            assert_eq!(shape, [2, 2, 3]);
+        }
     }
 
     /// Attention of 2 context ranks, each holding half of every sequence, equals attention
