@@ -177,12 +177,16 @@ if [ "$gpus" -ge 2 ]; then
     [ "$took" -le 30 ] && [ "$left" -eq 0 ]
   }
   check "kill -9 of one GPU rank mid-collective ends the launch within 30 s, no survivors" kill_one
+  # Context parallelism: attention's all-to-all over NCCL, each sequence split over 2 GPUs.
+  check "char_lm split by context parallelism over 2 GPUs (all_to_all over NCCL)" \
+    launch --num-processes 2 "$bin/char_lm" --context-parallel 2 --steps 100 --target 10
   check "all-reduce bus bandwidth beside torch's NCCL (target >= 0.95x)" \
     "$bin/accel" bench allreduce --num-processes "$gpus" --main-process-port 0 --backend nccl \
       --sizes 4MiB,64MiB,256MiB,1GiB --compare
 else
   for what in "every strategy across GPUs against CPU DDP" "hybrid sharding" \
-      "kill -9 of one GPU rank" "all-reduce bandwidth beside torch's NCCL"; do
+      "kill -9 of one GPU rank" "context parallelism over GPUs" \
+      "all-reduce bandwidth beside torch's NCCL"; do
     skip "$what" "needs 2+ GPUs"
   done
 fi

@@ -40,7 +40,7 @@ fn accel_test_passes_on_2_3_and_4_processes() {
             .unwrap();
         let out = text(&output);
         assert!(output.status.success(), "{out}");
-        assert_eq!(out.matches("PASS").count(), 7, "{out}");
+        assert_eq!(out.matches("PASS").count(), 8, "{out}");
         assert!(out.contains(&format!("{n} processes (accel launch)")), "{out}");
     }
 }
@@ -350,7 +350,7 @@ fn accel_test_passes_over_tcp_when_memory_reads_are_denied_or_disabled_and_says_
             .unwrap();
         let out = text(&output);
         assert!(output.status.success(), "{out}");
-        assert_eq!(out.matches("PASS").count(), 7, "{out}");
+        assert_eq!(out.matches("PASS").count(), 8, "{out}");
         out
     };
     let denied = run("ACCEL_TEST_FAULT", "deny-memory-reads");

@@ -35,6 +35,7 @@ pub(crate) fn run() -> accel_core::Result<bool> {
         ("all_reduce sum/avg/min/max × f32, f64, f16, bf16, i64", Box::new(all_reduce)),
         ("broadcast, all_gather, reduce_scatter", Box::new(broadcast_gather_scatter)),
         ("send/recv around the ring", Box::new(send_recv_ring)),
+        ("all_to_all (part j to rank j)", Box::new(all_to_all)),
         ("objects: all_gather_objects, broadcast_object", Box::new(objects)),
         ("data sharding (Accelerate's rules, every sample seen)", Box::new(sharding)),
         ("RNG agreement (seeded torch and shuffle)", Box::new(rng)),
@@ -127,6 +128,19 @@ fn send_recv_ring(g: &ProcessGroup) -> accel_core::Result<bool> {
         g.send(&out, next)?;
     }
     Ok(close(&got, &Tensor::full([4], prev as f64, (Kind::Float, Device::Cpu)), 0.0))
+}
+
+/// Part j of rank r holds 100·r + j; afterwards part i of rank r holds 100·i + r.
+fn all_to_all_parts(r: i64, w: i64, device: Device) -> (Tensor, Tensor) {
+    let parts = |f: &dyn Fn(i64) -> i64| {
+        Tensor::from_slice(&(0..w).flat_map(|i| [f(i); 3]).collect::<Vec<_>>()).to_device(device)
+    };
+    (parts(&|j| 100 * r + j), parts(&|i| 100 * i + r))
+}
+
+fn all_to_all(g: &ProcessGroup) -> accel_core::Result<bool> {
+    let (input, expected) = all_to_all_parts(g.rank() as i64, g.size() as i64, Device::Cpu);
+    Ok(close(&g.all_to_all(&input)?, &expected, 0.0))
 }
 
 fn objects(g: &ProcessGroup) -> accel_core::Result<bool> {
@@ -458,6 +472,10 @@ pub(crate) fn nccl() -> accel_core::Result<bool> {
         "nccl reduce_scatter sum".into(),
         (mine - expected).abs().max().double_value(&[]) == 0.0,
     );
+    let (input, expected) = all_to_all_parts(group.rank() as i64, group.size() as i64, device);
+    let exchanged = comm.all_to_all(&input.to_kind(Kind::Float))?;
+    let diff = (exchanged - expected.to_kind(Kind::Float)).abs().max().double_value(&[]);
+    report("nccl all_to_all (part j to rank j)".into(), diff == 0.0);
     if group.size() > 1 {
         let next = (group.rank() + 1) % group.size();
         let prev = (group.rank() + group.size() - 1) % group.size();
