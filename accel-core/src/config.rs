@@ -339,6 +339,25 @@ fn parse_bool(value: &str) -> Option<bool> {
     }
 }
 
+/// The longest wait accepted anywhere (a year): beyond it a number is a typo, and
+/// `Duration::from_secs_f64` would panic somewhat further on.
+const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
+
+/// A number of seconds as typed on a command line or in a variable: finite, at most a year,
+/// and positive (or, with `zero_ok`, non-negative). The error says what was wrong.
+pub fn parse_seconds(text: &str, zero_ok: bool) -> std::result::Result<f64, String> {
+    let value: f64 =
+        text.trim().parse().map_err(|_| format!("`{text}` is not a number of seconds"))?;
+    let low_ok = if zero_ok { value >= 0.0 } else { value > 0.0 };
+    if !value.is_finite() || !low_ok || value > MAX_SECONDS {
+        let low = if zero_ok { "0" } else { "above 0" };
+        return Err(format!(
+            "{text} seconds: expected a number from {low} to {MAX_SECONDS} (a year)"
+        ));
+    }
+    Ok(value)
+}
+
 /// Names the config file through the environment.
 pub const CONFIG_FILE_ENV: &str = "ACCEL_CONFIG_FILE";
 

@@ -468,6 +468,50 @@ mod tests {
         assert_eq!(dims.index(Dim::Data, 6), 1);
     }
 
+    /// The context axis sits between the data axes and the tensor one; `batch` leaves it out
+    /// (its ranks share batches), `data` and `data-shard` take it in (torchtitan's
+    /// `dp_shard_cp`: gradients averaged and parameters sharded over it).
+    #[test]
+    fn the_context_axis_and_the_flattened_views_name_the_right_ranks() {
+        let topology = Topology { world_size: 8, local_world_size: 8, ..Topology::single() };
+        let config = Config {
+            strategy: Strategy::Zero3,
+            tensor_parallel: 2,
+            context_parallel: 2,
+            ..Config::default()
+        };
+        let dims = ParallelDims::for_run(&config, &topology).unwrap();
+        assert_eq!((dims.data_replicate, dims.data_shard, dims.context, dims.tensor), (1, 2, 2, 2));
+        assert_eq!(
+            dims.to_string(),
+            "pipeline 1 × data-replicate 1 × data-shard 2 × context 2 × tensor 2"
+        );
+        assert_eq!(dims.groups(Dim::Tensor), vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
+        assert_eq!(dims.groups(Dim::Context), vec![vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]);
+        assert_eq!(dims.groups(Dim::Batch), vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
+        assert_eq!(dims.groups(Dim::Data), vec![vec![0, 2, 4, 6], vec![1, 3, 5, 7]]);
+        assert_eq!(dims.groups(Dim::DataShard), dims.groups(Dim::Data));
+        assert_eq!(
+            [Dim::Batch, Dim::Context, Dim::Data, Dim::DataShard].map(|d| dims.size(d)),
+            [2, 2, 4, 4]
+        );
+        // Rank 6 = (data-shard 1, context 1, tensor 0).
+        assert_eq!(dims.coords(6), [0, 0, 1, 1, 0]);
+        assert_eq!([Dim::Batch, Dim::Context, Dim::Data].map(|d| dims.index(d, 6)), [1, 1, 3]);
+        for dim in [Dim::Batch, Dim::Context, Dim::Data] {
+            for group in dims.groups(dim) {
+                let indices: Vec<usize> = group.iter().map(|&r| dims.index(dim, r)).collect();
+                assert_eq!(indices, (0..group.len()).collect::<Vec<_>>(), "{dim}");
+            }
+        }
+        let with_pipeline = Config { pipeline_parallel: 2, tensor_parallel: 1, ..config };
+        let err = ParallelDims::for_run(&with_pipeline, &topology).unwrap_err().to_string();
+        assert!(err.contains("context_parallel 2 together with pipeline_parallel 2"), "{err}");
+        let odd = Config { context_parallel: 3, tensor_parallel: 1, ..Config::default() };
+        let err = ParallelDims::for_run(&odd, &topology).unwrap_err().to_string();
+        assert!(err.contains("× context_parallel 3 = 3 does not divide the 8"), "{err}");
+    }
+
     #[test]
     fn tensor_and_pipeline_degrees_leave_the_rest_to_data_parallelism() {
         let topology = Topology { world_size: 8, local_world_size: 8, ..Topology::single() };

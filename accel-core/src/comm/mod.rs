@@ -70,7 +70,7 @@ impl GroupOptions {
         let mut options = Self { token: auth::Token::from_env()?, ..Self::default() };
         if let Ok(value) = std::env::var("ACCEL_TIMEOUT_SECS") {
             options.timeout = Duration::from_secs_f64(
-                crate::launch::parse_seconds(&value, false)
+                crate::config::parse_seconds(&value, false)
                     .map_err(|e| Error::Config(format!("ACCEL_TIMEOUT_SECS: {e}")))?,
             );
         }

@@ -53,7 +53,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 pub fn timeout_from_env() -> Result<Duration> {
     match std::env::var("ACCEL_NCCL_TIMEOUT") {
         Ok(value) => Ok(Duration::from_secs_f64(
-            crate::launch::parse_seconds(&value, false)
+            crate::config::parse_seconds(&value, false)
                 .map_err(|e| Error::Config(format!("ACCEL_NCCL_TIMEOUT: {e}")))?,
         )),
         Err(_) => Ok(DEFAULT_TIMEOUT),
