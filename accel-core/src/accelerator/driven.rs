@@ -223,7 +223,7 @@ impl<O: DriveOptimizer> Driven<'_, O> {
         if !self.sync() {
             return Ok(());
         }
-        if self.accelerator.num_processes() > 1 {
+        if self.accelerator.zero_grad_in_place() {
             tch::no_grad(|| -> Result<()> {
                 for p in self.optimizer.params() {
                     let mut grad = p.grad();
@@ -283,8 +283,7 @@ impl<O: DriveOptimizer> Driven<'_, O> {
             let key = crate::shim::tensor_id(first)?;
             acc.inner.driven_unscaled.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
         }
-        acc.inner.state.record_optimizer_step(skipped);
-        Ok(())
+        acc.end_optimizer_step(skipped)
     }
 
     /// Unscales and clips the global gradient norm to `max`; returns the norm before (0 on

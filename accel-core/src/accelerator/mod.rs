@@ -635,6 +635,25 @@ impl Accelerator {
         )))
     }
 
+    /// The end of every optimizer step, prepared or driven: the step counted (or the skip),
+    /// then, with several processes, the collective sequence check (every rank compares the
+    /// collectives it issued since the last step with the others', off this thread; a
+    /// divergence found earlier is returned here).
+    pub(crate) fn end_optimizer_step(&self, skipped: bool) -> Result<()> {
+        self.inner.state.record_optimizer_step(skipped);
+        if self.num_processes() > 1 {
+            self.inner.mesh.check_collectives()?;
+        }
+        Ok(())
+    }
+
+    /// Whether optimizers zero gradients in place instead of setting them to none: where
+    /// the strategy needs them to stay views of its buffers (DDP's buckets). The one rule
+    /// for prepared and driven optimizers.
+    pub(crate) fn zero_grad_in_place(&self) -> bool {
+        self.inner.strategy.zero_grad_in_place()
+    }
+
     /// The net under a context dimension nothing used: with `context_parallel` above 1, a
     /// step on which no sequence was split would have every context rank compute the same
     /// thing (correct, but not what was asked for, and at the cost of the whole sequence).

@@ -395,13 +395,7 @@ impl AcceleratedOptimizer {
         }
         slot.step_was_skipped = skipped;
         slot.unscaled = false;
-        self.state.record_optimizer_step(skipped);
-        if self.num_processes > 1 {
-            // Every rank compares the collectives it issued since the last step with the
-            // others' (off this thread; a divergence found earlier is returned here).
-            self.accelerator()?.inner.mesh.check_collectives()?;
-        }
-        Ok(())
+        self.accelerator()?.end_optimizer_step(skipped)
     }
 
     /// The safety net under a model that was never prepared: its gradients would not be
@@ -432,7 +426,7 @@ impl AcceleratedOptimizer {
         if !self.state.sync_gradients() {
             return Ok(());
         }
-        let in_place = self.accelerator()?.inner.strategy.zero_grad_in_place();
+        let in_place = self.accelerator()?.zero_grad_in_place();
         let mut slot = self.lock();
         if in_place {
             tch::no_grad(|| -> Result<()> {
