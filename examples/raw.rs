@@ -41,7 +41,9 @@ impl RawAdamW {
         }
     }
 
-    /// One step on the parameters' gradients, which are then zeroed.
+    /// One step on the parameters' gradients, which are then dropped (torch's default
+    /// `zero_grad(set_to_none=True)`, as accel's optimizers and Accelerate's do: the next
+    /// backward allocates them afresh, which is part of the work being measured).
     pub fn step(&mut self) -> Result<()> {
         let grads: Vec<Tensor> = self.params.iter().map(Tensor::grad).collect();
         tch::no_grad(|| {
@@ -50,8 +52,8 @@ impl RawAdamW {
             }
         });
         fused_adamw(&self.params, &grads, &self.exp_avgs, &self.exp_avg_sqs, &self.steps, self.hp)?;
-        for mut g in grads {
-            let _ = g.zero_();
+        for p in &self.params {
+            accel_core::shim::set_grad(p, None)?;
         }
         Ok(())
     }
