@@ -76,13 +76,6 @@ impl Block {
             bail!("{heads} heads do not divide among {} tensor-parallel ranks", tp.size());
         }
         let local = heads / tp.size() as i64;
-        if local % cp.size() as i64 != 0 {
-            bail!(
-                "{local} heads per tensor-parallel rank do not divide among {} context-parallel \
-                 ranks (attention exchanges whole heads)",
-                cp.size()
-            );
-        }
         let options = LinearOptions::default();
         Ok(Self {
             ln1: parallel_layer_norm(tp, &(p / "ln1"), width)?,
@@ -103,22 +96,11 @@ impl Module for Block {
         let (b, t, local) = qkv.size3().expect("[batch, time, 3 × local width]");
         let head_width = local / 3 / self.heads;
         let qkv = qkv.view([b, t, self.heads, 3, head_width]);
-        // Every position, this context rank's heads (all of them without context parallelism).
-        let qkv = (self.cp.sequence_to_heads(&qkv))
-            .unwrap_or_else(|e| panic!("context parallelism: exchanging q, k, v: {e}"));
-        let part = |i: i64| qkv.select(3, i).transpose(1, 2);
-        let attended = Tensor::scaled_dot_product_attention::<Tensor>(
-            &part(0),
-            &part(1),
-            &part(2),
-            None,
-            0.0,
-            true,
-            None,
-            false,
-        );
-        let attended = (self.cp.heads_to_sequence(&attended.transpose(1, 2)))
-            .unwrap_or_else(|e| panic!("context parallelism: exchanging attention's output: {e}"));
+        let part = |i: i64| qkv.select(3, i);
+        // Causal attention over the whole sequence (with context parallelism, the other
+        // ranks' positions too) for this rank's positions: [batch, time, heads, width].
+        let attended = (self.cp.attention(&part(0), &part(1), &part(2), true))
+            .unwrap_or_else(|e| panic!("attention: {e}"));
         let merged = attended.contiguous().view([b, t, self.heads * head_width]);
         let x = x + merged.apply(&self.proj);
         let mlp = x.apply(&self.ln2).apply(&self.up).gelu("tanh").apply(&self.down);

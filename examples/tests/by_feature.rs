@@ -114,10 +114,18 @@ fn char_lm_run_with(
     let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/kjv-genesis-exodus.txt");
     let (losses, weights) =
         (dir.join(format!("{name}.jsonl")), dir.join(format!("{name}.safetensors")));
-    let small = "--steps 8 --width 64 --blocks 2 --heads 4 --context 32 --batch-size 8 \
-                 --accumulate 2 --target 10";
+    let small = "--steps 8 --width 64 --blocks 2 --context 32 --batch-size 8 --accumulate 2 \
+                 --target 10";
+    // 4 heads unless the run says otherwise.
+    let heads = if extra.contains(&"--heads") { &[][..] } else { &["--heads", "4"][..] };
     let mut program = vec![example("char_lm")];
-    program.extend(small.split(' ').chain(extra.iter().copied()).map(String::from));
+    program.extend(
+        small
+            .split(' ')
+            .chain(heads.iter().copied())
+            .chain(extra.iter().copied())
+            .map(String::from),
+    );
     program.extend(["--text".into(), text.display().to_string()]);
     program.extend(["--losses".into(), losses.display().to_string()]);
     program.extend(["--weights".into(), weights.display().to_string()]);
@@ -186,7 +194,8 @@ fn assert_trains_alike(
 /// Context parallelism: each sequence split across 2 ranks (attention's heads exchanged by
 /// all-to-all) trains as the whole sequences do — on 2 processes as on one, with 2
 /// data-parallel replicas (DDP and zero3) as those replicas without it, and beside tensor
-/// and sequence parallelism on 4 as on one.
+/// and sequence parallelism on 4 as on one; across 4 ranks with 2 heads (keys and values
+/// all-gathered) as on one.
 #[test]
 fn the_transformer_trains_alike_split_along_the_sequence_by_context_parallelism() {
     let (reference, whole) = char_lm_run("cp-reference", 1, &[]);
@@ -198,6 +207,10 @@ fn the_transformer_trains_alike_split_along_the_sequence_by_context_parallelism(
     let (dp2, dp2_whole) = char_lm_run("dp2", 2, &[]);
     let cp2_dp2 = char_lm_run("cp2-dp2", 4, &["--context-parallel", "2"]);
     assert_trains_alike("cp2 × dp2 on 4 against dp2 on 2", (&dp2, &dp2_whole), cp2_dp2);
+    // 2 heads do not divide among 4 context ranks: keys and values are all-gathered instead.
+    let two_heads = char_lm_run("cp-reference-2-heads", 1, &["--heads", "2"]);
+    let cp4 = char_lm_run("cp4-2-heads", 4, &["--heads", "2", "--context-parallel", "4"]);
+    assert_trains_alike("cp4, 2 heads, on 4 processes", (&two_heads.0, &two_heads.1), cp4);
     // ZeRO-3 shards over the context ranks too (torchtitan's dp_shard × cp).
     let zero3 = char_lm_run_with(
         "cp2-dp2-zero3",

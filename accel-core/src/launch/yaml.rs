@@ -842,8 +842,9 @@ impl Reader {
             // DeepSpeed-Ulysses) are accel's one context dimension, exchanging by all-to-all.
             "cp_size" | "sp_size" => self.context_size(size(v)?),
             "cp_comm_strategy" | "cp_backend" | "sp_backend" | "sp_attn_implementation" => ignored(
-                "accel's context parallelism always exchanges attention's heads by \
-                     all-to-all (Ulysses; accel::cp)",
+                "accel's context parallelism exchanges attention's heads by all-to-all \
+                 (Ulysses) where they divide among the context ranks, else all-gathers keys and \
+                 values (accel_core::strategy::cp)",
             ),
             "sp_seq_length" | "sp_seq_length_is_variable" => {
                 ignored("the model's inputs set the sequence length (accel::cp shards them)")

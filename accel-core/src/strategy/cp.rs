@@ -11,8 +11,10 @@
 //! result back ([`ContextParallel::heads_to_sequence`]). Backward exchanges the gradients
 //! the opposite way (an all-to-all is its own inverse). Each rank does the same work (a
 //! whole causal sequence for the same number of heads), so the ring schedule's load
-//! balancing (torch's head-tail chunks, Megatron's) has nothing to balance here; the price
-//! is that the heads (per tensor rank) must divide among the context ranks.
+//! balancing (torch's head-tail chunks, Megatron's) has nothing to balance here. Where the
+//! heads (per tensor rank) do not divide among the context ranks, [`ContextParallel::attention`]
+//! all-gathers the keys and values instead (torch's `allgather` rotation, not load-balanced:
+//! the masked scores are computed and discarded, as the math kernel does anyway).
 //!
 //! To a strategy the context ranks are data-parallel ranks: they hold the same weights and
 //! their gradients (from different positions of one batch) are averaged over the mesh's
@@ -188,21 +190,60 @@ impl ContextParallel {
 
     /// Scaled dot-product attention over the whole sequence for this rank's positions:
     /// `q`, `k`, `v` are `[batch, local positions, heads, head width]`, as is the result.
-    /// Causal masking (`causal`) is over positions of the whole sequence.
+    /// Causal masking (`causal`) is over positions of the whole sequence. Where the heads
+    /// divide among the context ranks, by all-to-all over heads (each rank attends over every
+    /// position for its heads); otherwise by all-gather of the keys and values (each rank
+    /// attends for its positions over every key, torch's `allgather` context parallelism,
+    /// whose backward reduce-scatters their gradients).
     pub fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
-        let whole =
-            |x: &Tensor| -> Result<Tensor> { Ok(self.sequence_to_heads(x)?.f_transpose(1, 2)?) };
-        let attended = Tensor::f_scaled_dot_product_attention::<Tensor>(
-            &whole(q)?,
-            &whole(k)?,
-            &whole(v)?,
-            None,
-            0.0,
-            causal,
-            None,
-            false,
-        )?;
-        self.heads_to_sequence(&attended.f_transpose(1, 2)?)
+        let heads = q.size().get(2).copied().unwrap_or(0);
+        if self.size() == 1 || heads % self.size() as i64 == 0 {
+            let whole = |x: &Tensor| -> Result<Tensor> {
+                Ok(self.sequence_to_heads(x)?.f_transpose(1, 2)?)
+            };
+            let (q, k, v) = (whole(q)?, whole(k)?, whole(v)?);
+            // Every position is here: the ordinary causal mask.
+            let attended = Tensor::f_scaled_dot_product_attention::<Tensor>(
+                &q, &k, &v, None, 0.0, causal, None, false,
+            )?;
+            return self.heads_to_sequence(&attended.f_transpose(1, 2)?);
+        }
+        // [batch, heads, positions, width]: this rank's queries, every rank's keys and values.
+        let (q, k, v) = (q.f_transpose(1, 2)?, self.gather_keys(k)?, self.gather_keys(v)?);
+        let (local, whole) = (q.size()[2], k.size()[2]);
+        let mask = causal.then(|| {
+            // Query i of this rank is position rank·local + i; it sees keys up to it.
+            let queries = self.positions(local, q.device()).unsqueeze(1);
+            let keys = Tensor::arange(whole, (Kind::Int64, q.device())).unsqueeze(0);
+            keys.less_equal_tensor(&queries)
+        });
+        let attended =
+            Tensor::f_scaled_dot_product_attention(&q, &k, &v, mask, 0.0, false, None, false)?;
+        Ok(attended.f_transpose(1, 2)?)
+    }
+
+    /// Every rank's `[batch, local positions, heads, width]` keys (or values), as
+    /// `[batch, heads, positions, width]`: this rank's part keeps its history, and the
+    /// gradient of the whole is summed over the ranks in backward (each rank's queries
+    /// reach every part), so that this rank's part gets its share from every rank.
+    fn gather_keys(&self, x: &Tensor) -> Result<Tensor> {
+        let mut parts = self.comm.all_gather_list(&x.f_detach()?.f_contiguous()?)?;
+        parts[self.rank()] = x.shallow_clone();
+        let whole = Tensor::f_cat(&parts, 1)?;
+        if whole.requires_grad() {
+            let comm = self.comm.clone();
+            add_grad_hook(&whole, move |grad| {
+                let summed = grad.f_contiguous().and_then(|g| g.f_detach_copy());
+                match summed.map_err(Error::from).and_then(|g| {
+                    comm.all_reduce(&g, ReduceOp::Sum)?;
+                    Ok(g)
+                }) {
+                    Ok(g) => Some(g),
+                    Err(e) => panic!("context parallelism: summing a key gradient: {e}"),
+                }
+            })?;
+        }
+        Ok(whole.f_transpose(1, 2)?)
     }
 
     /// The all-to-all of `parts` (`[size, …]`, part j to rank j) with its gradient: the
@@ -285,7 +326,14 @@ mod tests {
     /// on the whole sequences on one process, forward and backward.
     #[test]
     fn attention_split_across_context_ranks_equals_the_whole_sequence_with_gradients() {
-        let shape = [2, 8, 4, 5];
+        // 4 heads divide among 2 ranks (all-to-all); 3 do not (all-gather of keys, values).
+        for heads in [4, 3] {
+            attention_on_2_ranks_equals_the_whole(heads);
+        }
+    }
+
+    fn attention_on_2_ranks_equals_the_whole(heads: i64) {
+        let shape = [2, 8, heads, 5];
         let random = |seed: i64| -> Vec<f64> {
             tch::manual_seed(seed);
             Vec::try_from(Tensor::randn(shape, (Kind::Double, Device::Cpu)).view([-1])).unwrap()
@@ -313,7 +361,7 @@ mod tests {
                 .map(|((n, g), w)| (n, g, w))
             {
                 let diff = (tensor(&got, shape) - want).abs().max().double_value(&[]);
-                assert!(diff < 1e-12, "{name} differs by {diff}");
+                assert!(diff < 1e-12, "{heads} heads: {name} differs by {diff}");
             }
         }
     }
