@@ -9,7 +9,8 @@ use tch::{Device, Kind, Tensor};
 use super::*;
 use crate::topology::Topology;
 
-fn topology(rank: usize, world: usize, port: u16) -> Topology {
+/// Rank `rank` of `world` on this machine, the store at `port`.
+pub(crate) fn topology(rank: usize, world: usize, port: u16) -> Topology {
     Topology {
         rank,
         world_size: world,

@@ -285,15 +285,7 @@ mod tests {
         use crate::mesh::{DeviceMesh, Dim, ParallelDims};
         let outcomes = on_ranks(2, Duration::from_secs(30), |group| {
             let rank = group.rank();
-            let process = crate::topology::Topology {
-                rank,
-                world_size: 2,
-                local_rank: rank,
-                local_world_size: 2,
-                master_addr: "127.0.0.1".into(),
-                master_port: 0,
-                source: "test",
-            };
+            let process = crate::comm::tests::topology(rank, 2, 0);
             let dims = ParallelDims::new(2, 1, 1, 1, 2, 1).unwrap();
             let comm: Arc<dyn Communicator> = Arc::new(group.clone());
             let comms = [Dim::Data, Dim::DataShard, Dim::Context].map(|d| (d, comm.clone()));
