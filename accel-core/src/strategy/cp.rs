@@ -32,6 +32,7 @@ use tch::{Device, Kind, Tensor};
 use crate::comm::{Communicator, LocalComm, ReduceOp};
 use crate::error::{Error, Result};
 use crate::shim::add_grad_hook;
+use crate::strategy::tp::{concat_gathered, straight_through, sum_grad_in_backward};
 
 /// The context dimension of the run (from [`crate::Accelerator::context_parallel`]): which
 /// part of each sequence this process holds, and the exchanges attention needs. Cheap to
@@ -227,23 +228,8 @@ impl ContextParallel {
     /// gradient of the whole is summed over the ranks in backward (each rank's queries
     /// reach every part), so that this rank's part gets its share from every rank.
     fn gather_keys(&self, x: &Tensor) -> Result<Tensor> {
-        let mut parts = self.comm.all_gather_list(&x.f_detach()?.f_contiguous()?)?;
-        parts[self.rank()] = x.shallow_clone();
-        let whole = Tensor::f_cat(&parts, 1)?;
-        if whole.requires_grad() {
-            let comm = self.comm.clone();
-            add_grad_hook(&whole, move |grad| {
-                let summed = grad.f_contiguous().and_then(|g| g.f_detach_copy());
-                match summed.map_err(Error::from).and_then(|g| {
-                    comm.all_reduce(&g, ReduceOp::Sum)?;
-                    Ok(g)
-                }) {
-                    Ok(g) => Some(g),
-                    Err(e) => panic!("context parallelism: summing a key gradient: {e}"),
-                }
-            })?;
-        }
-        Ok(whole.f_transpose(1, 2)?)
+        let whole = concat_gathered(self.comm.as_ref(), x, 1)?;
+        Ok(sum_grad_in_backward(&self.comm, &whole, "context parallelism")?.f_transpose(1, 2)?)
     }
 
     /// The all-to-all of `parts` (`[size, …]`, part j to rank j) with its gradient: the
@@ -263,7 +249,7 @@ impl ContextParallel {
             }
         })?;
         // The exchanged value, with the gradient flowing to `through` (and its hook).
-        Ok(value.f_add(&through.f_sub(&through.f_detach()?)?)?)
+        straight_through(&value, &through)
     }
 }
 

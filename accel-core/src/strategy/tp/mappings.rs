@@ -10,22 +10,32 @@
 //! backward takes this rank's slice. Backward all-gathers and reduce-scatters are done as
 //! all-reduces of zero-padded gradients: correct, at twice the bytes of a fused kernel.
 
+use std::sync::Arc;
+
 use tch::Tensor;
 
 use super::TensorParallel;
-use crate::comm::ReduceOp;
+use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::shim::add_grad_hook;
+
+/// What a failed exchange of these mappings is reported as.
+const TP: &str = "tensor parallelism";
 
 fn last(x: &Tensor) -> i64 {
     x.dim() as i64 - 1
 }
 
-/// `x` itself, whose gradient is summed over the tensor ranks in backward.
-fn sum_grad_in_backward(tp: &TensorParallel, x: &Tensor) -> Result<Tensor> {
+/// `x` itself, whose gradient is summed over `comm`'s ranks in backward (`what` names the
+/// parallelism in a failure). Context parallelism uses it too.
+pub(crate) fn sum_grad_in_backward(
+    comm: &Arc<dyn Communicator>,
+    x: &Tensor,
+    what: &'static str,
+) -> Result<Tensor> {
     let y = x.f_view_as(x)?;
     if y.requires_grad() {
-        let comm = tp.comm.clone();
+        let comm = comm.clone();
         add_grad_hook(&y, move |grad| {
             let summed = grad.f_contiguous().and_then(|g| g.f_detach_copy());
             let summed = summed.map_err(Error::from).and_then(|g| {
@@ -34,7 +44,7 @@ fn sum_grad_in_backward(tp: &TensorParallel, x: &Tensor) -> Result<Tensor> {
             });
             match summed {
                 Ok(g) => Some(g),
-                Err(e) => panic!("tensor parallelism: summing a gradient across ranks: {e}"),
+                Err(e) => panic!("{what}: summing a gradient across ranks: {e}"),
             }
         })?;
     }
@@ -43,17 +53,17 @@ fn sum_grad_in_backward(tp: &TensorParallel, x: &Tensor) -> Result<Tensor> {
 
 /// A value equal to `value` (computed without autograd) whose gradient flows to `x` as if
 /// it were `x` itself.
-fn straight_through(value: &Tensor, x: &Tensor) -> Result<Tensor> {
+pub(crate) fn straight_through(value: &Tensor, x: &Tensor) -> Result<Tensor> {
     if !x.requires_grad() {
         return Ok(value.shallow_clone());
     }
     Ok(value.f_add(&x.f_sub(&x.f_detach()?)?)?)
 }
 
-/// Every rank's `x` concatenated along `dim`, this rank's piece being `x` itself.
-fn concat_gathered(tp: &TensorParallel, x: &Tensor, dim: i64) -> Result<Tensor> {
-    let mut pieces = tp.comm.all_gather_list(&x.f_detach()?.f_contiguous()?)?;
-    pieces[tp.rank()] = x.shallow_clone();
+/// Every rank of `comm`'s `x` concatenated along `dim`, this rank's piece being `x` itself.
+pub(crate) fn concat_gathered(comm: &dyn Communicator, x: &Tensor, dim: i64) -> Result<Tensor> {
+    let mut pieces = comm.all_gather_list(&x.f_detach()?.f_contiguous()?)?;
+    pieces[comm.rank()] = x.shallow_clone();
     Ok(Tensor::f_cat(&pieces, dim)?)
 }
 
@@ -75,7 +85,7 @@ pub fn copy_to_region(tp: &TensorParallel, x: &Tensor) -> Result<Tensor> {
     if tp.size() == 1 {
         return Ok(x.shallow_clone());
     }
-    sum_grad_in_backward(tp, x)
+    sum_grad_in_backward(&tp.comm, x, TP)
 }
 
 /// Sum over the tensor ranks forward; identity backward
@@ -95,7 +105,7 @@ pub fn scatter_to_region(tp: &TensorParallel, x: &Tensor) -> Result<Tensor> {
     if tp.size() == 1 {
         return Ok(x.shallow_clone());
     }
-    own_slice(tp, &sum_grad_in_backward(tp, x)?, last(x), "scatter_to_region")
+    own_slice(tp, &sum_grad_in_backward(&tp.comm, x, TP)?, last(x), "scatter_to_region")
 }
 
 /// All-gather along the last dimension forward; this rank's slice backward
@@ -104,7 +114,7 @@ pub fn gather_from_region(tp: &TensorParallel, x: &Tensor) -> Result<Tensor> {
     if tp.size() == 1 {
         return Ok(x.shallow_clone());
     }
-    concat_gathered(tp, x, last(x))
+    concat_gathered(tp.comm.as_ref(), x, last(x))
 }
 
 /// Sequence parallelism: this rank's part of the sequence (dimension `dim`) forward;
@@ -113,7 +123,7 @@ pub fn scatter_to_sequence_region(tp: &TensorParallel, x: &Tensor, dim: i64) -> 
     if tp.size() == 1 {
         return Ok(x.shallow_clone());
     }
-    own_slice(tp, &sum_grad_in_backward(tp, x)?, dim, "scatter_to_sequence_region")
+    own_slice(tp, &sum_grad_in_backward(&tp.comm, x, TP)?, dim, "scatter_to_sequence_region")
 }
 
 /// Sequence parallelism: all-gather of the sequence (dimension `dim`) forward;
@@ -124,7 +134,7 @@ pub fn gather_from_sequence_region(tp: &TensorParallel, x: &Tensor, dim: i64) ->
         return Ok(x.shallow_clone());
     }
     // The gathered tensor's gradient summed over ranks, then sliced back: a reduce-scatter.
-    sum_grad_in_backward(tp, &concat_gathered(tp, x, dim)?)
+    sum_grad_in_backward(&tp.comm, &concat_gathered(tp.comm.as_ref(), x, dim)?, TP)
 }
 
 /// Sequence parallelism: sum over the tensor ranks, keeping this rank's part of the

@@ -26,6 +26,7 @@ pub use layers::{
     parallel_layer_norm,
 };
 pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_token_losses};
+pub(crate) use mappings::{concat_gathered, straight_through, sum_grad_in_backward};
 pub use mappings::{
     copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region,
     reduce_scatter_to_sequence_region, scatter_to_region, scatter_to_sequence_region,
