@@ -104,10 +104,11 @@ impl Accelerator {
         let mut gathered = match self.process_group() {
             None => items,
             Some(group) => {
-                // Tensor ranks and pipeline stages of one replica hold the same samples:
-                // one of each replica speaks.
-                let speaks =
-                    self.index_along(Dim::Tensor) == 0 && self.index_along(Dim::Pipeline) == 0;
+                // A replica's tensor ranks, context ranks and pipeline stages hold the same
+                // samples: one of each replica speaks.
+                let speaks = [Dim::Tensor, Dim::Context, Dim::Pipeline]
+                    .into_iter()
+                    .all(|dim| self.index_along(dim) == 0);
                 let sent: Option<Vec<T>> = speaks.then_some(items);
                 group.all_gather_objects(&sent)?.into_iter().flatten().flatten().collect()
             }
@@ -201,7 +202,7 @@ mod tests {
     use crate::comm::tests::on_ranks;
     use crate::config::Strategy as StrategyName;
     use crate::data::{DataLoader, LoaderOptions, TensorDataset};
-    use crate::strategy::tests::thread_accelerator;
+    use crate::strategy::tests::{thread_accelerator, thread_accelerator_on};
 
     fn ddp(group: crate::comm::ProcessGroup) -> Accelerator {
         thread_accelerator(StrategyName::Ddp, group.clone(), Arc::new(group), |b| b)
@@ -317,8 +318,18 @@ mod tests {
 
     #[test]
     fn objects_gathered_for_metrics_are_exactly_the_dataset_as_tensors_are() {
-        let gathered = on_ranks(2, Duration::from_secs(30), |g| {
-            let acc = ddp(g);
+        // 2 replicas of 1 process, then of 2 context ranks each (they hold the same samples).
+        for (ranks, context) in [(2, 1), (4, 2)] {
+            objects_gathered_for_metrics_on(ranks, context);
+        }
+    }
+
+    fn objects_gathered_for_metrics_on(ranks: usize, context: usize) {
+        let gathered = on_ranks(ranks, Duration::from_secs(30), move |g| {
+            let dims = crate::mesh::ParallelDims::new(ranks, 1, ranks / context, 1, context, 1);
+            let acc = thread_accelerator_on(StrategyName::Ddp, g, dims.unwrap(), |b| {
+                b.context_parallel(context)
+            });
             // 5 samples over 2 processes: the last batch repeats one to even them out.
             let x = Tensor::arange(5, (Kind::Int64, Device::Cpu));
             let loader = DataLoader::new(
@@ -347,8 +358,8 @@ mod tests {
             let mut sorted = objects.clone();
             sorted.sort();
             assert_eq!(sorted, ["#0", "#1", "#2", "#3", "#4"], "exactly the dataset: {objects:?}");
+            assert_eq!((objects, tensors), (&gathered[0].0, &gathered[0].1), "ranks agree");
         }
-        assert_eq!(gathered[0], gathered[1]);
     }
 
     #[test]

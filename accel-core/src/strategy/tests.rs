@@ -295,3 +295,28 @@ fn fsdp_state_dict_types_and_sync_module_states_do_what_accelerate_says() {
     }
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// An accelerator for thread rank `group.rank()` with `strategy` on the mesh `dims`, its
+/// communicators made from `group` as a multi-process run makes them, further set by `with`
+/// (which must ask for the same degrees as `dims`).
+pub(crate) fn thread_accelerator_on(
+    strategy: StrategyName,
+    group: ProcessGroup,
+    dims: ParallelDims,
+    with: impl FnOnce(crate::AcceleratorBuilder) -> crate::AcceleratorBuilder,
+) -> Accelerator {
+    let (rank, world) = (group.rank(), group.size());
+    let process = Topology {
+        rank,
+        world_size: world,
+        local_rank: rank,
+        local_world_size: world,
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        source: "test",
+    };
+    let mesh = DeviceMesh::new(dims, &group, tch::Device::Cpu).unwrap();
+    with(Accelerator::builder().strategy(strategy).cpu(true).thread_rank(process, mesh))
+        .build()
+        .unwrap()
+}
