@@ -386,6 +386,7 @@ impl AcceleratorBuilder {
         )
         .with_fp8(fp8.clone());
         let cp = crate::strategy::cp::ContextParallel::new(mesh.comm(crate::mesh::Dim::Context));
+        let parallel = crate::strategy::model_parallel::ModelParallel::new(&mesh, device, tp, cp);
         let model_options = ModelOptions::from(ddp).sync_module_states(config.sync_module_states);
         let log_with = config.log_with.clone();
         let accelerator = Accelerator {
@@ -398,8 +399,7 @@ impl AcceleratorBuilder {
                 registry: Mutex::new(Registry::default()),
                 checkpoint_dir: self.checkpoint_dir,
                 checkpoint_limit: self.checkpoint_limit,
-                tp,
-                cp,
+                parallel,
                 fp8,
                 mesh,
                 strategy,
@@ -411,7 +411,6 @@ impl AcceleratorBuilder {
                     ..Default::default()
                 }),
                 driven_unscaled: Mutex::new(Default::default()),
-                in_pipeline_step: Default::default(),
                 data: self.data,
                 sync_batchnorm: self.sync_batchnorm,
                 warned_autocast: Default::default(),

@@ -194,12 +194,12 @@ impl<O: DriveOptimizer> Driven<'_, O> {
 
     fn refuse_shards(&self) -> Result<()> {
         let strategy = self.accelerator.strategy();
-        let dims = self.accelerator.mesh().dims();
-        if dims.tensor > 1 || dims.pipeline > 1 {
+        if self.accelerator.inner.parallel.splits_model() {
             return Err(Error::Unsupported(format!(
                 "{} is kept outside the #[accelerate] function, and driving it does not support \
-                 tensor or pipeline parallelism ({dims}): build the optimizer in the function",
-                self.optimizer.name()
+                 tensor or pipeline parallelism ({}): build the optimizer in the function",
+                self.optimizer.name(),
+                self.accelerator.mesh().dims()
             )));
         }
         if !strategy.steps_whole_parameters() {

@@ -10,7 +10,6 @@ mod data;
 mod driven;
 pub(crate) mod helpers;
 mod layers;
-mod layout;
 mod optimizer;
 mod varstore;
 
@@ -77,10 +76,8 @@ pub(crate) struct Inner {
     pub(crate) mesh: DeviceMesh,
     /// What every hook of training defers to.
     pub(crate) strategy: Arc<dyn crate::strategy::Strategy>,
-    /// The tensor dimension: its communicator and the parameters its layers split.
-    pub(crate) tp: crate::strategy::tp::TensorParallel,
-    /// The context dimension (and whether the program split a sequence with it).
-    pub(crate) cp: crate::strategy::cp::ContextParallel,
+    /// The tensor, context and pipeline dimensions: what each asks of training.
+    pub(crate) parallel: crate::strategy::model_parallel::ModelParallel,
     /// Under precision fp8: the recipe and the fp8 layers made so far.
     pub(crate) fp8: Option<Arc<crate::precision::fp8::Fp8Layers>>,
     pub(crate) model_options: ModelOptions,
@@ -91,9 +88,6 @@ pub(crate) struct Inner {
     pub(crate) trackers: Mutex<crate::tracking::Trackers>,
     /// Driven optimizers (by their first parameter) whose gradients this step unscaled.
     driven_unscaled: Mutex<std::collections::HashSet<usize>>,
-    /// Set while a pipeline step runs (its backward passes are the only ones allowed when
-    /// the model is cut into stages).
-    pub(crate) in_pipeline_step: std::sync::atomic::AtomicBool,
     /// Who deals the data: with several processes and `Prepared`, a step on batches that
     /// did not come through a prepared iterator or loader is an error.
     pub(crate) data: crate::config::DataSharding,
@@ -267,13 +261,13 @@ impl Accelerator {
     /// The tensor dimension of the mesh: builds tensor-parallel layers and remembers what
     /// they split (a group of one without tensor parallelism).
     pub fn tensor_parallel(&self) -> crate::strategy::tp::TensorParallel {
-        self.inner.tp.clone()
+        self.inner.parallel.tp.clone()
     }
 
     /// The context dimension of the mesh: which part of each sequence this process holds,
     /// and the exchanges attention needs (a group of one without context parallelism).
     pub fn context_parallel(&self) -> crate::strategy::cp::ContextParallel {
-        self.inner.cp.clone()
+        self.inner.parallel.cp.clone()
     }
 
     /// This process's index along mesh dimension `dim`.
@@ -349,27 +343,7 @@ impl Accelerator {
                 Ok(())
             })?;
         }
-        let tensor_ranks = self.inner.tp.size();
-        if tensor_ranks > 1 && !params.is_empty() {
-            let split = params.iter().any(|p| {
-                crate::shim::tensor_id(&p.tensor)
-                    .is_ok_and(|id| self.inner.tp.split_of(id).is_some())
-            });
-            // A pipeline stage may hold only whole layers; the model is judged as a whole.
-            let anywhere = Tensor::from_slice(&[i64::from(split)]);
-            let stages = self.inner.mesh.comm(crate::mesh::Dim::Pipeline);
-            stages.all_reduce(&anywhere, crate::comm::ReduceOp::Max)?;
-            if anywhere.int64_value(&[0]) == 0 {
-                return Err(Error::Config(format!(
-                    "tensor_parallel = {tensor_ranks}, but this model has no tensor-parallel \
-                     layers: each of the {tensor_ranks} tensor ranks would compute the whole \
-                     model on the same batches, {tensor_ranks}x the work for nothing. Build its \
-                     layers from `accelerator.tensor_parallel()` (ColumnParallelLinear, \
-                     RowParallelLinear, VocabParallelEmbedding: accel_core::strategy::tp), or \
-                     run with tensor_parallel = 1"
-                )));
-            }
-        }
+        self.inner.parallel.check_model(&params)?;
         self.filter_fp8_layers(&params)?;
         let options = options.into();
         let cx = self.strategy_context();
@@ -569,22 +543,13 @@ impl Accelerator {
                 self.num_processes()
             )));
         }
-        let stages = self.inner.mesh.dims().size(crate::mesh::Dim::Pipeline);
-        if stages > 1 && !self.inner.in_pipeline_step.load(std::sync::atomic::Ordering::Relaxed) {
-            return Err(Error::Training(format!(
-                "backward on rank {} with pipeline_parallel = {stages}: the model is cut into \
-                 stages, and only a pipeline step passes activations and gradients between \
-                 them. Run each step with `Pipeline::train_step` \
-                 (accel_core::strategy::pp), or run with pipeline_parallel = 1",
-                self.process_index()
-            )));
-        }
+        self.inner.parallel.check_backward(self.process_index())?;
         // A collective that failed inside the forward (zero3's gathers in `Module::forward`).
         self.inner.strategy.take_error()?;
         let sync = self.inner.state.begin_micro_step();
         if sync {
             self.check_data_was_dealt()?;
-            self.check_context_was_split()?;
+            self.inner.parallel.check_sync_step(self.process_index())?;
         }
         self.check_autocast()?;
         // The step's autocast (`autocast_step`) stays off while autograd runs.
@@ -654,23 +619,14 @@ impl Accelerator {
         self.inner.strategy.zero_grad_in_place()
     }
 
-    /// The net under a context dimension nothing used: with `context_parallel` above 1, a
-    /// step on which no sequence was split would have every context rank compute the same
-    /// thing (correct, but not what was asked for, and at the cost of the whole sequence).
-    fn check_context_was_split(&self) -> Result<()> {
-        let cp = &self.inner.cp;
-        if cp.size() < 2 || cp.has_split() {
-            return Ok(());
-        }
-        Err(Error::Config(format!(
-            "context_parallel = {} on rank {}, but nothing split a sequence: each context rank \
-             would run the whole sequences. Feed the model this rank's part \
-             (`accelerator.context_parallel().shard(&inputs, 1)`, the targets likewise) and run \
-             attention through `ContextParallel::attention` (or `sequence_to_heads` / \
-             `heads_to_sequence`); or run with context_parallel = 1",
-            cp.size(),
-            self.process_index()
-        )))
+    /// A pipeline step of `micro_batches` begins (one accumulation window, see
+    /// `GradientState::start_window`); its backward passes are allowed until the guard drops.
+    pub(crate) fn pipeline_step(
+        &self,
+        micro_batches: u64,
+    ) -> crate::strategy::model_parallel::PipelineStep<'_> {
+        self.inner.state.start_window(micro_batches);
+        self.inner.parallel.pipeline_step()
     }
 
     /// The net under a forward pass that forgot autocast: under bf16/fp16/fp8, a backward
@@ -738,9 +694,9 @@ impl Accelerator {
         let mine = params
             .into_iter()
             .zip(values)
-            .map(|(p, v)| Ok((p.name.clone(), self.tensor_parallel_whole(&p.tensor, &v)?)))
+            .map(|(p, v)| Ok((p.name.clone(), self.inner.parallel.whole(&p.tensor, &v)?)))
             .collect::<Result<Vec<_>>>()?;
-        self.pipeline_whole(mine)
+        self.inner.parallel.pipeline_whole(mine)
     }
 
     /// Whether the current micro-step ends an accumulation window (optimizers step).

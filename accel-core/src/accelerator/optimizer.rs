@@ -10,9 +10,7 @@ use tch::Tensor;
 use super::{Accelerator, Inner};
 use crate::accumulation::GradientState;
 use crate::error::{Error, Result};
-use crate::optim::{
-    LrScheduler, Optimizer, Schedule, clip_grad_norm, clip_grad_norm_sharded, clip_grad_value,
-};
+use crate::optim::{LrScheduler, Optimizer, Schedule, clip_grad_value};
 use crate::precision::GradScaler;
 use crate::strategy::{OptimizerPlan, Replicated};
 
@@ -256,72 +254,24 @@ impl AcceleratedOptimizer {
         self.clip(&slot, &self.gradients(&slot), max_norm)
     }
 
-    /// Clips the global gradient norm, each parameter counted once across the run: split
-    /// across the gradient group (shards), the tensor ranks (split parameters only), the
-    /// pipeline stages (each holds its own layers).
+    /// Clips the global gradient norm, each parameter counted once across the run (the
+    /// model-parallel dimensions know how: `ModelParallel::clip_grad_norm`).
     fn clip(&self, slot: &Slot, grads: &[Tensor], max_norm: f64) -> Result<f64> {
-        let accelerator = self.accelerator()?;
-        let dims = accelerator.inner.mesh.dims();
         let group = slot.plan().gradient_group();
-        if dims.tensor == 1 && dims.pipeline == 1 {
-            return match group {
-                Some(group) => clip_grad_norm_sharded(grads, max_norm, group.as_ref()),
-                None => clip_grad_norm(grads, max_norm),
-            };
-        }
-        let tp = &accelerator.inner.tp;
-        // Sums of squares: [split by tensor parallelism, not split].
-        // On the gradients' device (NCCL reduces device memory); one host read at the end.
-        let device = accelerator.device();
-        let sums = Tensor::f_zeros([2], (tch::Kind::Double, device))?;
-        for (grad, param) in grads.iter().zip(&slot.trainable) {
-            let g = grad.grad();
-            if !g.defined() {
-                continue;
-            }
-            let split = tp.split_of(crate::shim::tensor_id(param)?).is_some();
-            let square = g.f_to_kind(tch::Kind::Double)?.f_square()?.f_sum(tch::Kind::Double)?;
-            let _ = sums.get(i64::from(!split)).f_add_(&square.f_to_device(device)?)?;
-        }
-        if let Some(group) = &group {
-            group.all_reduce(&sums, crate::comm::ReduceOp::Sum)?;
-        }
-        tp.comm().all_reduce(&sums.get(0), crate::comm::ReduceOp::Sum)?;
-        let total = sums.f_sum(tch::Kind::Double)?.f_reshape([1])?;
-        accelerator
-            .inner
-            .mesh
-            .comm(crate::mesh::Dim::Pipeline)
-            .all_reduce(&total, crate::comm::ReduceOp::Sum)?;
-        let norm = total.f_double_value(&[0])?.sqrt();
-        let coef = (max_norm / (norm + 1e-6)).min(1.0);
-        tch::no_grad(|| -> Result<()> {
-            for g in grads.iter().map(Tensor::grad).filter(Tensor::defined) {
-                let _ = g.shallow_clone().f_mul_scalar_(coef)?;
-            }
-            Ok(())
-        })?;
-        Ok(norm)
+        let parallel = &self.accelerator()?.inner.parallel;
+        parallel.clip_grad_norm(&slot.trainable, grads, group.as_deref(), max_norm)
     }
 
-    /// Once per step, before anything reads the gradients: the sequence-parallel sums across
-    /// the tensor ranks, then the fp16 unscale.
+    /// Once per step, before anything reads the gradients: what the model-parallel
+    /// dimensions owe them (`finalize_grads`), then the fp16 unscale.
     fn unscale(&self, slot: &mut Slot) -> Result<()> {
         if slot.unscaled {
             return Ok(());
         }
-        let accelerator = self.accelerator()?;
-        let tp = &accelerator.inner.tp;
-        if tp.sequence_parallel() {
-            for (grad, param) in self.gradients(slot).iter().zip(&slot.trainable) {
-                let g = grad.grad();
-                if g.defined() && tp.is_sequence(crate::shim::tensor_id(param)?) {
-                    tp.comm().all_reduce(&g, crate::comm::ReduceOp::Sum)?;
-                }
-            }
-        }
+        let grads = self.gradients(slot);
+        self.accelerator()?.inner.parallel.finalize_grads(&slot.trainable, &grads)?;
         if let Some(scaler) = &self.scaler {
-            scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(&self.gradients(slot))?;
+            scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(&grads)?;
         }
         slot.unscaled = true;
         Ok(())
@@ -352,13 +302,10 @@ impl AcceleratedOptimizer {
         let skipped = match &self.scaler {
             Some(scaler) => {
                 let mut scaler = scaler.lock().unwrap_or_else(|e| e.into_inner());
-                let dims = self.accelerator()?.inner.mesh.dims();
-                if dims.tensor > 1 || dims.pipeline > 1 {
-                    // An overflow anywhere skips the step everywhere.
-                    if let Some(world) = self.accelerator()?.process_group() {
-                        scaler.share_found_inf(&params, world)?;
-                    }
-                } else if let Some(group) = slot.plan().gradient_group() {
+                let parallel = &self.accelerator()?.inner.parallel;
+                // Where an overflow must be seen: the shards' group, or everyone if the model
+                // is split (an overflow anywhere skips the step everywhere).
+                if let Some(group) = parallel.grad_stats_group(slot.plan().gradient_group()) {
                     scaler.share_found_inf(&params, group.as_ref())?;
                 }
                 let overflow = scaler.found_inf(&params)?;

@@ -112,8 +112,7 @@ impl Accelerator {
     /// Whether this process holds every variable of `vs` whole, with its values: no tensor
     /// or pipeline split, no parameter released by zero3. The same answer on every process.
     fn holds_whole(&self, vs: &VarStore) -> Result<bool> {
-        let dims = self.inner.mesh.dims();
-        if dims.tensor > 1 || dims.pipeline > 1 {
+        if self.inner.parallel.splits_model() {
             return Ok(false);
         }
         for tensor in vs.variables().values() {
@@ -196,7 +195,7 @@ impl Accelerator {
         };
         for p in &params {
             let Some(src) = file.get(&p.name) else { continue };
-            let want = self.whole_shape(&p.tensor)?;
+            let want = self.inner.parallel.whole_shape(&p.tensor)?;
             if src.size() != want {
                 return Err(shape_error(&p.name, &want, &src.size()));
             }
@@ -204,7 +203,7 @@ impl Accelerator {
         let strategy = &self.inner.strategy;
         for p in &params {
             let Some(src) = file.get(&p.name) else { continue };
-            let mine = self.tensor_parallel_cut(&p.tensor, src)?;
+            let mine = self.inner.parallel.cut(&p.tensor, src)?;
             strategy.load_parameter(p, &mine)?;
         }
         strategy.after_load()

@@ -216,7 +216,7 @@ impl Accelerator {
         let params = prepared.clone().unwrap_or_else(|| crate::optim::sorted_variables(vs));
         let with_path = |message: String| Error::Checkpoint { path: Some(path.into()), message };
         for p in &params {
-            let want = self.whole_shape(&p.tensor)?;
+            let want = self.inner.parallel.whole_shape(&p.tensor)?;
             match checkpoint.shape(&p.name) {
                 None => {
                     return Err(with_path(format!(
@@ -251,7 +251,7 @@ impl Accelerator {
                         continue;
                     }
                     let whole = checkpoint.read(&p.name)?.f_to_kind(p.tensor.kind())?;
-                    let mine = self.tensor_parallel_cut(&p.tensor, &whole)?;
+                    let mine = self.inner.parallel.cut(&p.tensor, &whole)?;
                     strategy.load_parameter(p, &mine)?;
                 } else {
                     let whole = checkpoint.read(&p.name)?;

@@ -188,10 +188,10 @@ impl Accelerator {
             let mut whole = Vec::new();
             for p in params {
                 let (tensor, placement) = strategy.parameter(p)?;
-                let placement = self.model_placement(&p.tensor, placement)?;
+                let placement = self.inner.parallel.placement(&p.tensor, placement)?;
                 let key = format!("model_{i}/{}", p.name);
                 if placement != Placement::Replicated {
-                    part.shapes.insert(key.clone(), self.whole_shape(&p.tensor)?);
+                    part.shapes.insert(key.clone(), self.inner.parallel.whole_shape(&p.tensor)?);
                 }
                 if let Some(t) = place(&mut part, key, tensor, placement) {
                     whole.push((p.name.clone(), t));
@@ -207,8 +207,10 @@ impl Accelerator {
                 let placement = slot.plan().state_placement(&key, &tensor);
                 let param = key.rsplit_once('/').and_then(|(p, _)| params.get(p));
                 let placement = match param {
-                    Some(param) if tensor.dim() > 0 => self.model_placement(param, placement)?,
-                    _ => self.model_placement_unsplit(placement),
+                    Some(param) if tensor.dim() > 0 => {
+                        self.inner.parallel.placement(param, placement)?
+                    }
+                    _ => self.inner.parallel.placement_unsplit(placement),
                 };
                 if let Some(t) = place(&mut part, format!("optimizer_{j}/{key}"), tensor, placement)
                 {
@@ -419,7 +421,7 @@ impl Accelerator {
         for (i, params) in registry.models.iter().enumerate() {
             let (path, mut tensors) = file(model_file(i))?;
             for p in params {
-                let shape = self.whole_shape(&p.tensor)?;
+                let shape = self.inner.parallel.whole_shape(&p.tensor)?;
                 if let Some(whole) = pieces.remove(&format!("model_{i}/{}", p.name)) {
                     let numel: i64 = shape.iter().product();
                     if whole.numel() as i64 != numel {
@@ -486,10 +488,10 @@ impl Accelerator {
                     continue;
                 }
                 if let Some(original) = originals.get(param) {
-                    let shape = self.whole_shape(original)?;
+                    let shape = self.inner.parallel.whole_shape(original)?;
                     if tensor.numel() as i64 == shape.iter().product::<i64>() {
                         *tensor =
-                            self.tensor_parallel_cut(original, &tensor.f_view(shape.as_slice())?)?;
+                            self.inner.parallel.cut(original, &tensor.f_view(shape.as_slice())?)?;
                     }
                 }
                 let placement = slot.plan().state_placement_of(param, tensor.numel() as i64);
@@ -552,7 +554,7 @@ impl Accelerator {
         let strategy = &self.inner.strategy;
         for (params, tensors) in registry.models.iter().zip(&models) {
             for p in params {
-                let mine = self.tensor_parallel_cut(&p.tensor, &tensors[&p.name])?;
+                let mine = self.inner.parallel.cut(&p.tensor, &tensors[&p.name])?;
                 strategy.load_parameter(p, &mine)?;
             }
         }

@@ -9,7 +9,6 @@ mod schedule;
 
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use tch::{Kind, Tensor};
 
@@ -117,7 +116,7 @@ impl Pipeline {
                  of them (fewer only for the last window of an epoch)"
             )));
         }
-        accelerator.inner.state.start_window(m as u64);
+        let _running = accelerator.pipeline_step(m as u64);
         let mut run = schedule::Run {
             pipeline: self,
             accelerator,
@@ -126,14 +125,11 @@ impl Pipeline {
             loss: &loss,
             losses: vec![0.0; m],
         };
-        let flag = &accelerator.inner.in_pipeline_step;
-        flag.store(true, Ordering::Relaxed);
-        let ran = match self.schedule {
+        match self.schedule {
             Schedule::GPipe => run.gpipe(),
             Schedule::OneForwardOneBackward => run.one_forward_one_backward(),
-        };
-        flag.store(false, Ordering::Relaxed);
-        ran?;
+        }?;
+        drop(_running);
         // The losses live on the last stage; every stage reports them.
         let losses = Tensor::from_slice(&run.losses).f_to_kind(Kind::Double)?;
         self.comm.broadcast(&losses, self.stages() - 1)?;
