@@ -344,6 +344,13 @@ impl Accelerator {
             })?;
         }
         self.inner.parallel.check_model(&params)?;
+        // The model's units learn from its accelerator whether to checkpoint activations.
+        let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
+        let checkpointing = self.inner.config.activation_checkpointing;
+        crate::strategy::fsdp::set_checkpointing(
+            crate::strategy::fsdp::in_model(&names),
+            checkpointing,
+        );
         self.filter_fp8_layers(&params)?;
         let options = options.into();
         let cx = self.strategy_context();

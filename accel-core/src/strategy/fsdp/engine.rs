@@ -10,7 +10,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::flat::{Engine, Shard, UnitState};
 use super::layout::{chunk_of, size_based_units, unit_of};
-use super::unit::take_pending;
+use super::unit::{in_model, take_pending};
 use super::{ShardOptions, Stage};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -60,8 +60,7 @@ impl ShardedModel {
         }
         let (world, rank) = (group.size() as i64, group.rank() as i64);
         let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
-        let handles =
-            take_pending(|prefix| names.iter().any(|n| n.starts_with(&format!("{prefix}."))))?;
+        let handles = take_pending(in_model(&names))?;
         let wrapped: BTreeSet<String> = handles.iter().map(|h| h.prefix.clone()).collect();
         let sized = options.min_unit_params.map(|min| {
             let trainable: Vec<(&str, i64)> = params

@@ -20,6 +20,7 @@ use crate::optim::{Optimizer, Param};
 pub(crate) use engine::ShardedModel;
 pub(crate) use layout::chunk_of;
 pub use unit::Unit;
+pub(crate) use unit::{in_model, set_checkpointing};
 
 /// How a sharded model is cut into units and where its shards live.
 #[derive(Debug, Clone, Default, PartialEq)]

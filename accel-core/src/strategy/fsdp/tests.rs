@@ -299,3 +299,34 @@ fn param_dtype_gathers_and_computes_in_bf16_while_masters_and_full_weights_stay_
         assert!((a - b).abs() <= 0.03 * scale, "{a} vs {b} (largest {scale})");
     }
 }
+
+/// A unit learns from the accelerator that prepared its model whether to checkpoint
+/// activations (under any strategy, here one process's): with it on, the unit's forward
+/// runs again in backward; off, or with the model never prepared, it runs once.
+#[test]
+fn a_units_forward_runs_again_in_backward_when_its_accelerator_checkpoints_activations() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use tch::nn::Module;
+    for (on, prepared, runs) in [(true, true, 2), (false, true, 1), (true, false, 1)] {
+        let acc =
+            crate::Accelerator::builder().cpu(true).activation_checkpointing(on).build().unwrap();
+        let vs = nn::VarStore::new(Device::Cpu);
+        let path = vs.root() / "blocks" / 0;
+        let unit = Unit::new(&path, nn::linear(&path, 3, 2, Default::default()));
+        if prepared {
+            acc.prepare_model(&vs).unwrap();
+        }
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        let x = Tensor::ones([4, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let y = unit.run_on(&x, move |m, x| {
+            counted.fetch_add(1, SeqCst);
+            m.forward(x).relu()
+        });
+        y.sum(Kind::Float).backward();
+        let what = format!("checkpointing {on}, model prepared {prepared}");
+        assert_eq!(calls.load(SeqCst), runs, "forward passes of the unit: {what}");
+        assert!(x.grad().defined(), "the gradient reaches the input: {what}");
+    }
+}

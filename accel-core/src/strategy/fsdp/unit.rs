@@ -3,11 +3,13 @@
 //! unit reaches its model through that handle, never through process-wide state.
 //!
 //! Until then the handle waits in a list of this thread's pending units (models are built
-//! and prepared on one thread); preparing a model takes the pending units whose prefixes are
-//! its modules. Threads do not see each other's pending units, so ranks run as threads in
-//! tests stay apart.
+//! and prepared on one thread). Preparing a model, under any strategy, tells the pending
+//! units whose prefixes are its modules whether the accelerator checkpoints activations;
+//! zero3 then takes them and binds them. Threads do not see each other's pending units, so
+//! ranks run as threads in tests stay apart.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use tch::Tensor;
@@ -22,6 +24,9 @@ use crate::error::{Error, Result};
 pub(crate) struct UnitHandle {
     pub prefix: String,
     binding: OnceLock<(Weak<ShardedModel>, usize)>,
+    /// Activation checkpointing, as the accelerator that prepared the unit's model has it
+    /// (off until a model is prepared; under every strategy, not only zero3).
+    checkpointing: AtomicBool,
 }
 
 impl UnitHandle {
@@ -34,6 +39,23 @@ impl UnitHandle {
         let (model, unit) = self.binding.get()?;
         Some((model.upgrade()?, *unit))
     }
+}
+
+/// Whether a unit of prefix `prefix` belongs to a model with variables `names`.
+pub(crate) fn in_model<'a>(names: &'a [&'a str]) -> impl Fn(&str) -> bool + 'a {
+    move |prefix| names.iter().any(|n| n.starts_with(prefix) && n[prefix.len()..].starts_with('.'))
+}
+
+/// Tells this thread's pending units whose prefix `matches` (the model being prepared) whether
+/// activation checkpointing is on; they stay pending, for zero3 to bind.
+pub(crate) fn set_checkpointing(matches: impl Fn(&str) -> bool, on: bool) {
+    PENDING.with(|pending| {
+        for handle in pending.borrow().iter().filter_map(Weak::upgrade) {
+            if matches(&handle.prefix) {
+                handle.checkpointing.store(on, Ordering::Relaxed);
+            }
+        }
+    });
 }
 
 thread_local! {
@@ -101,7 +123,11 @@ impl<M> Unit<M> {
     /// Wraps `inner`, whose variables live under `path`; the model is prepared after this.
     pub fn new(path: &tch::nn::Path, inner: M) -> Self {
         let prefix = path.components().collect::<Vec<_>>().join(".");
-        let handle = Arc::new(UnitHandle { prefix, binding: OnceLock::new() });
+        let handle = Arc::new(UnitHandle {
+            prefix,
+            binding: OnceLock::new(),
+            checkpointing: AtomicBool::new(false),
+        });
         PENDING.with(|pending| pending.borrow_mut().push(Arc::downgrade(&handle)));
         Self { handle, inner: Shared(Arc::new(inner)) }
     }
@@ -143,11 +169,6 @@ impl<M> Unit<M> {
     }
 }
 
-/// Whether the accelerator of this process has activation checkpointing on.
-fn checkpointing() -> bool {
-    crate::current().is_some_and(|a| a.config().activation_checkpointing)
-}
-
 impl<M: Send + 'static> Unit<M> {
     /// `forward(module, x)`, as [`run`](Self::run) runs it (under zero3 with the unit's
     /// parameters gathered), and with the accelerator's activation checkpointing (FSDP's
@@ -160,7 +181,7 @@ impl<M: Send + 'static> Unit<M> {
         x: &Tensor,
         forward: impl Fn(&M, &Tensor) -> Tensor + Send + 'static,
     ) -> Tensor {
-        if !checkpointing() {
+        if !self.handle.checkpointing.load(Ordering::Relaxed) {
             return self.run(|m| forward(m, x));
         }
         let module = Shared(self.inner.0.clone());
