@@ -344,16 +344,17 @@ impl Accelerator {
             })?;
         }
         self.inner.parallel.check_model(&params)?;
-        // The model's units learn from its accelerator whether to checkpoint activations.
+        self.filter_fp8_layers(&params)?;
+        let options = options.into();
+        let cx = self.strategy_context();
+        // The model's units learn from its accelerator whether to checkpoint activations
+        // (before zero3 takes them to bind).
         let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
         let checkpointing = self.inner.config.activation_checkpointing;
         crate::strategy::fsdp::set_checkpointing(
             crate::strategy::fsdp::in_model(&names),
             checkpointing,
         );
-        self.filter_fp8_layers(&params)?;
-        let options = options.into();
-        let cx = self.strategy_context();
         self.inner.strategy.prepare_model(&cx, &params, &options)?;
         if let Some(group) = self.inner.strategy.buffer_group(&cx, &options) {
             let buffers = crate::strategy::buffers::BufferSync::new(vs, group)?;

@@ -5,8 +5,9 @@
 //!
 //! Megatron-LM's counterparts: `finalize_model_grads` (the gradient sums a dimension owes
 //! before the step: here the sequence-parallel parameters' sums across the tensor ranks),
-//! and `get_grad_stats_parallel_group` (where the gradient norm and the fp16 overflow flag
-//! are reduced). Where each process's tensors sit in the whole model (what checkpoints
+//! and `get_grad_stats_parallel_group` (here: where the fp16 overflow flag is reduced; the
+//! gradient norm's partial sums go over the shards, the tensor ranks and the stages, each
+//! parameter counted once). Where each process's tensors sit in the whole model (what checkpoints
 //! save, cut back on load and put together for the full weights) is here too.
 
 use std::sync::Arc;
@@ -33,8 +34,8 @@ pub(crate) struct ModelParallel {
     everyone: Arc<dyn Communicator>,
     /// The world's group for gathers of objects (`None` with one process).
     world: Option<ProcessGroup>,
-    /// This process's index along the data dimension and whether it is the first of its
-    /// stage's copies (data and tensor index 0).
+    /// Whether this process is first along the data dimension, and whether it is the first
+    /// of its stage's copies (data and tensor index 0).
     first_of_data: bool,
     first_of_stage: bool,
     /// Set while a pipeline step runs: its backward passes are the only ones allowed when
@@ -43,6 +44,7 @@ pub(crate) struct ModelParallel {
 }
 
 /// Marks a pipeline step as running until dropped (see [`ModelParallel::pipeline_step`]).
+#[must_use = "the pipeline step ends when this guard drops"]
 pub(crate) struct PipelineStep<'a>(&'a AtomicBool);
 
 impl Drop for PipelineStep<'_> {
@@ -228,8 +230,9 @@ impl ModelParallel {
         }
     }
 
-    /// The placement of `param` (or a tensor shaped like it, e.g. its optimizer state) given
-    /// the strategy's placement of this process's `placement`.
+    /// Where this process's part of `param` (or of a tensor shaped like it, e.g. its
+    /// optimizer state) sits in the whole, given `placement`, the strategy's placement of it
+    /// across the data-parallel processes.
     pub(crate) fn placement(&self, param: &Tensor, placement: Placement) -> Result<Placement> {
         let Some(split) = self.tp.split_of(crate::shim::tensor_id(param)?) else {
             return Ok(self.placement_unsplit(placement));

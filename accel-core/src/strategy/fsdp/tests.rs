@@ -301,32 +301,51 @@ fn param_dtype_gathers_and_computes_in_bf16_while_masters_and_full_weights_stay_
 }
 
 /// A unit learns from the accelerator that prepared its model whether to checkpoint
-/// activations (under any strategy, here one process's): with it on, the unit's forward
-/// runs again in backward; off, or with the model never prepared, it runs once.
+/// activations, under any strategy (one process's, and zero3 on 2 thread ranks, which binds
+/// the unit): with it on, the unit's forward runs again in backward; off, or with the model
+/// never prepared, once.
 #[test]
 fn a_units_forward_runs_again_in_backward_when_its_accelerator_checkpoints_activations() {
+    use crate::config::Strategy as Name;
+    let cases = [(true, true, 2), (false, true, 1), (true, false, 1)];
+    for (on, prepared, runs) in cases {
+        let acc = crate::Accelerator::builder().cpu(true).activation_checkpointing(on).build();
+        let calls = forward_passes(&acc.unwrap(), prepared);
+        let what = format!("checkpointing {on}, model prepared {prepared}");
+        assert_eq!(calls, runs, "forward passes of the unit, one process: {what}");
+        let sharded = on_ranks(2, Duration::from_secs(20), move |g| {
+            let acc = crate::strategy::tests::thread_accelerator(
+                Name::Zero3,
+                g.clone(),
+                std::sync::Arc::new(g),
+                |b| b.activation_checkpointing(on),
+            );
+            forward_passes(&acc, prepared)
+        });
+        assert_eq!(sharded, [runs, runs], "forward passes of the unit, zero3 on 2 ranks: {what}");
+    }
+}
+
+/// How many times a unit's forward runs in one forward and backward pass, its model prepared
+/// by `acc` or not.
+fn forward_passes(acc: &crate::Accelerator, prepared: bool) -> usize {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
     use tch::nn::Module;
-    for (on, prepared, runs) in [(true, true, 2), (false, true, 1), (true, false, 1)] {
-        let acc =
-            crate::Accelerator::builder().cpu(true).activation_checkpointing(on).build().unwrap();
-        let vs = nn::VarStore::new(Device::Cpu);
-        let path = vs.root() / "blocks" / 0;
-        let unit = Unit::new(&path, nn::linear(&path, 3, 2, Default::default()));
-        if prepared {
-            acc.prepare_model(&vs).unwrap();
-        }
-        let calls = Arc::new(AtomicUsize::new(0));
-        let counted = calls.clone();
-        let x = Tensor::ones([4, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
-        let y = unit.run_on(&x, move |m, x| {
-            counted.fetch_add(1, SeqCst);
-            m.forward(x).relu()
-        });
-        y.sum(Kind::Float).backward();
-        let what = format!("checkpointing {on}, model prepared {prepared}");
-        assert_eq!(calls.load(SeqCst), runs, "forward passes of the unit: {what}");
-        assert!(x.grad().defined(), "the gradient reaches the input: {what}");
+    let vs = nn::VarStore::new(Device::Cpu);
+    let path = vs.root() / "blocks" / 0;
+    let unit = Unit::new(&path, nn::linear(&path, 3, 2, Default::default()));
+    if prepared {
+        acc.prepare_model(&vs).unwrap();
     }
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let x = Tensor::ones([4, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let y = unit.run_on(&x, move |m, x| {
+        counted.fetch_add(1, SeqCst);
+        m.forward(x).relu()
+    });
+    y.sum(Kind::Float).backward();
+    assert!(x.grad().defined(), "the gradient reaches the input");
+    calls.load(SeqCst)
 }

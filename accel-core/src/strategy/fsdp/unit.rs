@@ -9,7 +9,6 @@
 //! ranks run as threads in tests stay apart.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use tch::Tensor;
@@ -24,9 +23,9 @@ use crate::error::{Error, Result};
 pub(crate) struct UnitHandle {
     pub prefix: String,
     binding: OnceLock<(Weak<ShardedModel>, usize)>,
-    /// Activation checkpointing, as the accelerator that prepared the unit's model has it
-    /// (off until a model is prepared; under every strategy, not only zero3).
-    checkpointing: AtomicBool,
+    /// Activation checkpointing, as the first accelerator that prepared the unit's model has
+    /// it (off until then; under every strategy, not only zero3).
+    checkpointing: OnceLock<bool>,
 }
 
 impl UnitHandle {
@@ -47,12 +46,15 @@ pub(crate) fn in_model<'a>(names: &'a [&'a str]) -> impl Fn(&str) -> bool + 'a {
 }
 
 /// Tells this thread's pending units whose prefix `matches` (the model being prepared) whether
-/// activation checkpointing is on; they stay pending, for zero3 to bind.
+/// activation checkpointing is on, unless an earlier prepare told them; they stay pending,
+/// for zero3 to bind. Units dropped meanwhile leave the list.
 pub(crate) fn set_checkpointing(matches: impl Fn(&str) -> bool, on: bool) {
     PENDING.with(|pending| {
-        for handle in pending.borrow().iter().filter_map(Weak::upgrade) {
+        let mut pending = pending.borrow_mut();
+        pending.retain(|h| h.strong_count() > 0);
+        for handle in pending.iter().filter_map(Weak::upgrade) {
             if matches(&handle.prefix) {
-                handle.checkpointing.store(on, Ordering::Relaxed);
+                let _ = handle.checkpointing.set(on);
             }
         }
     });
@@ -126,7 +128,7 @@ impl<M> Unit<M> {
         let handle = Arc::new(UnitHandle {
             prefix,
             binding: OnceLock::new(),
-            checkpointing: AtomicBool::new(false),
+            checkpointing: OnceLock::new(),
         });
         PENDING.with(|pending| pending.borrow_mut().push(Arc::downgrade(&handle)));
         Self { handle, inner: Shared(Arc::new(inner)) }
@@ -181,7 +183,7 @@ impl<M: Send + 'static> Unit<M> {
         x: &Tensor,
         forward: impl Fn(&M, &Tensor) -> Tensor + Send + 'static,
     ) -> Tensor {
-        if !self.handle.checkpointing.load(Ordering::Relaxed) {
+        if self.handle.checkpointing.get() != Some(&true) {
             return self.run(|m| forward(m, x));
         }
         let module = Shared(self.inner.0.clone());

@@ -116,7 +116,7 @@ impl Pipeline {
                  of them (fewer only for the last window of an epoch)"
             )));
         }
-        let _running = accelerator.pipeline_step(m as u64);
+        let running = accelerator.pipeline_step(m as u64);
         let mut run = schedule::Run {
             pipeline: self,
             accelerator,
@@ -129,7 +129,7 @@ impl Pipeline {
             Schedule::GPipe => run.gpipe(),
             Schedule::OneForwardOneBackward => run.one_forward_one_backward(),
         }?;
-        drop(_running);
+        drop(running);
         // The losses live on the last stage; every stage reports them.
         let losses = Tensor::from_slice(&run.losses).f_to_kind(Kind::Double)?;
         self.comm.broadcast(&losses, self.stages() - 1)?;
