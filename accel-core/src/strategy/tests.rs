@@ -191,21 +191,12 @@ pub(crate) fn thread_accelerator(
     data: Arc<dyn Communicator>,
     with: impl FnOnce(crate::AcceleratorBuilder) -> crate::AcceleratorBuilder,
 ) -> Accelerator {
-    let (rank, world) = (group.rank(), group.size());
-    let process = Topology {
-        rank,
-        world_size: world,
-        local_rank: rank,
-        local_world_size: world,
-        master_addr: "127.0.0.1".into(),
-        master_port: 0,
-        source: "test",
-    };
+    let process = thread_topology(&group);
     let config = Config { strategy, ..Config::default() };
     let dims = ParallelDims::for_run(&config, &process).unwrap();
     let mesh = DeviceMesh::from_parts(
         dims,
-        rank,
+        process.rank,
         Some(group),
         [(Dim::Data, data.clone()), (Dim::DataReplicate, data.clone()), (Dim::DataShard, data)]
             .into_iter()
@@ -305,8 +296,17 @@ pub(crate) fn thread_accelerator_on(
     dims: ParallelDims,
     with: impl FnOnce(crate::AcceleratorBuilder) -> crate::AcceleratorBuilder,
 ) -> Accelerator {
+    let process = thread_topology(&group);
+    let mesh = DeviceMesh::new(dims, &group, tch::Device::Cpu).unwrap();
+    with(Accelerator::builder().strategy(strategy).cpu(true).thread_rank(process, mesh))
+        .build()
+        .unwrap()
+}
+
+/// Thread rank `group.rank()`'s place in a run of `group.size()` on one machine.
+fn thread_topology(group: &ProcessGroup) -> Topology {
     let (rank, world) = (group.rank(), group.size());
-    let process = Topology {
+    Topology {
         rank,
         world_size: world,
         local_rank: rank,
@@ -314,9 +314,5 @@ pub(crate) fn thread_accelerator_on(
         master_addr: "127.0.0.1".into(),
         master_port: 0,
         source: "test",
-    };
-    let mesh = DeviceMesh::new(dims, &group, tch::Device::Cpu).unwrap();
-    with(Accelerator::builder().strategy(strategy).cpu(true).thread_rank(process, mesh))
-        .build()
-        .unwrap()
+    }
 }
