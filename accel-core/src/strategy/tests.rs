@@ -16,7 +16,6 @@ use crate::error::Result;
 use crate::mesh::{DeviceMesh, Dim, ParallelDims};
 use crate::optim::{AdamConfig, AdamW};
 use crate::strategy::fsdp::Unit;
-use crate::topology::Topology;
 
 /// A communicator that notes every operation (and its shape and dtype) before handing it
 /// on; with `deferred`, an async operation runs only when its work is waited for.
@@ -191,7 +190,7 @@ pub(crate) fn thread_accelerator(
     data: Arc<dyn Communicator>,
     with: impl FnOnce(crate::AcceleratorBuilder) -> crate::AcceleratorBuilder,
 ) -> Accelerator {
-    let process = thread_topology(&group);
+    let process = crate::comm::tests::topology(group.rank(), group.size(), 0);
     let config = Config { strategy, ..Config::default() };
     let dims = ParallelDims::for_run(&config, &process).unwrap();
     let mesh = DeviceMesh::from_parts(
@@ -296,23 +295,9 @@ pub(crate) fn thread_accelerator_on(
     dims: ParallelDims,
     with: impl FnOnce(crate::AcceleratorBuilder) -> crate::AcceleratorBuilder,
 ) -> Accelerator {
-    let process = thread_topology(&group);
+    let process = crate::comm::tests::topology(group.rank(), group.size(), 0);
     let mesh = DeviceMesh::new(dims, &group, tch::Device::Cpu).unwrap();
     with(Accelerator::builder().strategy(strategy).cpu(true).thread_rank(process, mesh))
         .build()
         .unwrap()
-}
-
-/// Thread rank `group.rank()`'s place in a run of `group.size()` on one machine.
-fn thread_topology(group: &ProcessGroup) -> Topology {
-    let (rank, world) = (group.rank(), group.size());
-    Topology {
-        rank,
-        world_size: world,
-        local_rank: rank,
-        local_world_size: world,
-        master_addr: "127.0.0.1".into(),
-        master_port: 0,
-        source: "test",
-    }
 }
