@@ -31,7 +31,7 @@ fn main() -> ExitCode {
     let rest: Vec<OsString> = args.collect();
     let result = match command.as_str() {
         "setup" => setup().map(|_| ()),
-        "test" => setup().and_then(|_| cargo(&["test", "--workspace"], &rest)),
+        "test" => setup().and_then(|_| test(&rest)),
         "train" => setup().and_then(|_| train(&rest)),
         "bench" if rest.first().is_some_and(|a| a == "memory") => {
             setup().and_then(|_| memory_bench()).and_then(|_| llama_memory_bench())
@@ -109,19 +109,29 @@ fn setup() -> Result<PathBuf, String> {
             )
         })?;
     }
+    // pip's own "No space left on device" comes minutes in; say it before starting.
+    if let Some(free) = free_gib(&root).filter(|free| *free < NEEDED_GIB) {
+        eprintln!(
+            "xtask: warning: {free:.1} GiB free under {}; the venv and a debug build need \
+             about {NEEDED_GIB} GiB",
+            root.display()
+        );
+    }
     eprintln!(
         "xtask: installing {} into {VENV} (first time only; torch with its CUDA libraries \
          is about 4.7 GB)",
         requirements.lines().filter(|l| !l.trim().is_empty() && !l.starts_with('#')).count()
     );
     run(Command::new(&venv_python)
-        .args(["-m", "pip", "install", "--disable-pip-version-check", "-q", "-r"])
+        // No cache: it would keep a second copy of the ~3 GB of wheels for nothing.
+        .args(["-m", "pip", "install", "--disable-pip-version-check", "--no-cache-dir", "-q", "-r"])
         .arg(root.join(REQUIREMENTS)))
     .map_err(|e| {
         format!(
-            "{e}\npip could not install {REQUIREMENTS} (is PyPI reachable from here?). \
-             Ways out: make PyPI reachable (or set PIP_INDEX_URL to a mirror), or set \
-             LIBTORCH to an existing libtorch 2.11.0 and run cargo directly"
+            "{e}\npip could not install {REQUIREMENTS}: its message above says why (PyPI \
+             not reachable, or no space left). Ways out: make PyPI reachable (or set \
+             PIP_INDEX_URL to a mirror), free disk space (about {NEEDED_GIB} GiB in all), or \
+             set LIBTORCH to an existing libtorch 2.11.0 and run cargo directly"
         )
     })?;
     let torch_dir =
@@ -181,9 +191,32 @@ fn python_output(python: &Path, code: &str) -> Result<String, String> {
     Ok(String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
+/// Disk a fresh checkout needs: the venv (5.7 GB) and `cargo xtask test`'s debug build.
+const NEEDED_GIB: f64 = 12.0;
+
+/// Free space on the file system holding `dir`, from `df` (None if it cannot tell).
+fn free_gib(dir: &Path) -> Option<f64> {
+    let output = Command::new("df").args(["-Pk"]).arg(dir).output().ok()?;
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    let kib: f64 = text.lines().nth(1)?.split_whitespace().nth(3)?.parse().ok()?;
+    Some(kib / (1024.0 * 1024.0))
+}
+
 fn run(command: &mut Command) -> Result<(), String> {
     let status = command.status().map_err(|e| format!("cannot run {command:?}: {e}"))?;
     if status.success() { Ok(()) } else { Err(format!("{command:?} failed ({status})")) }
+}
+
+/// `cargo test --workspace`. The builds the tests start themselves (trybuild's, the user
+/// crates') do not read this workspace's `[profile.dev]`; the environment gives them its
+/// debug level, which halves their size. Same value, so the workspace does not rebuild.
+fn test(rest: &[OsString]) -> Result<(), String> {
+    let cargo = std::env::var_os("CARGO").unwrap_or("cargo".into());
+    run(Command::new(cargo)
+        .current_dir(root())
+        .args(["test", "--workspace"])
+        .args(rest)
+        .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only"))
 }
 
 fn cargo(args: &[&str], rest: &[OsString]) -> Result<(), String> {
