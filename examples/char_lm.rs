@@ -32,7 +32,7 @@ use accel_core::comm::ReduceOp;
 use accel_core::data::{DataLoader, LoaderOptions, Sampler, TensorDataset};
 use accel_core::mesh::Dim;
 use accel_core::optim::{AdamConfig, AdamW, Schedule};
-use accel_core::strategy::pp::{self, Pipeline};
+use accel_core::pipeline::{self, Pipeline};
 use accel_core::{Accelerator, Precision, Strategy};
 use accel_examples::gpt::{Gpt, GptConfig};
 use anyhow::{Context, Result, bail};
@@ -170,8 +170,8 @@ fn main() -> Result<()> {
     // sequence (inputs and targets alike).
     let cp = acc.context_parallel();
     let schedule = match args.schedule.as_str() {
-        "1f1b" => pp::Schedule::OneForwardOneBackward,
-        "gpipe" => pp::Schedule::GPipe,
+        "1f1b" => pipeline::Schedule::OneForwardOneBackward,
+        "gpipe" => pipeline::Schedule::GPipe,
         other => bail!("unknown schedule `{other}`; use 1f1b or gpipe"),
     };
     let pipeline = Pipeline::new(&acc, schedule);

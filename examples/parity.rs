@@ -17,8 +17,8 @@ use std::path::PathBuf;
 
 use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW, Sgd, SgdConfig, named_params};
+use accel_core::pipeline::{Pipeline, Schedule};
 use accel_core::precision::Float8Linear;
-use accel_core::strategy::pp::{Pipeline, Schedule};
 use accel_core::strategy::tp::{ColumnParallelLinear, LinearOptions, RowParallelLinear};
 use accel_core::{Accelerator, Fp8Recipe, Precision, ShardOptions, Strategy, Unit};
 use anyhow::{Context, Result, bail};

@@ -24,6 +24,7 @@ pub mod launch;
 pub mod mesh;
 pub mod nn;
 pub mod optim;
+pub mod pipeline;
 pub mod precision;
 pub mod profile;
 pub mod shim;
@@ -33,14 +34,14 @@ pub mod tracking;
 
 pub use accel_macros::{ToDevice, accelerate};
 pub use accelerator::helpers::{
-    find_executable_batch_size, find_executable_batch_size_with, is_out_of_memory,
+    Stateful, find_executable_batch_size, find_executable_batch_size_with, is_out_of_memory,
 };
 pub use accelerator::{
     AcceleratedOptimizer, Accelerator, AcceleratorBuilder, AdoptOptimizer, DataPosition,
     DriveOptimizer, Driven, ExitGuard, ForwardGuard, IntoAccelOptimizer, PreparedBatches,
     PreparedIter, PreparedLoader, StepCounters, StepGuard, current, split_between,
 };
-pub use checkpoint::{HfCheckpoint, Stateful, merge_weights};
+pub use checkpoint::{HfCheckpoint, merge_weights};
 pub use config::{Config, DataSharding, Fp8Recipe, LogWith, Precision, Strategy};
 pub use device::ToDevice;
 pub use error::{Error, Result};

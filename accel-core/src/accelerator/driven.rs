@@ -106,7 +106,7 @@ impl<O: Optimizer> DriveOptimizer for O {
         Optimizer::params(self)
     }
     fn raw_step(&mut self) -> Result<()> {
-        crate::optim::prepared_step(|| Optimizer::step(self))
+        Optimizer::prepared_step(self)
     }
     fn raw_zero_grad(&mut self) -> Result<()> {
         Optimizer::zero_grad(self)

@@ -11,6 +11,7 @@ mod driven;
 pub(crate) mod helpers;
 mod layers;
 mod optimizer;
+mod tracking;
 mod varstore;
 
 use std::fmt::Display;
@@ -60,7 +61,7 @@ pub(crate) struct Registry {
     pub(crate) optimizers: Vec<AcceleratedOptimizer>,
     pub(crate) loaders: Vec<Arc<Mutex<DataPosition>>>,
     /// States of the program's own (`register_for_checkpointing`).
-    pub(crate) custom: Vec<Arc<Mutex<dyn crate::checkpoint::Stateful>>>,
+    pub(crate) custom: Vec<Arc<Mutex<dyn helpers::Stateful>>>,
 }
 
 pub(crate) struct Inner {

@@ -318,7 +318,7 @@ impl AcceleratedOptimizer {
             if let Some(max) = self.clip {
                 self.clip(&slot, &params, max)?;
             }
-            crate::optim::prepared_step(|| slot.optimizer.step())?;
+            slot.optimizer.prepared_step()?;
         }
         {
             let Slot { optimizer, plan, .. } = &mut *slot;

@@ -34,38 +34,6 @@ use format::{
 pub use hf::HfCheckpoint;
 pub use model::merge_weights;
 
-/// A state of one's own that `save_state` saves and `load_state` restores once registered
-/// with [`Accelerator::register_for_checkpointing`] (Accelerate's objects with `state_dict`
-/// and `load_state_dict`). Every type serde can write and read is one, as JSON in the
-/// checkpoint's manifest; implement it by hand for anything else.
-pub trait Stateful: Send {
-    /// The state to save.
-    fn state(&self) -> Result<serde_json::Value>;
-    /// Takes back a state [`state`](Self::state) gave.
-    fn load(&mut self, state: serde_json::Value) -> Result<()>;
-}
-
-impl<T: Serialize + serde::de::DeserializeOwned + Send> Stateful for T {
-    fn state(&self) -> Result<serde_json::Value> {
-        serde_json::to_value(self).map_err(|e| {
-            Error::Training(format!(
-                "register_for_checkpointing: a {} cannot be saved: {e}",
-                std::any::type_name::<T>()
-            ))
-        })
-    }
-
-    fn load(&mut self, state: serde_json::Value) -> Result<()> {
-        *self = serde_json::from_value(state).map_err(|e| {
-            Error::Training(format!(
-                "register_for_checkpointing: the saved state is not a {}: {e}",
-                std::any::type_name::<T>()
-            ))
-        })?;
-        Ok(())
-    }
-}
-
 /// What one process saved of a tensor in its shard file.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 enum PieceReport {

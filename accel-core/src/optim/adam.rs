@@ -119,8 +119,7 @@ impl AdamCore {
         Ok(())
     }
 
-    fn step(&mut self) -> Result<()> {
-        super::guard_unprepared_step(self.name)?;
+    fn update(&mut self) -> Result<()> {
         let mut index = 0;
         for group in &self.groups {
             let h = group.hyper;
@@ -308,7 +307,11 @@ macro_rules! adam_optimizer {
                 $name
             }
             fn step(&mut self) -> Result<()> {
-                self.0.step()
+                super::guard_unprepared_step($name)?;
+                self.0.update()
+            }
+            fn prepared_step(&mut self) -> Result<()> {
+                self.0.update()
             }
             fn params(&self) -> Vec<Tensor> {
                 self.0.groups.iter().flat_map(|g| g.params.iter().map(|p| p.tensor.shallow_clone())).collect()

@@ -85,6 +85,14 @@ pub trait Optimizer: Send {
     fn name(&self) -> &'static str;
     /// One update from the parameters' current `.grad` (parameters without one are skipped).
     fn step(&mut self) -> Result<()>;
+    /// The update as the accelerator takes it, once it has reduced, unscaled and clipped
+    /// the gradients. accel's optimizers make [`step`](Optimizer::step) this behind a check
+    /// that refuses a direct step in a multi-process run (the optimizer was not prepared);
+    /// an optimizer without such a check keeps this default. A wrapper of another optimizer
+    /// forwards both methods to it.
+    fn prepared_step(&mut self) -> Result<()> {
+        self.step()
+    }
     /// Every parameter, in group order (shallow clones).
     fn params(&self) -> Vec<Tensor>;
     /// The names its state is saved under, in [`Optimizer::params`] order.
@@ -163,8 +171,9 @@ pub trait Preparer {
     ) -> Result<Self::Prepared>;
 }
 
-/// The rank and size of the multi-process run an accelerator of this process belongs to
-/// (0, 0 until one is built): what the safety net below needs to know.
+/// The rank and size of the multi-process run this process belongs to (0, 0 until an
+/// accelerator of a launched run is built): what the check below needs to know. Like
+/// torch's default process group, it is a fact about the process, set once.
 static RUN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Records that this process is rank `rank` of `world` (called when an accelerator is built).
@@ -172,27 +181,12 @@ pub(crate) fn note_run(rank: usize, world: usize) {
     RUN.store(((rank as u64) << 32) | world as u64, std::sync::atomic::Ordering::SeqCst);
 }
 
-thread_local! {
-    /// Set while a prepared optimizer steps its optimizer on this thread.
-    static PREPARED_STEP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Runs `step` as the step of a prepared optimizer (see [`guard_unprepared_step`]).
-pub(crate) fn prepared_step<T>(step: impl FnOnce() -> T) -> T {
-    let outer = PREPARED_STEP.with(|p| p.replace(true));
-    let out = step();
-    PREPARED_STEP.with(|p| p.set(outer));
-    out
-}
-
-/// The safety net under forgetting `prepare_optimizer`: with several processes, an
-/// optimizer of ours stepped directly (not through the accelerator) would apply this
-/// process's gradients alone, skip accumulation and loss scaling, and let the replicas
-/// drift apart without a word. That is an error instead.
+/// The safety net under forgetting `prepare_optimizer`, in [`Optimizer::step`] of accel's
+/// optimizers (the accelerator calls [`Optimizer::prepared_step`]): with several processes,
+/// an optimizer stepped directly would apply this process's gradients alone, skip
+/// accumulation and loss scaling, and let the replicas drift apart without a word. That
+/// is an error instead.
 pub(crate) fn guard_unprepared_step(name: &str) -> Result<()> {
-    if PREPARED_STEP.with(std::cell::Cell::get) {
-        return Ok(());
-    }
     let run = RUN.load(std::sync::atomic::Ordering::SeqCst);
     let (rank, world) = (run >> 32, run & 0xffff_ffff);
     match world {

@@ -154,6 +154,10 @@ impl Optimizer for Sgd {
 
     fn step(&mut self) -> Result<()> {
         super::guard_unprepared_step("SGD")?;
+        self.prepared_step()
+    }
+
+    fn prepared_step(&mut self) -> Result<()> {
         let mut index = 0;
         tch::no_grad(|| -> Result<()> {
             for group in &self.groups {

@@ -14,7 +14,6 @@ pub mod cp;
 pub mod ddp;
 pub mod fsdp;
 pub(crate) mod model_parallel;
-pub mod pp;
 pub mod tp;
 pub mod zero1;
 

@@ -115,7 +115,7 @@ impl ModelParallel {
                 "backward on rank {rank} with pipeline_parallel = {stages}: the model is cut \
                  into stages, and only a pipeline step passes activations and gradients \
                  between them. Run each step with `Pipeline::train_step` \
-                 (accel_core::strategy::pp), or run with pipeline_parallel = 1"
+                 (accel_core::pipeline), or run with pipeline_parallel = 1"
             )));
         }
         Ok(())

@@ -6,7 +6,6 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use super::Tracker;
-use crate::accelerator::Accelerator;
 use crate::error::{Error, Result};
 
 /// Appends one record per [`log`](Self::log) call to `metrics.jsonl` and `metrics.csv` in
@@ -21,15 +20,11 @@ pub struct MetricsFiles {
 }
 
 impl MetricsFiles {
-    /// Opens the files in `dir` on the main process: truncated, or appended to with
-    /// `append` (a resumed run keeps the records of the run it continues).
-    pub fn new(accelerator: &Accelerator, dir: impl AsRef<Path>, append: bool) -> Result<Self> {
-        Self::open(dir.as_ref(), accelerator.is_main_process(), append)
-    }
-
-    /// [`MetricsFiles::new`] for the process that writes (`main`) or not.
-    pub(crate) fn open(dir: &Path, main: bool, append: bool) -> Result<Self> {
-        let dir = dir.to_path_buf();
+    /// Opens the files in `dir` on the main process (`main`; elsewhere it writes nothing):
+    /// truncated, or appended to with `append` (a resumed run keeps the records of the run
+    /// it continues).
+    pub fn new(dir: impl AsRef<Path>, main: bool, append: bool) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
         let files = if main {
             std::fs::create_dir_all(&dir)
                 .map_err(|source| Error::Io { path: dir.clone(), source })?;
@@ -122,9 +117,8 @@ mod tests {
 
     #[test]
     fn records_go_to_both_files_and_unknown_columns_are_refused() {
-        let acc = Accelerator::builder().cpu(true).build().unwrap();
         let dir = std::env::temp_dir().join(format!("accel-tracker-{}", std::process::id()));
-        let mut tracker = MetricsFiles::new(&acc, &dir, false).unwrap();
+        let mut tracker = MetricsFiles::new(&dir, true, false).unwrap();
         tracker.log(1, &[("loss", 0.5), ("lr", 0.001)]).unwrap();
         tracker.log(2, &[("loss", 0.25)]).unwrap();
         let err = tracker.log(3, &[("accuracy", 0.9)]).unwrap_err();
@@ -134,7 +128,7 @@ mod tests {
         let csv = std::fs::read_to_string(dir.join("metrics.csv")).unwrap();
         assert_eq!(csv, "step,loss,lr\n1,0.5,0.001\n2,0.25,\n");
         drop(tracker);
-        let mut resumed = MetricsFiles::new(&acc, &dir, true).unwrap();
+        let mut resumed = MetricsFiles::new(&dir, true, true).unwrap();
         resumed.log(3, &[("lr", 0.002)]).unwrap();
         let csv = std::fs::read_to_string(dir.join("metrics.csv")).unwrap();
         assert_eq!(csv, "step,loss,lr\n1,0.5,0.001\n2,0.25,\n3,,0.002\n");

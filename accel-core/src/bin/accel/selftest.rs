@@ -336,6 +336,23 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
     opt.step()?;
     opt.zero_grad()?;
 
+    // The same optimizer not prepared, stepped directly: an error naming the rank and the
+    // cure, and the weights untouched (its step would apply this rank's gradients alone).
+    let before = w.copy();
+    let mut raw = Sgd::new(named_params(&vs), SgdConfig { lr: 0.1, ..Default::default() })?;
+    let _ = w.grad().fill_(1.0);
+    let refused = match accel_core::optim::Optimizer::step(&mut raw) {
+        Err(e) => e.to_string(),
+        Ok(()) => String::new(),
+    };
+    report(
+        "an unprepared optimizer stepped directly is refused, naming the rank",
+        refused.contains(&format!("on rank {} of {}", acc.process_index(), group.size()))
+            && refused.contains("prepare_optimizer")
+            && close(&w, &before, 0.0),
+    );
+    opt.zero_grad()?;
+
     // A checkpoint of a multi-process run: one folder, every rank's RNG state in it.
     let dir = std::env::temp_dir()
         .join(format!("accel-ddp-{}", std::env::var("MASTER_PORT").unwrap_or_default()));
