@@ -314,7 +314,7 @@ fn ddp_through_the_accelerator_on_2_and_3_processes() {
         let out = text(&output);
         assert!(output.status.success(), "{out}");
         assert!(!out.contains("FAIL"), "{out}");
-        let expected = if n == "2" { 9 } else { 8 };
+        let expected = if n == "2" { 10 } else { 9 };
         assert_eq!(out.matches("PASS").count(), expected, "{out}");
     }
 }
