@@ -1,16 +1,17 @@
-//! Data prepared by the accelerator: batches moved to the process's device, one batch of
-//! look-ahead so that the accumulation window closes on the last batch, and a position
-//! that checkpoints record and resume from.
+//! Data prepared by the accelerator (`prepare_loader`, `prepare_iter`, `shard_samples`):
+//! batches moved to the process's device, one batch of look-ahead so that the accumulation
+//! window closes on the last batch, and a position that checkpoints record and resume from.
 
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 use tch::Device;
 
+use super::Accelerator;
 use crate::accumulation::GradientState;
 use crate::data::{Batches, DataLoader, Dataset};
 use crate::device::ToDevice;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Where a prepared data source stands (saved in checkpoints).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -212,5 +213,73 @@ where
 impl<T: ToDevice, E> ToDevice for std::result::Result<T, E> {
     fn to_device(self, device: Device) -> Self {
         self.map(|t| t.to_device(device))
+    }
+}
+
+impl Accelerator {
+    /// Shards `loader` across processes, moves its batches to the device, and registers its
+    /// position for checkpoints.
+    pub fn prepare_loader<D: Dataset>(&self, mut loader: DataLoader<D>) -> Result<PreparedLoader<D>>
+    where
+        D::Batch: ToDevice,
+    {
+        // Processes of one data-parallel replica (its tensor ranks and pipeline stages) see
+        // the same batches.
+        let (index, replicas) = self.data_parallel();
+        loader.shard(index, replicas)?;
+        if let (Some(micro), per_process) =
+            (self.inner.micro_batch_size, loader.per_process_batch())
+        {
+            if micro != per_process {
+                return Err(Error::Config(format!(
+                    "the DeepSpeed config's micro batch size is {micro} per process, but this \
+                     loader gives each process batches of {per_process}; make them agree (or \
+                     set train_micro_batch_size_per_gpu to \"auto\")"
+                )));
+            }
+        }
+        let position = Arc::new(Mutex::new(DataPosition::default()));
+        self.registry().loaders.push(position.clone());
+        Ok(PreparedLoader::new(loader, self.inner.state.clone(), position, self.device()))
+    }
+
+    /// Any iterable of batches: moved to the device, with the look-ahead that closes the
+    /// accumulation window on the last batch. With several processes, batches are dealt
+    /// round-robin (batch k to rank k mod N) and a last round too short for every rank is
+    /// dropped; use a [`DataLoader`] for Accelerate's padding and for resumable positions.
+    pub fn prepare_iter<I>(&self, iterable: I) -> PreparedIter<Rounds<I::IntoIter>>
+    where
+        I: IntoIterator,
+        I::Item: ToDevice,
+    {
+        let position = Arc::new(Mutex::new(DataPosition::default()));
+        let (index, replicas) = self.data_parallel();
+        let rounds = Rounds::new(iterable.into_iter(), index, replicas);
+        PreparedIter::new(rounds, self.inner.state.clone(), position, self.device())
+    }
+
+    /// This process's share of a stream of samples, with Accelerate's
+    /// `IterableDatasetShard` rules (buffers of `batch_size × processes`, rank r takes its
+    /// slice, a short last buffer completed from the first); batch the result yourself, or
+    /// through a [`DataLoader`].
+    pub fn shard_samples<I>(
+        &self,
+        samples: I,
+        batch_size: usize,
+    ) -> crate::data::IterableShard<I::IntoIter>
+    where
+        I: IntoIterator,
+        I::Item: Clone,
+    {
+        let (rank, world) = self.data_parallel();
+        let options = crate::data::ShardOptions {
+            rank,
+            world,
+            batch_size,
+            drop_last: false,
+            even_batches: true,
+            split_batches: false,
+        };
+        crate::data::IterableShard::new(samples.into_iter(), options)
     }
 }

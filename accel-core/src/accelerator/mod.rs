@@ -11,6 +11,7 @@ mod driven;
 pub(crate) mod helpers;
 mod layers;
 mod optimizer;
+mod step;
 mod tracking;
 mod varstore;
 
@@ -22,13 +23,10 @@ use tch::{Device, Tensor};
 
 use crate::comm::{Communicator, ProcessGroup};
 use crate::config::Config;
-use crate::data::{DataLoader, Dataset};
-use crate::device::ToDevice;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::mesh::DeviceMesh;
 use crate::optim::{Optimizer, Param, named_params};
-use crate::precision::{self, GradScaler, ToFp32};
-use crate::shim::AutocastGuard;
+use crate::precision::GradScaler;
 use crate::strategy::ModelOptions;
 use crate::topology::Topology;
 
@@ -37,9 +35,10 @@ pub use crate::accumulation::StepCounters;
 pub use attribute::{AdoptOptimizer, ExitGuard, IntoAccelOptimizer};
 pub use builder::AcceleratorBuilder;
 pub use collectives::split_between;
-pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader, Rounds};
+pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader};
 pub use driven::{DriveOptimizer, Driven};
 pub use optimizer::AcceleratedOptimizer;
+pub use step::{ForwardGuard, StepGuard};
 
 /// The accelerator most recently built, held weakly: when the program drops its last handle
 /// (the end of an `#[accelerate]` function, of `main`), the accelerator goes, and with it its
@@ -103,23 +102,6 @@ pub(crate) struct Inner {
     pub(crate) strategy_ended: std::sync::atomic::AtomicBool,
     /// Each prepared model's buffers, kept equal across the data-parallel processes.
     buffers: Mutex<Vec<crate::strategy::buffers::BufferSync>>,
-}
-
-/// What [`Accelerator::autocast`] returns: autocast for the configured precision and, in a
-/// profile, the `accel::forward` range, both until dropped.
-#[must_use = "autocast lasts only while the guard lives"]
-#[derive(Debug)]
-pub struct ForwardGuard {
-    _autocast: Option<AutocastGuard>,
-    _range: crate::shim::Range,
-}
-
-/// What [`Accelerator::autocast_step`] returns: autocast for the configured precision
-/// until dropped.
-#[must_use = "autocast lasts only while the guard lives"]
-#[derive(Debug)]
-pub struct StepGuard {
-    _autocast: Option<AutocastGuard>,
 }
 
 /// Distributed training for one process of a run; cheap to clone (a shared handle).
@@ -431,263 +413,6 @@ impl Accelerator {
     /// The trainable variables of `vs` as named parameters for an optimizer (sorted by name).
     pub fn params(&self, vs: &tch::nn::VarStore) -> Vec<Param> {
         named_params(vs)
-    }
-
-    /// Shards `loader` across processes, moves its batches to the device, and registers its
-    /// position for checkpoints.
-    pub fn prepare_loader<D: Dataset>(&self, mut loader: DataLoader<D>) -> Result<PreparedLoader<D>>
-    where
-        D::Batch: ToDevice,
-    {
-        // Processes of one data-parallel replica (its tensor ranks and pipeline stages) see
-        // the same batches.
-        let (index, replicas) = self.data_parallel();
-        loader.shard(index, replicas)?;
-        if let (Some(micro), per_process) =
-            (self.inner.micro_batch_size, loader.per_process_batch())
-        {
-            if micro != per_process {
-                return Err(Error::Config(format!(
-                    "the DeepSpeed config's micro batch size is {micro} per process, but this \
-                     loader gives each process batches of {per_process}; make them agree (or \
-                     set train_micro_batch_size_per_gpu to \"auto\")"
-                )));
-            }
-        }
-        let position = Arc::new(Mutex::new(DataPosition::default()));
-        self.registry().loaders.push(position.clone());
-        Ok(PreparedLoader::new(loader, self.inner.state.clone(), position, self.device()))
-    }
-
-    /// Any iterable of batches: moved to the device, with the look-ahead that closes the
-    /// accumulation window on the last batch. With several processes, batches are dealt
-    /// round-robin (batch k to rank k mod N) and a last round too short for every rank is
-    /// dropped; use a [`DataLoader`] for Accelerate's padding and for resumable positions.
-    pub fn prepare_iter<I>(&self, iterable: I) -> PreparedIter<Rounds<I::IntoIter>>
-    where
-        I: IntoIterator,
-        I::Item: ToDevice,
-    {
-        let position = Arc::new(Mutex::new(DataPosition::default()));
-        let (index, replicas) = self.data_parallel();
-        let rounds = Rounds::new(iterable.into_iter(), index, replicas);
-        PreparedIter::new(rounds, self.inner.state.clone(), position, self.device())
-    }
-
-    /// This process's share of a stream of samples, with Accelerate's
-    /// `IterableDatasetShard` rules (buffers of `batch_size × processes`, rank r takes its
-    /// slice, a short last buffer completed from the first); batch the result yourself, or
-    /// through a [`DataLoader`].
-    pub fn shard_samples<I>(
-        &self,
-        samples: I,
-        batch_size: usize,
-    ) -> crate::data::IterableShard<I::IntoIter>
-    where
-        I: IntoIterator,
-        I::Item: Clone,
-    {
-        let (rank, world) = self.data_parallel();
-        let options = crate::data::ShardOptions {
-            rank,
-            world,
-            batch_size,
-            drop_last: false,
-            even_batches: true,
-            split_batches: false,
-        };
-        crate::data::IterableShard::new(samples.into_iter(), options)
-    }
-
-    /// Autocast for the configured precision until the guard is dropped (nothing to undo in
-    /// fp32), and in a profile the `accel::forward` range.
-    pub fn autocast(&self) -> Result<ForwardGuard> {
-        self.inner.state.note_autocast();
-        Ok(ForwardGuard {
-            _autocast: precision::enter(self.inner.config.precision, self.device())?,
-            _range: crate::shim::range("accel::forward"),
-        })
-    }
-
-    /// Autocast for the configured precision over one training step, until dropped: what
-    /// `#[accelerate]` puts at the top of a training loop's body, so that every forward pass
-    /// of the step runs under it wherever it is written. [`backward`](Self::backward) and
-    /// the optimizer's step switch it off while they run.
-    pub fn autocast_step(&self) -> Result<StepGuard> {
-        self.inner.state.note_autocast();
-        Ok(StepGuard { _autocast: precision::enter(self.inner.config.precision, self.device())? })
-    }
-
-    /// Runs `forward` under autocast and casts its half-precision outputs back to fp32
-    /// (as Accelerate wraps `model.forward`).
-    pub fn forward<T: ToFp32>(&self, forward: impl FnOnce() -> T) -> Result<T> {
-        let guard = self.autocast()?;
-        let out = forward();
-        drop(guard);
-        Ok(if precision::autocast_kind(self.inner.config.precision).is_some() {
-            out.to_fp32()
-        } else {
-            out
-        })
-    }
-
-    /// The backward pass of one micro-batch: decides whether this is a sync step, divides
-    /// the loss by `accumulate` (always, as Accelerate does), scales it for fp16 and runs
-    /// autograd. A failure inside backward (a hook that panicked, say) comes back as `Err`.
-    pub fn backward(&self, loss: &Tensor) -> Result<()> {
-        if loss.numel() != 1 {
-            return Err(Error::Training(format!(
-                "backward needs a scalar loss, got shape {:?}; reduce it first (mean or sum)",
-                loss.size()
-            )));
-        }
-        if self.num_processes() > 1 && self.registry().models.is_empty() {
-            return Err(Error::Training(format!(
-                "backward on rank {} of {} with no prepared model: its gradients would not be \
-                 averaged across processes, and each process would train a model of its own. \
-                 Call `accelerator.prepare_model(&vs)` on the model's VarStore first (under \
-                 #[accelerate], build the optimizer in the function over the VarStore, or name \
-                 it with `model = vs`)",
-                self.process_index(),
-                self.num_processes()
-            )));
-        }
-        self.inner.parallel.check_backward(self.process_index())?;
-        // A collective that failed inside the forward (zero3's gathers in `Module::forward`).
-        self.inner.strategy.take_error()?;
-        let sync = self.inner.state.begin_micro_step();
-        if sync {
-            self.check_data_was_dealt()?;
-            self.inner.parallel.check_sync_step(self.process_index())?;
-        }
-        self.check_autocast()?;
-        // The step's autocast (`autocast_step`) stays off while autograd runs.
-        let _no_autocast = precision::suspend(self.device())?;
-        let n = self.inner.state.accumulate();
-        let loss = if n > 1 { loss.f_div_scalar(n as f64)? } else { loss.shallow_clone() };
-        let loss = match &self.inner.scaler {
-            Some(scaler) => scaler.lock().unwrap_or_else(|e| e.into_inner()).scale_loss(&loss)?,
-            None => loss,
-        };
-        let range = crate::shim::range("accel::backward");
-        if let Err(e) = loss.f_backward() {
-            self.inner.strategy.take_error()?;
-            return Err(Error::Training(format!(
-                "backward failed: {}",
-                crate::error::torch_text(&e)
-            )));
-        }
-        drop(range);
-        let _range = crate::shim::range("accel::gradient_sync");
-        self.inner.strategy.after_backward(&self.strategy_context(), sync)?;
-        if sync {
-            self.sync_buffers()?;
-        }
-        Ok(())
-    }
-
-    /// The net under data that was not dealt: with several data-parallel processes, a sync
-    /// step whose micro-batches did not all come through a prepared iterator or loader
-    /// would average the gradients of processes that may all have seen the same batches.
-    fn check_data_was_dealt(&self) -> Result<()> {
-        let (_, replicas) = self.data_parallel();
-        if replicas < 2
-            || self.inner.data == crate::config::DataSharding::Manual
-            || !self.inner.state.window_had_undealt_batches()
-        {
-            return Ok(());
-        }
-        Err(Error::Training(format!(
-            "backward on rank {} of {replicas} data-parallel processes, on batches that did not \
-             come through a prepared data loader or iterator: nothing dealt them, so every \
-             process may be training on the same batches. Prepare the data \
-             (`accelerator.prepare_loader(loader)` or `accelerator.prepare_iter(batches)`; \
-             under #[accelerate], loop over the batches in the annotated function), or, if each \
-             process already loads its own part, say so: `.data(DataSharding::Manual)` on the \
-             builder, #[accelerate(data = \"manual\")]",
-            self.process_index()
-        )))
-    }
-
-    /// The end of every optimizer step, prepared or driven: the step counted (or the skip),
-    /// then, with several processes, the collective sequence check (every rank compares the
-    /// collectives it issued since the last step with the others', off this thread; a
-    /// divergence found earlier is returned here).
-    pub(crate) fn end_optimizer_step(&self, skipped: bool) -> Result<()> {
-        self.inner.state.record_optimizer_step(skipped);
-        if self.num_processes() > 1 {
-            self.inner.mesh.check_collectives()?;
-        }
-        Ok(())
-    }
-
-    /// Whether optimizers zero gradients in place instead of setting them to none: where
-    /// the strategy needs them to stay views of its buffers (DDP's buckets). The one rule
-    /// for prepared and driven optimizers.
-    pub(crate) fn zero_grad_in_place(&self) -> bool {
-        self.inner.strategy.zero_grad_in_place()
-    }
-
-    /// A pipeline step of `micro_batches` begins (one accumulation window, see
-    /// `GradientState::start_window`); its backward passes are allowed until the guard drops.
-    pub(crate) fn pipeline_step(
-        &self,
-        micro_batches: u64,
-    ) -> crate::strategy::model_parallel::PipelineStep<'_> {
-        self.inner.state.start_window(micro_batches);
-        self.inner.parallel.pipeline_step()
-    }
-
-    /// The net under a forward pass that forgot autocast: under bf16/fp16/fp8, a backward
-    /// with no autocast region since the last optimizer step is reported once (a warning:
-    /// code may cast by hand).
-    fn check_autocast(&self) -> Result<()> {
-        use std::sync::atomic::Ordering::Relaxed;
-        if precision::autocast_kind(self.inner.config.precision).is_none()
-            || self.inner.state.autocast_since_step()
-            || self.inner.warned_autocast.load(Relaxed)
-            || crate::shim::autocast_state(self.device())?.is_some()
-        {
-            return Ok(());
-        }
-        self.inner.warned_autocast.store(true, Relaxed);
-        if self.is_main_process() {
-            eprintln!(
-                "accel: precision is {}, but this backward's forward pass ran outside any \
-                 autocast region, so it ran in fp32 (reported once). Run the forward pass \
-                 through `accelerator.forward(|| ..)` or under `accelerator.autocast()`; under \
-                 #[accelerate], inside the training loop",
-                self.inner.config.precision
-            );
-        }
-        Ok(())
-    }
-
-    /// Every prepared model's buffers from the first rank of their group to the others.
-    pub(crate) fn sync_buffers(&self) -> Result<()> {
-        for buffers in self.inner.buffers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            buffers.sync()?;
-        }
-        Ok(())
-    }
-
-    /// A backward pass from `output` with its gradient `grad` given (a pipeline stage's
-    /// output, whose gradient the next stage computed): a micro-step as [`backward`]'s,
-    /// without loss division or scaling (the gradient carries them already).
-    ///
-    /// [`backward`]: Self::backward
-    pub(crate) fn backward_with_grad(&self, output: &Tensor, grad: &Tensor) -> Result<()> {
-        self.inner.state.begin_micro_step();
-        let surrogate = output.f_mul(grad)?.f_sum(tch::Kind::Float)?;
-        surrogate.f_backward().map_err(|e| {
-            Error::Training(format!("backward failed: {}", crate::error::torch_text(&e)))
-        })?;
-        let sync = self.inner.state.sync_gradients();
-        self.inner.strategy.after_backward(&self.strategy_context(), sync)?;
-        if sync {
-            self.sync_buffers()?;
-        }
-        Ok(())
     }
 
     /// The model's variables by name, whole: under zero2/zero3 the sharded parameters are
