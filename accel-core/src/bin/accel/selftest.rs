@@ -340,6 +340,7 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
     // cure, and the weights untouched (its step would apply this rank's gradients alone).
     let before = w.copy();
     let mut raw = Sgd::new(named_params(&vs), SgdConfig { lr: 0.1, ..Default::default() })?;
+    // DDP zeroes gradients in place (they are views of its buckets), so one is defined.
     let _ = w.grad().fill_(1.0);
     let refused = match accel_core::optim::Optimizer::step(&mut raw) {
         Err(e) => e.to_string(),
