@@ -211,17 +211,20 @@ fn run(command: &mut Command) -> Result<(), String> {
 /// crates') do not read this workspace's `[profile.dev]`; the environment gives them its
 /// debug level, which halves their size. Same value, so the workspace does not rebuild.
 fn test(rest: &[OsString]) -> Result<(), String> {
-    let cargo = std::env::var_os("CARGO").unwrap_or("cargo".into());
-    run(Command::new(cargo)
-        .current_dir(root())
-        .args(["test", "--workspace"])
-        .args(rest)
+    run(cargo_command(&["test", "--workspace"], rest)
         .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only"))
 }
 
 fn cargo(args: &[&str], rest: &[OsString]) -> Result<(), String> {
+    run(&mut cargo_command(args, rest))
+}
+
+/// `cargo args rest` in the workspace's root.
+fn cargo_command(args: &[&str], rest: &[OsString]) -> Command {
     let cargo = std::env::var_os("CARGO").unwrap_or("cargo".into());
-    run(Command::new(cargo).current_dir(root()).args(args).args(rest))
+    let mut command = Command::new(cargo);
+    command.current_dir(root()).args(args).args(rest);
+    command
 }
 
 /// Runs `command` and returns its `samples_per_s=` and `peak_rss_mib=` figures.
