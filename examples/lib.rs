@@ -22,6 +22,15 @@ pub fn proc_status_bytes(field: &str) -> Result<f64> {
     Ok(kib * 1024.0)
 }
 
+/// Minor page faults of this process so far (`/proc/self/stat`'s tenth field): pages the
+/// kernel handed in fresh, zeroed.
+pub fn minor_page_faults() -> Result<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    let after_name = stat.rsplit_once(')').context("malformed /proc/self/stat")?.1;
+    Ok(after_name.split_whitespace().nth(7).context("malformed /proc/self/stat")?.parse()?)
+}
+
 /// `data/` at the root of the repository.
 pub fn data_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../data")

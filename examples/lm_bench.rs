@@ -108,6 +108,8 @@ fn time(steps: usize, mut step: impl FnMut() -> Result<Tensor>) -> Result<(f64, 
 fn raw(args: &Args) -> Result<()> {
     anyhow::ensure!(args.precision == Precision::No && args.device == "cpu", "--raw: fp32 on CPU");
     tch::set_num_threads(1);
+    // The process setting an accelerator makes on CPU (malloc keeps freed memory).
+    accel_core::heap::keep_step_memory()?;
     tch::manual_seed(0);
     let config = args.config();
     let vs = nn::VarStore::new(Device::Cpu);

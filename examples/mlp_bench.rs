@@ -37,12 +37,15 @@ fn mlp(root: &nn::Path, batch_norm: bool) -> nn::SequentialT {
     net.add(nn::linear(root / "layers" / 2, 1024, 10, Default::default()))
 }
 
-/// What a run measured: steps on this process, seconds, the last loss, the process count.
+/// What a run measured: steps on this process, seconds, the last loss, the process count,
+/// and the pages the kernel faulted in meanwhile.
 struct Measured {
     steps: u64,
     seconds: f64,
     loss: f64,
     procs: usize,
+    /// Minor page faults of this process during the timed steps.
+    faults: u64,
 }
 
 fn main() -> Result<()> {
@@ -70,12 +73,14 @@ fn main() -> Result<()> {
     let rank: usize = std::env::var("RANK").ok().and_then(|r| r.parse().ok()).unwrap_or(0);
     if rank == 0 {
         println!(
-            "procs={} steps_per_proc={} samples_per_s={:.1} peak_rss_mib={:.0} loss={:.4}",
+            "procs={} steps_per_proc={} samples_per_s={:.1} peak_rss_mib={:.0} loss={:.4} \
+             faults_per_step={:.1}",
             measured.procs,
             measured.steps,
             (measured.steps * BATCH as u64 * measured.procs as u64) as f64 / measured.seconds,
             peak / (1024.0 * 1024.0),
-            measured.loss
+            measured.loss,
+            measured.faults as f64 / measured.steps as f64
         );
     }
     Ok(())
@@ -95,6 +100,7 @@ fn explicit(x: Tensor, y: Tensor, batch_norm: bool, broadcast: bool) -> Result<M
     let mut loader =
         acc.prepare_loader(DataLoader::new(TensorDataset::new(vec![x, y])?, options)?)?;
     let started = std::time::Instant::now();
+    let faults = accel_examples::minor_page_faults()?;
     let (mut steps, mut loss) = (0u64, 0.0);
     for batch in loader.iter() {
         let batch = batch?;
@@ -106,12 +112,9 @@ fn explicit(x: Tensor, y: Tensor, batch_norm: bool, broadcast: bool) -> Result<M
         loss = l.double_value(&[]);
     }
     acc.wait_for_everyone()?;
-    Ok(Measured {
-        steps,
-        seconds: started.elapsed().as_secs_f64(),
-        loss,
-        procs: acc.num_processes(),
-    })
+    let (seconds, faults) =
+        (started.elapsed().as_secs_f64(), accel_examples::minor_page_faults()? - faults);
+    Ok(Measured { steps, seconds, loss, procs: acc.num_processes(), faults })
 }
 
 /// An ordinary tch loop with the attribute on it (its AdamW becomes accel's).
@@ -121,6 +124,7 @@ fn annotated(batches: Vec<(Tensor, Tensor)>) -> Result<Measured> {
     let net = mlp(&vs.root(), false);
     let mut opt = nn::AdamW::default().build(&vs, 1e-3)?;
     let started = std::time::Instant::now();
+    let faults = accel_examples::minor_page_faults()?;
     let (mut steps, mut loss) = (0u64, 0.0);
     for (x, y) in batches {
         let l = net.forward_t(&x, true).cross_entropy_for_logits(&y);
@@ -131,11 +135,14 @@ fn annotated(batches: Vec<(Tensor, Tensor)>) -> Result<Measured> {
         loss = l.double_value(&[]);
     }
     let seconds = started.elapsed().as_secs_f64();
-    Ok(Measured { steps, seconds, loss, procs: accelerator.num_processes() })
+    let faults = accel_examples::minor_page_faults()? - faults;
+    Ok(Measured { steps, seconds, loss, procs: accelerator.num_processes(), faults })
 }
 
 /// The limit: the same work with no accelerator (see examples/raw.rs).
 fn raw(x: Tensor, y: Tensor) -> Result<Measured> {
+    // The process setting an accelerator makes on CPU (malloc keeps freed memory).
+    accel_core::heap::keep_step_memory()?;
     let group = process_group()?;
     let (rank, procs) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
     // The weights an accelerator seeded with 0 would make.
@@ -151,6 +158,7 @@ fn raw(x: Tensor, y: Tensor) -> Result<Measured> {
     // Batch i goes to process i mod procs, as a prepared loader deals them.
     let (xs, ys) = (x.split(BATCH, 0), y.split(BATCH, 0));
     let started = std::time::Instant::now();
+    let faults = accel_examples::minor_page_faults()?;
     let (mut steps, mut loss) = (0u64, 0.0);
     for (x, y) in xs.iter().zip(&ys).skip(rank).step_by(procs) {
         let l = net.forward_t(x, true).cross_entropy_for_logits(y);
@@ -165,5 +173,7 @@ fn raw(x: Tensor, y: Tensor) -> Result<Measured> {
     if let Some(group) = &group {
         group.barrier()?;
     }
-    Ok(Measured { steps, seconds: started.elapsed().as_secs_f64(), loss, procs })
+    let (seconds, faults) =
+        (started.elapsed().as_secs_f64(), accel_examples::minor_page_faults()? - faults);
+    Ok(Measured { steps, seconds, loss, procs, faults })
 }

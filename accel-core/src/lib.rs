@@ -1,10 +1,13 @@
 //! accel-core: distributed training for [tch], the runtime that `#[accelerate]` expands
 //! into and that can also be used by hand.
 //!
-//! One process today: [`Accelerator`] (configuration, device placement, autocast,
-//! accumulation, loss scaling, checkpoints), our own optimizers and schedules
-//! ([`optim`]), data loading ([`data`]), the libtorch shim ([`shim`]) and CUDA loading with
-//! clear diagnostics ([`cuda`]).
+//! Where to look: [`Accelerator`] (configuration, device placement, autocast,
+//! accumulation, loss scaling, checkpoints, trackers); the parallel strategies
+//! ([`strategy`]: DDP, ZeRO-1/2/3 and FSDP, Local SGD, tensor and context parallelism) and
+//! [`pipeline`]; the process groups and their transports ([`comm`], over the [`mesh`]);
+//! `accel launch` ([`launch`]); our own optimizers and schedules ([`optim`]); data loading
+//! ([`data`]); mixed precision ([`precision`]); the libtorch shim ([`shim`]); CUDA loading
+//! with clear diagnostics ([`cuda`]); malloc set up for training steps on CPU ([`heap`]).
 
 // Lets derive output (`::accel_core::...`) compile inside this crate too.
 extern crate self as accel_core;
@@ -20,6 +23,7 @@ pub mod data;
 pub mod device;
 mod error;
 mod fault;
+pub mod heap;
 pub mod launch;
 pub mod mesh;
 pub mod nn;

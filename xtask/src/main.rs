@@ -330,7 +330,7 @@ fn bench() -> Result<(), String> {
     let ours = |procs: usize, flags: &[&str], env: &[(&str, &str)]| {
         median_of(RUNS, || once(procs, flags, env))
     };
-    let theirs = |procs: usize, fused: bool| {
+    let theirs = |procs: usize, fused: bool, env: &[(&str, &str)]| {
         median_of(RUNS, || {
             let mut command = if procs == 1 {
                 let mut c = Command::new(&python);
@@ -344,7 +344,7 @@ fn bench() -> Result<(), String> {
             if fused {
                 command.arg("fused");
             }
-            mlp_figures(&mut command)
+            mlp_figures(command.envs(env.iter().copied()))
         })
     };
     let rows = [
@@ -356,8 +356,24 @@ fn bench() -> Result<(), String> {
             ours(1, &["--attribute"], &[])?,
             ours(2, &["--attribute"], &[])?,
         ),
-        ("Accelerate (AdamW default)", "accelerate", theirs(1, false)?, theirs(2, false)?),
-        ("Accelerate (AdamW fused)", "accelerate_fused", theirs(1, true)?, theirs(2, true)?),
+        (
+            "Accelerate (AdamW default)",
+            "accelerate",
+            theirs(1, false, &[])?,
+            theirs(2, false, &[])?,
+        ),
+        (
+            "Accelerate (AdamW fused)",
+            "accelerate_fused",
+            theirs(1, true, &[])?,
+            theirs(2, true, &[])?,
+        ),
+        (
+            "Accelerate fused, kept heap",
+            "accelerate_fused_kept_heap",
+            theirs(1, true, &[KEPT_HEAP])?,
+            theirs(2, true, &[KEPT_HEAP])?,
+        ),
     ];
     report.say(
         "MLP 784-1024-1024-10, batch 64 per process, AdamW (fused where accel or the raw loop \
@@ -396,6 +412,13 @@ fn bench() -> Result<(), String> {
         ours_.2.0 / acc.2.0,
         ours_.2.0 / accf.2.0
     ));
+    let kept = &rows[5];
+    report.say(format!(
+        "Accelerate given accel's malloc setting (GLIBC_TUNABLES, as accel_core::heap sets it): \
+         accel / it {:.2}x on 2 processes, {:.2}x on 1",
+        ours_.3.0 / kept.3.0,
+        ours_.2.0 / kept.2.0
+    ));
     report.figure("mlp.overhead_percent.1", overhead(ours_.2.0, raw.2.0));
     report.figure("mlp.overhead_percent.2", overhead(ours_.3.0, raw.3.0));
     report.figure("mlp.vs_accelerate_fused.2", ours_.3.0 / accf.3.0);
@@ -428,14 +451,14 @@ fn bench() -> Result<(), String> {
     ));
     let lm = root.join("target/release/examples/lm_bench");
     let lm_script = root.join("python/reference/accelerate_lm.py");
-    let lm_theirs = |fused: bool| {
+    let lm_theirs = |fused: bool, env: &[(&str, &str)]| {
         median_of(RUNS, || {
             let mut command = Command::new(&python);
             command.arg(&lm_script);
             if fused {
                 command.arg("--fused");
             }
-            mlp_figures(&mut command)
+            mlp_figures(command.envs(env.iter().copied()))
         })
     };
     let lm_ours =
@@ -444,8 +467,13 @@ fn bench() -> Result<(), String> {
         ("raw tch loop (the limit)", "raw", lm_ours(Some("--raw"))?),
         ("accel, explicit API", "accel", lm_ours(None)?),
         ("accel, #[accelerate]", "attribute", lm_ours(Some("--attribute"))?),
-        ("Accelerate (AdamW default)", "accelerate", lm_theirs(false)?),
-        ("Accelerate (AdamW fused)", "accelerate_fused", lm_theirs(true)?),
+        ("Accelerate (AdamW default)", "accelerate", lm_theirs(false, &[])?),
+        ("Accelerate (AdamW fused)", "accelerate_fused", lm_theirs(true, &[])?),
+        (
+            "Accelerate fused, kept heap",
+            "accelerate_fused_kept_heap",
+            lm_theirs(true, &[KEPT_HEAP])?,
+        ),
     ];
     report.say(format!(
         "\nGPT-style transformer (examples/gpt.rs: 4 blocks of width 128, context 64, 0.8M \
@@ -467,9 +495,10 @@ fn bench() -> Result<(), String> {
     ));
     report.say(format!(
         "accel / Accelerate, transformer step: {:.2}x (Accelerate's default AdamW), {:.2}x (its \
-         fused AdamW)\n",
+         fused AdamW), {:.2}x (fused, given accel's malloc setting)\n",
         rate(1) / rate(3),
-        rate(1) / rate(4)
+        rate(1) / rate(4),
+        rate(1) / rate(5)
     ));
     report.figure("lm.overhead_percent", overhead(rate(1), rate(0)));
     report.figure("lm.vs_accelerate_fused", rate(1) / rate(4));
@@ -577,6 +606,13 @@ fn write_results(report: &Report) -> Result<(), String> {
     eprintln!("xtask: wrote {RESULTS}");
     Ok(())
 }
+
+/// accel_core::heap's malloc thresholds (32 MiB, 1 GiB) as glibc reads them from the
+/// environment: given to the Python side, it shows what the setting alone is worth there.
+const KEPT_HEAP: (&str, &str) = (
+    "GLIBC_TUNABLES",
+    "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824",
+);
 
 /// Rewrites README's block between the bench markers from bench/results.json.
 fn readme_from_results() -> Result<(), String> {

@@ -347,6 +347,10 @@ impl AcceleratorBuilder {
         let device = self.device.unwrap_or_else(|| default_device(&config, &process));
         let device = crate::cuda::check_device(device)?;
         precision::check_precision(config.precision, device)?;
+        if device == Device::Cpu {
+            // Steps reuse the last step's freed memory instead of faulting it in afresh.
+            crate::heap::keep_step_memory()?;
+        }
         let dims = ParallelDims::for_run(&config, &process)?;
         let micro_batch_size = match &deepspeed {
             Some(ds) => {
