@@ -22,8 +22,8 @@ pub fn proc_status_bytes(field: &str) -> Result<f64> {
     Ok(kib * 1024.0)
 }
 
-/// Minor page faults of this process so far (`/proc/self/stat`'s tenth field): pages the
-/// kernel handed in fresh, zeroed.
+/// Minor page faults of this process so far (`/proc/self/stat`'s tenth field): mostly,
+/// in a training step, pages of freshly allocated tensors the kernel maps in zeroed.
 pub fn minor_page_faults() -> Result<u64> {
     let stat = std::fs::read_to_string("/proc/self/stat")?;
     // The command name (field 2) is in parentheses and may hold spaces: count after it.

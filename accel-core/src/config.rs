@@ -331,7 +331,7 @@ pub const ENV_VARS: &[(&str, &str)] = &[
     ("ACCEL_LOG_WITH", "log_with"),
 ];
 
-fn parse_bool(value: &str) -> Option<bool> {
+pub(crate) fn parse_bool(value: &str) -> Option<bool> {
     match value.to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" => Some(true),
         "0" | "false" | "no" | "" => Some(false),

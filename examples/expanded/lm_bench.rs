@@ -103,6 +103,7 @@ fn raw(args: &Args) -> Result<()> {
         args.precision == Precision::No && args.device == "cpu", "--raw: fp32 on CPU"
     );
     tch::set_num_threads(1);
+    accel_core::heap::keep_step_memory()?;
     tch::manual_seed(0);
     let config = args.config();
     let vs = nn::VarStore::new(Device::Cpu);

@@ -34,12 +34,16 @@ fn mlp(root: &nn::Path, batch_norm: bool) -> nn::SequentialT {
     }
     net.add(nn::linear(root / "layers" / 2, 1024, 10, Default::default()))
 }
-/// What a run measured: steps on this process, seconds, the last loss, the process count.
+/// What a run measured: steps on this process, seconds, the last loss, the process count,
+/// and the pages the kernel faulted in meanwhile.
 struct Measured {
     steps: u64,
     seconds: f64,
     loss: f64,
     procs: usize,
+    /// Minor page faults of this process during the timed steps after the first (which
+    /// allocates the gradients and whatever else a step needs for the first time).
+    faults: u64,
 }
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -71,10 +75,12 @@ fn main() -> Result<()> {
         .unwrap_or(0);
     if rank == 0 {
         println!(
-            "procs={} steps_per_proc={} samples_per_s={:.1} peak_rss_mib={:.0} loss={:.4}",
+            "procs={} steps_per_proc={} samples_per_s={:.1} peak_rss_mib={:.0} loss={:.4} \
+             faults_per_step={:.1}",
             measured.procs, measured.steps, (measured.steps * BATCH as u64 * measured
             .procs as u64) as f64 / measured.seconds, peak / (1024.0 * 1024.0), measured
-            .loss
+            .loss, measured.faults as f64 / measured.steps.saturating_sub(1).max(1) as
+            f64
         );
     }
     Ok(())
@@ -112,6 +118,7 @@ fn explicit(
     let mut loader = acc
         .prepare_loader(DataLoader::new(TensorDataset::new(vec![x, y])?, options)?)?;
     let started = std::time::Instant::now();
+    let mut faults = 0;
     let (mut steps, mut loss) = (0u64, 0.0);
     for batch in loader.iter() {
         let batch = batch?;
@@ -120,14 +127,22 @@ fn explicit(
         opt.step()?;
         opt.zero_grad()?;
         steps += 1;
+        if steps == 1 {
+            faults = accel_examples::minor_page_faults()?;
+        }
         loss = l.double_value(&[]);
     }
     acc.wait_for_everyone()?;
+    let (seconds, faults) = (
+        started.elapsed().as_secs_f64(),
+        accel_examples::minor_page_faults()? - faults,
+    );
     Ok(Measured {
         steps,
-        seconds: started.elapsed().as_secs_f64(),
+        seconds,
         loss,
         procs: acc.num_processes(),
+        faults,
     })
 }
 /// An ordinary tch loop with the attribute on it (its AdamW becomes accel's).
@@ -144,6 +159,7 @@ fn annotated(batches: Vec<(Tensor, Tensor)>) -> Result<Measured> {
         let net = mlp(&vs.root(), false);
         let mut opt = accelerator.build_optimizer(nn::AdamW::default(), &vs, 1e-3)?;
         let started = std::time::Instant::now();
+        let mut faults = 0;
         let (mut steps, mut loss) = (0u64, 0.0);
         for (x, y) in accelerator.prepare_iter(batches) {
             let __accel_autocast = accelerator.autocast_step()?;
@@ -152,14 +168,19 @@ fn annotated(batches: Vec<(Tensor, Tensor)>) -> Result<Measured> {
             accelerator.backward(&l)?;
             opt.step()?;
             steps += 1;
+            if steps == 1 {
+                faults = accel_examples::minor_page_faults()?;
+            }
             loss = l.double_value(&[]);
         }
         let seconds = started.elapsed().as_secs_f64();
+        let faults = accel_examples::minor_page_faults()? - faults;
         Ok(Measured {
             steps,
             seconds,
             loss,
             procs: accelerator.num_processes(),
+            faults,
         })
     })();
     if __accel_result.is_ok() {
@@ -169,6 +190,7 @@ fn annotated(batches: Vec<(Tensor, Tensor)>) -> Result<Measured> {
 }
 /// The limit: the same work with no accelerator (see examples/raw.rs).
 fn raw(x: Tensor, y: Tensor) -> Result<Measured> {
+    accel_core::heap::keep_step_memory()?;
     let group = process_group()?;
     let (rank, procs) = group.as_ref().map_or((0, 1), |g| (g.rank(), g.size()));
     tch::manual_seed(0);
@@ -184,6 +206,7 @@ fn raw(x: Tensor, y: Tensor) -> Result<Measured> {
     );
     let (xs, ys) = (x.split(BATCH, 0), y.split(BATCH, 0));
     let started = std::time::Instant::now();
+    let mut faults = 0;
     let (mut steps, mut loss) = (0u64, 0.0);
     for (x, y) in xs.iter().zip(&ys).skip(rank).step_by(procs) {
         let l = net.forward_t(x, true).cross_entropy_for_logits(y);
@@ -193,15 +216,23 @@ fn raw(x: Tensor, y: Tensor) -> Result<Measured> {
         }
         opt.step()?;
         steps += 1;
+        if steps == 1 {
+            faults = accel_examples::minor_page_faults()?;
+        }
         loss = l.double_value(&[]);
     }
     if let Some(group) = &group {
         group.barrier()?;
     }
+    let (seconds, faults) = (
+        started.elapsed().as_secs_f64(),
+        accel_examples::minor_page_faults()? - faults,
+    );
     Ok(Measured {
         steps,
-        seconds: started.elapsed().as_secs_f64(),
+        seconds,
         loss,
         procs,
+        faults,
     })
 }

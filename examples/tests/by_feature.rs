@@ -575,8 +575,7 @@ fn figure(text: &str, key: &str) -> f64 {
 
 /// Every configuration `cargo xtask bench` measures runs, tiny (speed printed, never
 /// asserted); the limit (`--raw`), the explicit API and the attribute do the same ATen work:
-/// their losses are equal, on 1 and 2 processes; and the accelerator's malloc setting takes
-/// the page faults out of the steps.
+/// their losses are equal, on 1 and 2 processes.
 #[test]
 fn every_benchmark_configuration_runs_and_the_raw_loop_does_the_same_work() {
     let run = |processes: usize, program: &str, args: &[&str], env: &[(&str, &str)]| -> String {
@@ -617,14 +616,6 @@ fn every_benchmark_configuration_runs_and_the_raw_loop_does_the_same_work() {
         );
     }
     run(2, "mlp_bench", &["--batches", "8"], &[("ACCEL_CHECK_COLLECTIVES", "0")]);
-    // On CPU the accelerator has malloc keep a step's freed memory for the next one (see
-    // accel_core::heap): the steps then fault in almost no fresh pages; with glibc's
-    // defaults (ACCEL_KEEP_HEAP=0) about a thousand per step.
-    let faults = |env: &[(&str, &str)]| {
-        figure(&run(1, "mlp_bench", &["--batches", "60"], env), "faults_per_step=")
-    };
-    let (kept, default) = (faults(&[]), faults(&[("ACCEL_KEEP_HEAP", "0")]));
-    assert!(kept * 4.0 < default, "page faults per step: {kept} kept, {default} by default");
     let tiny =
         ["--steps", "2", "--width", "32", "--blocks", "1", "--context", "16", "--batch", "4"];
     let mut losses = Vec::new();

@@ -235,7 +235,8 @@ impl AcceleratorBuilder {
     }
 
     /// Resolves the configuration and the device and makes the accelerator (also reachable
-    /// afterwards through [`crate::current`]).
+    /// afterwards through [`crate::current`]). On the CPU it also sets glibc's malloc to keep
+    /// freed memory for the next step ([`crate::heap`]; `ACCEL_KEEP_HEAP=0` does not).
     pub fn build(self) -> Result<Accelerator> {
         #[cfg(test)]
         let (process, given_mesh): (Topology, Option<DeviceMesh>) = match self.thread_rank.clone() {
@@ -349,7 +350,11 @@ impl AcceleratorBuilder {
         precision::check_precision(config.precision, device)?;
         if device == Device::Cpu {
             // Steps reuse the last step's freed memory instead of faulting it in afresh.
-            crate::heap::keep_step_memory()?;
+            if let crate::heap::HeapSetup::Refused(why) = crate::heap::keep_step_memory()? {
+                if process.rank == 0 {
+                    eprintln!("accel: {why}");
+                }
+            }
         }
         let dims = ParallelDims::for_run(&config, &process)?;
         let micro_batch_size = match &deepspeed {
