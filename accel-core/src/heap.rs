@@ -5,10 +5,10 @@
 //! dynamic mmap threshold, at most 64 MiB), so the next step faults the same pages in again,
 //! zeroed one by one: up to 1200 page faults per step of a 1-process MLP on the development
 //! machine, 12% of its time (`perf`), though how many depends on the order of allocations.
-//! [`keep_step_memory`] fixes both thresholds instead,
-//! which also ends glibc's dynamic adjustment: blocks below 32 MiB come from the heap (32
-//! MiB is glibc's ceiling for its dynamic threshold, and the largest value glibc before
-//! 2.35 accepts), and the main heap keeps up to 1 GiB of freed memory for the next step.
+//! [`keep_step_memory`] fixes both thresholds instead, which also ends glibc's dynamic
+//! adjustment: blocks below 32 MiB come from the heap (32 MiB is glibc's ceiling for its
+//! dynamic threshold, and the largest value glibc before 2.35 accepts), and the main heap
+//! keeps up to 1 GiB of freed memory for the next step.
 //! The peak is unchanged (the next step reuses what the last one freed); memory freed after
 //! the last step stays with the process, as PyTorch's CUDA caching allocator keeps it on a
 //! GPU. Blocks of 32 MiB and more are still mapped and returned one by one, and the arenas
@@ -161,70 +161,80 @@ mod tests {
         set_thresholds().unwrap();
     }
 
-    const CHILD_ENV: &str = "ACCEL_HEAP_TEST_CHILD";
-    const BLOCK: usize = 8 << 20;
+    /// Page faults counted the Linux way, against glibc's malloc.
+    #[cfg(all(target_os = "linux", target_env = "gnu", target_pointer_width = "64"))]
+    mod page_reuse {
+        use super::*;
 
-    /// Minor page faults of the calling thread so far.
-    fn thread_faults() -> i64 {
-        let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-        // SAFETY: getrusage fills the struct it is given.
-        assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, usage.as_mut_ptr()) }, 0);
-        // SAFETY: filled above.
-        unsafe { usage.assume_init() }.ru_minflt
-    }
+        const CHILD_ENV: &str = "ACCEL_HEAP_TEST_CHILD";
+        const BLOCK: usize = 8 << 20;
 
-    /// A step in small: an 8 MiB block written, freed, then allocated and written again.
-    /// Prints the page faults of the second writing (run by the test below, in a process of
-    /// its own: glibc's state must be fresh).
-    #[test]
-    fn page_reuse_child() {
-        if std::env::var_os(CHILD_ENV).is_none() {
-            return;
+        /// Minor page faults of the calling thread so far.
+        fn thread_faults() -> i64 {
+            let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+            // SAFETY: getrusage fills the struct it is given.
+            assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, usage.as_mut_ptr()) }, 0);
+            // SAFETY: filled above.
+            unsafe { usage.assume_init() }.ru_minflt
         }
-        let setup = keep_step_memory().unwrap();
-        let write = || {
-            let mut block = vec![0u8; BLOCK];
-            for page in block.chunks_mut(4096) {
-                page[0] = 1;
-            }
-            std::hint::black_box(block);
-        };
-        write();
-        let before = thread_faults();
-        write();
-        println!("setup={setup:?} faults={}", thread_faults() - before);
-    }
 
-    /// With the thresholds kept, a freed block's pages serve the next allocation; with
-    /// glibc's defaults (`ACCEL_KEEP_HEAP=0`) they go back to the kernel and fault in again.
-    #[test]
-    fn a_freed_block_is_reused_without_faulting_its_pages_in_again() {
-        let pages = (BLOCK / 4096) as f64;
-        let faults = |keep: &str| -> f64 {
-            let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-            command
-                .args(["--exact", "heap::tests::page_reuse_child", "--nocapture"])
-                .args(["--test-threads", "1"])
-                .env(CHILD_ENV, "1")
-                .env(KEEP_HEAP_ENV, keep);
-            for var in ["GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_"] {
-                command.env_remove(var);
+        /// A step in small: an 8 MiB block written, freed, then allocated and written again.
+        /// Prints the page faults of the second writing (run by the test below, in a process of
+        /// its own: glibc's state must be fresh).
+        #[test]
+        fn page_reuse_child() {
+            if std::env::var_os(CHILD_ENV).is_none() {
+                return;
             }
-            for var in ["MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"] {
-                command.env_remove(var);
-            }
-            let output = command.output().unwrap();
-            let text = String::from_utf8_lossy(&output.stdout).into_owned();
-            assert!(output.status.success(), "{text}{}", String::from_utf8_lossy(&output.stderr));
-            let expected = if keep == "1" { "setup=Kept " } else { "setup=Off " };
-            assert!(text.contains(expected), "{text}");
-            text.split_whitespace()
-                .find_map(|w| w.strip_prefix("faults="))
-                .and_then(|n| n.parse().ok())
-                .unwrap_or_else(|| panic!("no faults= in {text}"))
-        };
-        let (kept, default) = (faults("1"), faults("0"));
-        assert!(kept < pages / 8.0, "kept: {kept} of {pages} pages faulted in again");
-        assert!(default > pages / 2.0, "glibc's defaults: only {default} of {pages} pages");
+            let setup = keep_step_memory().unwrap();
+            let write = || {
+                let mut block = vec![0u8; BLOCK];
+                for page in block.chunks_mut(4096) {
+                    page[0] = 1;
+                }
+                std::hint::black_box(block);
+            };
+            write();
+            let before = thread_faults();
+            write();
+            println!("setup={setup:?} faults={}", thread_faults() - before);
+        }
+
+        /// With the thresholds kept, a freed block's pages serve the next allocation; with
+        /// glibc's defaults (`ACCEL_KEEP_HEAP=0`) they go back to the kernel and fault in again.
+        #[test]
+        fn a_freed_block_is_reused_without_faulting_its_pages_in_again() {
+            let pages = (BLOCK / 4096) as f64;
+            let faults = |keep: &str| -> f64 {
+                let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+                command
+                    .args(["--exact", "heap::tests::page_reuse::page_reuse_child", "--nocapture"])
+                    .args(["--test-threads", "1"])
+                    .env(CHILD_ENV, "1")
+                    .env(KEEP_HEAP_ENV, keep);
+                for var in ["GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_"] {
+                    command.env_remove(var);
+                }
+                for var in ["MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"] {
+                    command.env_remove(var);
+                }
+                let output = command.output().unwrap();
+                let text = String::from_utf8_lossy(&output.stdout).into_owned();
+                assert!(
+                    output.status.success(),
+                    "{text}{}",
+                    String::from_utf8_lossy(&output.stderr)
+                );
+                let expected = if keep == "1" { "setup=Kept " } else { "setup=Off " };
+                assert!(text.contains(expected), "{text}");
+                text.split_whitespace()
+                    .find_map(|w| w.strip_prefix("faults="))
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or_else(|| panic!("no faults= in {text}"))
+            };
+            let (kept, default) = (faults("1"), faults("0"));
+            assert!(kept < pages / 8.0, "kept: {kept} of {pages} pages faulted in again");
+            assert!(default > pages / 2.0, "glibc's defaults: only {default} of {pages} pages");
+        }
     }
 }
