@@ -36,6 +36,10 @@ pub const MMAP_THRESHOLD: usize = 32 << 20;
 /// Freed memory at the main heap's top kept for reuse before any goes back to the kernel.
 pub const TRIM_THRESHOLD: usize = 1 << 30;
 
+/// glibc's own variables for the same thresholds; any of them set leaves glibc as it is.
+const MALLOC_VARS: [&str; 4] =
+    ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"];
+
 /// What [`keep_step_memory`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HeapSetup {
@@ -90,9 +94,7 @@ fn decide(env: impl Fn(&str) -> Option<String>) -> Result<HeapSetup, String> {
     if ours.iter().any(|t| tunables.contains(&format!("glibc.malloc.{t}="))) {
         return Ok(HeapSetup::LeftToEnvironment("GLIBC_TUNABLES".into()));
     }
-    let glibc_vars =
-        ["MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"];
-    if let Some(var) = glibc_vars.into_iter().find(|v| env(v).is_some()) {
+    if let Some(var) = MALLOC_VARS.into_iter().find(|v| env(v).is_some()) {
         return Ok(HeapSetup::LeftToEnvironment(var.into()));
     }
     let preloaded = env("LD_PRELOAD").unwrap_or_default();
@@ -212,10 +214,7 @@ mod tests {
                     .args(["--test-threads", "1"])
                     .env(CHILD_ENV, "1")
                     .env(KEEP_HEAP_ENV, keep);
-                for var in ["GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_"] {
-                    command.env_remove(var);
-                }
-                for var in ["MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"] {
+                for var in MALLOC_VARS.into_iter().chain(["GLIBC_TUNABLES", "LD_PRELOAD"]) {
                     command.env_remove(var);
                 }
                 let output = command.output().unwrap();
