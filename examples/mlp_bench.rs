@@ -44,9 +44,31 @@ struct Measured {
     seconds: f64,
     loss: f64,
     procs: usize,
-    /// Minor page faults of this process during the timed steps after the first (which
-    /// allocates the gradients and whatever else a step needs for the first time).
+    /// Minor page faults of this process during the timed steps after the first.
     faults: u64,
+}
+
+/// Page faults from the end of the first step on (the first allocates the gradients and
+/// whatever else a step needs for the first time).
+#[derive(Default)]
+struct StepFaults(Option<u64>);
+
+impl StepFaults {
+    /// Called after each step: the first one starts the count.
+    fn step_done(&mut self) -> Result<()> {
+        if self.0.is_none() {
+            self.0 = Some(accel_examples::minor_page_faults()?);
+        }
+        Ok(())
+    }
+
+    /// Faults since the end of the first step.
+    fn since_first(&self) -> Result<u64> {
+        match self.0 {
+            Some(first) => Ok(accel_examples::minor_page_faults()? - first),
+            None => Ok(0),
+        }
+    }
 }
 
 fn main() -> Result<()> {
@@ -101,7 +123,7 @@ fn explicit(x: Tensor, y: Tensor, batch_norm: bool, broadcast: bool) -> Result<M
     let mut loader =
         acc.prepare_loader(DataLoader::new(TensorDataset::new(vec![x, y])?, options)?)?;
     let started = std::time::Instant::now();
-    let mut faults = 0;
+    let mut faults = StepFaults::default();
     let (mut steps, mut loss) = (0u64, 0.0);
     for batch in loader.iter() {
         let batch = batch?;
@@ -110,14 +132,11 @@ fn explicit(x: Tensor, y: Tensor, batch_norm: bool, broadcast: bool) -> Result<M
         opt.step()?;
         opt.zero_grad()?;
         steps += 1;
-        if steps == 1 {
-            faults = accel_examples::minor_page_faults()?;
-        }
+        faults.step_done()?;
         loss = l.double_value(&[]);
     }
     acc.wait_for_everyone()?;
-    let (seconds, faults) =
-        (started.elapsed().as_secs_f64(), accel_examples::minor_page_faults()? - faults);
+    let (seconds, faults) = (started.elapsed().as_secs_f64(), faults.since_first()?);
     Ok(Measured { steps, seconds, loss, procs: acc.num_processes(), faults })
 }
 
@@ -128,7 +147,7 @@ fn annotated(batches: Vec<(Tensor, Tensor)>) -> Result<Measured> {
     let net = mlp(&vs.root(), false);
     let mut opt = nn::AdamW::default().build(&vs, 1e-3)?;
     let started = std::time::Instant::now();
-    let mut faults = 0;
+    let mut faults = StepFaults::default();
     let (mut steps, mut loss) = (0u64, 0.0);
     for (x, y) in batches {
         let l = net.forward_t(&x, true).cross_entropy_for_logits(&y);
@@ -136,13 +155,11 @@ fn annotated(batches: Vec<(Tensor, Tensor)>) -> Result<Measured> {
         l.backward();
         opt.step();
         steps += 1;
-        if steps == 1 {
-            faults = accel_examples::minor_page_faults()?;
-        }
+        faults.step_done()?;
         loss = l.double_value(&[]);
     }
     let seconds = started.elapsed().as_secs_f64();
-    let faults = accel_examples::minor_page_faults()? - faults;
+    let faults = faults.since_first()?;
     Ok(Measured { steps, seconds, loss, procs: accelerator.num_processes(), faults })
 }
 
@@ -165,7 +182,7 @@ fn raw(x: Tensor, y: Tensor) -> Result<Measured> {
     // Batch i goes to process i mod procs, as a prepared loader deals them.
     let (xs, ys) = (x.split(BATCH, 0), y.split(BATCH, 0));
     let started = std::time::Instant::now();
-    let mut faults = 0;
+    let mut faults = StepFaults::default();
     let (mut steps, mut loss) = (0u64, 0.0);
     for (x, y) in xs.iter().zip(&ys).skip(rank).step_by(procs) {
         let l = net.forward_t(x, true).cross_entropy_for_logits(y);
@@ -175,15 +192,12 @@ fn raw(x: Tensor, y: Tensor) -> Result<Measured> {
         }
         opt.step()?;
         steps += 1;
-        if steps == 1 {
-            faults = accel_examples::minor_page_faults()?;
-        }
+        faults.step_done()?;
         loss = l.double_value(&[]);
     }
     if let Some(group) = &group {
         group.barrier()?;
     }
-    let (seconds, faults) =
-        (started.elapsed().as_secs_f64(), accel_examples::minor_page_faults()? - faults);
+    let (seconds, faults) = (started.elapsed().as_secs_f64(), faults.since_first()?);
     Ok(Measured { steps, seconds, loss, procs, faults })
 }
