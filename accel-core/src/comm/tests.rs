@@ -343,6 +343,44 @@ fn a_rank_that_never_arrives_times_out_with_its_name() {
     }
 }
 
+/// The direct path waits on its mailboxes, not on a socket: a peer that leaves (its group
+/// dropped, as when its process dies) must still end the wait at once, not at the timeout.
+#[test]
+fn a_peer_that_leaves_while_another_waits_in_a_direct_collective_is_named_at_once() {
+    let results = on_ranks(2, SECOND, |g| {
+        assert!(g.direct_copy(), "the path under test is in use");
+        if g.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+            return (String::new(), Duration::ZERO);
+        }
+        let started = std::time::Instant::now();
+        let err = g.all_reduce(&Tensor::ones([4], (Kind::Float, Device::Cpu)), ReduceOp::Sum);
+        (err.unwrap_err().to_string(), started.elapsed())
+    });
+    let (err, waited) = &results[0];
+    assert!(err.contains("rank 1") && err.contains("closed"), "{err}");
+    assert!(*waited < Duration::from_secs(5), "waited {waited:?} of a 20 s timeout: {err}");
+}
+
+/// A rank in a collective that goes over TCP (a broadcast it roots) while its peer waits on
+/// the mailbox in a direct one: the peer reads the header it sent and names both sides.
+#[test]
+fn a_tcp_collective_against_a_direct_one_is_named_on_both_sides_at_once() {
+    let results = on_ranks(2, SECOND, |g| {
+        let t = Tensor::ones([6], (Kind::Float, Device::Cpu));
+        let started = std::time::Instant::now();
+        let outcome =
+            if g.rank() == 0 { g.all_reduce(&t, ReduceOp::Sum) } else { g.broadcast(&t, 1) };
+        // Rank 1's broadcast only sends; it stays until rank 0 has read what it sent.
+        std::thread::sleep(Duration::from_millis(300));
+        (outcome.map_err(|e| e.to_string()), started.elapsed())
+    });
+    let (outcome, waited) = &results[0];
+    let err = outcome.clone().unwrap_err();
+    assert!(err.contains("collective #1 broadcast") && err.contains("#1 all_reduce"), "{err}");
+    assert!(*waited < Duration::from_secs(5), "waited {waited:?} of a 20 s timeout: {err}");
+}
+
 #[test]
 fn a_rank_that_never_starts_is_named_at_rendezvous() {
     let port = free_port("127.0.0.1").unwrap();

@@ -4,16 +4,19 @@
 //! read. Used when every member is on this machine and the kernel lets them read each other.
 
 use std::ops::Range;
+use std::sync::atomic::AtomicU64;
 
 use super::buffer::{Buffer, reduce_into};
 use super::diagnosis::{Fault, FaultResult};
+use super::mailbox::write_peer;
 use super::tcp::Links;
 use super::wire::{Tag, WireKind};
 use crate::comm::{Op, ReduceOp};
 use crate::error::{Error, Result};
 
-/// Something to read from a peer: the probe for `process_vm_readv`.
-static PROBE: [u8; 8] = *b"accelCMA";
+/// Something to read from a peer and write back: the probe for `process_vm_readv` and
+/// `process_vm_writev` (an atomic, so that it lies in writable memory).
+static PROBE: AtomicU64 = AtomicU64::new(u64::from_le_bytes(*b"accelCMA"));
 
 /// Address of this process's probe bytes.
 pub(crate) fn probe_address() -> u64 {
@@ -89,9 +92,15 @@ impl Links {
                 }
                 let mut bytes = [0u8; 8];
                 match read_peer(pid, address, &mut bytes) {
-                    Ok(()) if bytes == PROBE => {}
+                    Ok(()) if bytes == *b"accelCMA" => {}
                     Ok(()) => why = Some(format!("rank {peer}'s memory held other bytes")),
                     Err(e) => why = Some(format!("reading rank {peer}'s memory: {e}")),
+                }
+                // The signals write where the data is read (the same bytes go back).
+                if why.is_none() && cfg!(target_arch = "x86_64") {
+                    if let Err(e) = write_peer(pid, address, &bytes) {
+                        why = Some(format!("writing rank {peer}'s memory: {e}"));
+                    }
                 }
             }
         }
@@ -101,6 +110,18 @@ impl Links {
         })?;
         if why.is_none() && votes.iter().all(|v| v.first() == Some(&1)) {
             self.pids = pids.ok();
+            if cfg!(target_arch = "x86_64") {
+                let tag = Tag { seq: 0, op: Op::Objects, kind: WireKind::Bytes, numel: 1 };
+                let mine = self.mailbox.address().to_le_bytes();
+                let mailboxes = self.all_to_all(tag, &mine, SMALL).map_err(|_| {
+                    Error::Rendezvous("the members could not exchange their mailboxes".into())
+                })?;
+                let addresses = mailboxes
+                    .iter()
+                    .map(|b| b.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0))
+                    .collect();
+                self.mailbox.connect(addresses);
+            }
             return Ok(Transport::Direct);
         }
         self.pids = None;
@@ -124,8 +145,12 @@ impl Links {
         Ok(Transport::Tcp(why))
     }
 
-    /// Addresses of every member's buffer (for reading it), exchanged over TCP.
+    /// Addresses of every member's buffer (for reading it), exchanged through the mailboxes
+    /// (over TCP where they are off).
     pub fn addresses(&self, buf: &Buffer, tag: Tag) -> FaultResult<Vec<u64>> {
+        if self.mailbox.is_connected() {
+            return self.signal(tag, buf.address());
+        }
         let mine = buf.address().to_le_bytes();
         Ok(self
             .all_to_all(tag, &mine, SMALL)?
@@ -134,9 +159,19 @@ impl Links {
             .collect())
     }
 
-    /// Every member reaches this point (phase `phase` of a collective) before anyone goes on.
+    /// Every member reaches this point (phase `phase` of a collective) before anyone goes on:
+    /// a round of the mailboxes, or a message to and from every peer over TCP.
     pub fn barrier(&self, tag: Tag, phase: u8) -> FaultResult<()> {
+        if self.mailbox.is_connected() {
+            return self.signal(tag, u64::from(phase)).map(|_| ());
+        }
         self.all_to_all(tag, &[phase], SMALL).map(|_| ())
+    }
+
+    /// One round of the mailboxes: every member says `word` and hears everyone's.
+    fn signal(&self, tag: Tag, word: u64) -> FaultResult<Vec<u64>> {
+        let pids = self.pids.as_ref().expect("the direct path is on");
+        self.mailbox.round(self.rank, pids, tag, word, self.readers(), self.timeout)
     }
 
     fn read(&self, peer: usize, remote: u64, local: &mut [u8]) -> FaultResult<()> {

@@ -7,6 +7,7 @@
 pub(crate) mod buffer;
 pub(crate) mod diagnosis;
 pub(crate) mod direct;
+pub(crate) mod mailbox;
 pub(crate) mod ring;
 pub(crate) mod tcp;
 pub(crate) mod wire;

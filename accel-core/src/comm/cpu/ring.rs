@@ -69,20 +69,36 @@ pub(crate) fn all_reduce(
         return Ok(());
     }
     let chunks = equal_chunks(links, buf);
+    // An average is divided by its chunk's owner between the two halves, so that each
+    // element is divided once, not once per rank (the result is the same to the bit).
     if links.pids.is_some() {
         // Peers read our chunks while we read theirs; the barriers keep anyone from
         // overwriting a chunk that another rank still reads.
         let addrs = links.addresses(buf, tag)?;
         links.direct_reduce_scatter(buf, &chunks, &addrs, op)?;
+        average_own_chunk(links, buf, &chunks, op)?;
         links.barrier(tag, 1)?;
         links.direct_all_gather(buf, &chunks, &addrs)?;
         links.barrier(tag, 2)?;
     } else {
         ring_reduce_scatter(links, buf, &chunks, op, tag)?;
+        average_own_chunk(links, buf, &chunks, op)?;
         ring_all_gather(links, buf, &chunks, tag)?;
     }
+    Ok(())
+}
+
+/// Divides this rank's reduced chunk by the group's size if `op` averages.
+fn average_own_chunk(
+    links: &Links,
+    buf: &Buffer,
+    chunks: &[Range<usize>],
+    op: ReduceOp,
+) -> FaultResult<()> {
     if op == ReduceOp::Avg {
-        let _ = buf.tensor().shallow_clone().f_div_scalar_(links.world as f64)?;
+        let mine = chunks[links.rank].clone();
+        let (start, len) = ((mine.start / buf.elem()) as i64, (mine.len() / buf.elem()) as i64);
+        let _ = buf.tensor().f_narrow(0, start, len)?.f_div_scalar_(links.world as f64)?;
     }
     Ok(())
 }
@@ -106,12 +122,7 @@ pub(crate) fn reduce_scatter(
     } else {
         ring_reduce_scatter(links, buf, &chunks, op, tag)?;
     }
-    if op == ReduceOp::Avg {
-        let mine = chunks[links.rank].clone();
-        let (start, len) = ((mine.start / buf.elem()) as i64, (mine.len() / buf.elem()) as i64);
-        let _ = buf.tensor().f_narrow(0, start, len)?.f_div_scalar_(links.world as f64)?;
-    }
-    Ok(())
+    average_own_chunk(links, buf, &chunks, op)
 }
 
 /// `buf` has room for every rank's part, this rank's already in place at slot `rank`.

@@ -7,6 +7,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use super::diagnosis::{Fault, FaultResult, io_fault};
+use super::mailbox::Mailbox;
 use super::wire::{HEADER, Tag, decode, encode};
 use crate::comm::auth::{Token, authenticate_acceptor, authenticate_dialler};
 use crate::error::{Error, Result};
@@ -54,6 +55,25 @@ pub(crate) struct Links {
     /// Process ids of the members when all share this machine and may read each other's
     /// memory (`process_vm_readv`): the single-copy path of direct.rs.
     pub pids: Option<Vec<i32>>,
+    /// The direct path's signals (mailbox.rs), connected with it.
+    pub mailbox: Mailbox,
+    pub timeout: Duration,
+}
+
+/// What a rank in another collective than this one is told.
+pub(crate) fn mismatch(peer: usize, theirs: Tag, tag: Tag) -> String {
+    format!(
+        "rank {peer} is in collective #{} {} of {} × {}, this rank in #{} {} of {} × {}; every \
+         rank must call the same collectives in the same order with the same shapes",
+        theirs.seq,
+        theirs.op,
+        theirs.numel,
+        theirs.kind.name(),
+        tag.seq,
+        tag.op,
+        tag.numel,
+        tag.kind.name()
+    )
 }
 
 fn tune(stream: &TcpStream, timeout: Duration) -> std::io::Result<()> {
@@ -182,7 +202,8 @@ impl Links {
             .map(|r| r.as_ref().map(TcpStream::try_clone).transpose())
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| fail(e.to_string()))?;
-        Ok(Self { rank, world, readers, writers, pids: None })
+        let mailbox = Mailbox::new(world);
+        Ok(Self { rank, world, readers, writers, pids: None, mailbox, timeout })
     }
 
     /// Clones of the sockets, so that another thread can shut them down (abort).
@@ -192,6 +213,11 @@ impl Links {
 
     fn writer(&self, peer: usize) -> &TcpStream {
         self.writers[peer].as_ref().expect("a connection to every other rank")
+    }
+
+    /// The connections by peer, for watching them close.
+    pub fn readers(&self) -> &[Option<TcpStream>] {
+        &self.readers
     }
 
     fn reader(&self, peer: usize) -> &TcpStream {
@@ -214,22 +240,7 @@ impl Links {
             detail: format!("rank {peer} sent {detail}"),
         })?;
         if theirs != tag {
-            return Err(Fault::Mismatch {
-                peer,
-                detail: format!(
-                    "rank {peer} is in collective #{} {} of {} × {}, this rank in #{} {} of {} × {}; \
-                     every rank must call the same collectives in the same order with the same \
-                     shapes",
-                    theirs.seq,
-                    theirs.op,
-                    theirs.numel,
-                    theirs.kind.name(),
-                    tag.seq,
-                    tag.op,
-                    tag.numel,
-                    tag.kind.name()
-                ),
-            });
+            return Err(Fault::Mismatch { peer, detail: mismatch(peer, theirs, tag) });
         }
         Ok(payload)
     }
