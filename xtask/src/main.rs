@@ -228,7 +228,7 @@ fn cargo_command(args: &[&str], rest: &[OsString]) -> Command {
 }
 
 /// Runs `command` and returns its `samples_per_s=` and `peak_rss_mib=` figures.
-fn mlp_figures(command: &mut Command) -> Result<(f64, f64), String> {
+fn mlp_figures(command: &mut Command) -> Result<Figures, String> {
     let output = command.output().map_err(|e| format!("cannot run {command:?}: {e}"))?;
     let text = String::from_utf8_lossy(&output.stdout).into_owned();
     if !output.status.success() {
@@ -246,14 +246,30 @@ fn mlp_figures(command: &mut Command) -> Result<(f64, f64), String> {
     Ok((figure("samples_per_s=")?, figure("peak_rss_mib=")?))
 }
 
-/// The median of `runs` measurements (this VM's figures vary by ±20% between runs).
-fn median_of(
+/// A benchmark run's figures: (rate, peak resident MiB).
+type Figures = (f64, f64);
+type Measure<'a> = Box<dyn FnMut() -> Result<Figures, String> + 'a>;
+
+/// The median of `runs` runs of each of `measures` (this VM's figures vary by ±20% between
+/// runs), taken in turn (run 1 of each, then run 2 of each, ...), so that its drift over the
+/// minutes falls on every row alike.
+fn interleaved_medians(
     runs: usize,
-    mut measure: impl FnMut() -> Result<(f64, f64), String>,
-) -> Result<(f64, f64), String> {
-    let mut all = (0..runs).map(|_| measure()).collect::<Result<Vec<_>, _>>()?;
-    all.sort_by(|a, b| a.0.total_cmp(&b.0));
-    Ok(all[runs / 2])
+    mut measures: Vec<Measure<'_>>,
+) -> Result<Vec<Figures>, String> {
+    let mut all: Vec<Vec<Figures>> = vec![Vec::new(); measures.len()];
+    for _ in 0..runs {
+        for (measure, figures) in measures.iter_mut().zip(&mut all) {
+            figures.push(measure()?);
+        }
+    }
+    Ok(all
+        .into_iter()
+        .map(|mut figures| {
+            figures.sort_by(|a, b| a.0.total_cmp(&b.0));
+            figures[runs / 2]
+        })
+        .collect())
 }
 
 /// Seconds to rebuild `example` after touching its source; the attribute's share shows as
@@ -327,57 +343,47 @@ fn bench() -> Result<(), String> {
         };
         mlp_figures(command.args(flags).envs(env.iter().copied()))
     };
-    let ours = |procs: usize, flags: &[&str], env: &[(&str, &str)]| {
-        median_of(RUNS, || once(procs, flags, env))
-    };
     let theirs = |procs: usize, fused: bool, env: &[(&str, &str)]| {
-        median_of(RUNS, || {
-            let mut command = if procs == 1 {
-                let mut c = Command::new(&python);
-                c.arg(&script);
-                c
-            } else {
-                let mut c = Command::new(&torchrun);
-                c.args(["--nproc-per-node", "2", "--master-port", "29731"]).arg(&script);
-                c
-            };
-            if fused {
-                command.arg("fused");
-            }
-            mlp_figures(command.envs(env.iter().copied()))
-        })
+        let mut command = if procs == 1 {
+            let mut c = Command::new(&python);
+            c.arg(&script);
+            c
+        } else {
+            let mut c = Command::new(&torchrun);
+            c.args(["--nproc-per-node", "2", "--master-port", "29731"]).arg(&script);
+            c
+        };
+        if fused {
+            command.arg("fused");
+        }
+        mlp_figures(command.envs(env.iter().copied()))
     };
-    let rows = [
-        ("raw tch loop (the limit)", "raw", ours(1, &["--raw"], &[])?, ours(2, &["--raw"], &[])?),
-        ("accel, explicit API", "accel", ours(1, &[], &[])?, ours(2, &[], &[])?),
-        (
-            "accel, #[accelerate]",
-            "attribute",
-            ours(1, &["--attribute"], &[])?,
-            ours(2, &["--attribute"], &[])?,
-        ),
-        (
-            "Accelerate (AdamW default)",
-            "accelerate",
-            theirs(1, false, &[])?,
-            theirs(2, false, &[])?,
-        ),
-        (
-            "Accelerate (AdamW fused)",
-            "accelerate_fused",
-            theirs(1, true, &[])?,
-            theirs(2, true, &[])?,
-        ),
-        (
-            "Accelerate fused, kept heap",
-            "accelerate_fused_kept_heap",
-            theirs(1, true, &[KEPT_HEAP])?,
-            theirs(2, true, &[KEPT_HEAP])?,
-        ),
+    let names = [
+        ("raw tch loop (the limit)", "raw"),
+        ("accel, explicit API", "accel"),
+        ("accel, #[accelerate]", "attribute"),
+        ("Accelerate (AdamW default)", "accelerate"),
+        ("Accelerate (AdamW fused)", "accelerate_fused"),
+        ("Accelerate fused, kept heap", "accelerate_fused_kept_heap"),
     ];
+    let mut measures: Vec<Measure> = Vec::new();
+    for procs in [1, 2] {
+        measures.push(Box::new(move || once(procs, &["--raw"], &[])));
+        measures.push(Box::new(move || once(procs, &[], &[])));
+        measures.push(Box::new(move || once(procs, &["--attribute"], &[])));
+        measures.push(Box::new(move || theirs(procs, false, &[])));
+        measures.push(Box::new(move || theirs(procs, true, &[])));
+        measures.push(Box::new(move || theirs(procs, true, &[KEPT_HEAP])));
+    }
+    let figures = interleaved_medians(RUNS, measures)?;
+    let rows: Vec<(&str, &str, Figures, Figures)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, &(name, key))| (name, key, figures[i], figures[names.len() + i]))
+        .collect();
     report.say(
         "MLP 784-1024-1024-10, batch 64 per process, AdamW (fused where accel or the raw loop \
-         step), fp32, 1 thread per process, CPU; median of 3 runs each",
+         step), fp32, 1 thread per process, CPU; median of 3 runs each, taken in turn",
     );
     report.say(format!(
         "{:<28} {:>10} {:>12} {:>8} {:>20}",
@@ -442,8 +448,14 @@ fn bench() -> Result<(), String> {
     report.figure("mlp.collective_check_percent", overhead(checked, unchecked));
     // Batch norm after each hidden layer: its running statistics are broadcast from rank 0
     // after every step (one collective of 4096 floats), or left per process.
-    let synced = ours(2, &["--batch-norm"], &[])?.0;
-    let local = ours(2, &["--batch-norm", "--no-broadcast-buffers"], &[])?.0;
+    let batch_norm = interleaved_medians(
+        RUNS,
+        vec![
+            Box::new(|| once(2, &["--batch-norm"], &[])),
+            Box::new(|| once(2, &["--batch-norm", "--no-broadcast-buffers"], &[])),
+        ],
+    )?;
+    let (synced, local) = (batch_norm[0].0, batch_norm[1].0);
     report.say(format!(
         "with batch norm, 2 processes: {synced:.0} samples/s keeping the running statistics \
          equal, {local:.0} without: the broadcast costs {:.1}%",
@@ -452,32 +464,31 @@ fn bench() -> Result<(), String> {
     let lm = root.join("target/release/examples/lm_bench");
     let lm_script = root.join("python/reference/accelerate_lm.py");
     let lm_theirs = |fused: bool, env: &[(&str, &str)]| {
-        median_of(RUNS, || {
-            let mut command = Command::new(&python);
-            command.arg(&lm_script);
-            if fused {
-                command.arg("--fused");
-            }
-            mlp_figures(command.envs(env.iter().copied()))
-        })
+        let mut command = Command::new(&python);
+        command.arg(&lm_script);
+        if fused {
+            command.arg("--fused");
+        }
+        mlp_figures(command.envs(env.iter().copied()))
     };
-    let lm_ours =
-        |flag: Option<&str>| median_of(RUNS, || mlp_figures(Command::new(&lm).args(flag)));
-    let lm_rows = [
-        ("raw tch loop (the limit)", "raw", lm_ours(Some("--raw"))?),
-        ("accel, explicit API", "accel", lm_ours(None)?),
-        ("accel, #[accelerate]", "attribute", lm_ours(Some("--attribute"))?),
-        ("Accelerate (AdamW default)", "accelerate", lm_theirs(false, &[])?),
-        ("Accelerate (AdamW fused)", "accelerate_fused", lm_theirs(true, &[])?),
-        (
-            "Accelerate fused, kept heap",
-            "accelerate_fused_kept_heap",
-            lm_theirs(true, &[KEPT_HEAP])?,
-        ),
-    ];
+    let lm_ours = |flag: Option<&str>| mlp_figures(Command::new(&lm).args(flag));
+    let lm_figures = interleaved_medians(
+        RUNS,
+        vec![
+            Box::new(|| lm_ours(Some("--raw"))),
+            Box::new(|| lm_ours(None)),
+            Box::new(|| lm_ours(Some("--attribute"))),
+            Box::new(|| lm_theirs(false, &[])),
+            Box::new(|| lm_theirs(true, &[])),
+            Box::new(|| lm_theirs(true, &[KEPT_HEAP])),
+        ],
+    )?;
+    let lm_rows: Vec<(&str, &str, Figures)> =
+        names.iter().zip(lm_figures).map(|(&(name, key), f)| (name, key, f)).collect();
     report.say(format!(
         "\nGPT-style transformer (examples/gpt.rs: 4 blocks of width 128, context 64, 0.8M \
-         parameters), batch 16, AdamW, fp32, 1 process, 1 thread; median of {RUNS} runs each"
+         parameters), batch 16, AdamW, fp32, 1 process, 1 thread; median of {RUNS} runs each, \
+         taken in turn"
     ));
     report.say(format!(
         "{:<28} {:>12} {:>10} {:>14}",
@@ -505,26 +516,31 @@ fn bench() -> Result<(), String> {
     // fp8 beside bf16, both sides: on CPU fp8 runs libtorch's reference kernels, so this
     // measures the recipe's overhead there; the speed-up belongs to fp8 GPUs.
     let lm_with = |precision: &'static str, accelerate: bool| {
-        median_of(RUNS, || {
-            let mut command = if accelerate {
-                let mut c = Command::new(&python);
-                c.args([lm_script.as_os_str(), "--fused".as_ref()]);
-                c
-            } else {
-                Command::new(&lm)
-            };
-            mlp_figures(command.args(["--precision", precision]))
-        })
+        let mut command = if accelerate {
+            let mut c = Command::new(&python);
+            c.args([lm_script.as_os_str(), "--fused".as_ref()]);
+            c
+        } else {
+            Command::new(&lm)
+        };
+        mlp_figures(command.args(["--precision", precision]))
     };
-    let precision_rows = [
-        ("accel bf16", lm_with("bf16", false)?),
-        ("accel fp8", lm_with("fp8", false)?),
-        ("Accelerate bf16 (fused AdamW)", lm_with("bf16", true)?),
-        ("Accelerate fp8 (torchao)", lm_with("fp8", true)?),
-    ];
+    let precision_names =
+        ["accel bf16", "accel fp8", "Accelerate bf16 (fused AdamW)", "Accelerate fp8 (torchao)"];
+    let precision_figures = interleaved_medians(
+        RUNS,
+        vec![
+            Box::new(|| lm_with("bf16", false)),
+            Box::new(|| lm_with("fp8", false)),
+            Box::new(|| lm_with("bf16", true)),
+            Box::new(|| lm_with("fp8", true)),
+        ],
+    )?;
+    let precision_rows: Vec<(&str, Figures)> =
+        precision_names.into_iter().zip(precision_figures).collect();
     report.say(format!(
         "The same transformer under bf16 and fp8 (tensor-wise recipe, all but the first and last \
-         linear layers), CPU; median of {RUNS} runs each"
+         linear layers), CPU; median of {RUNS} runs each, taken in turn"
     ));
     report.say(format!("{:<30} {:>10} {:>14}", "step ms", "1 process", "peak RSS MiB"));
     for (name, (rate, rss)) in &precision_rows {

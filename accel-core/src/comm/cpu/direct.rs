@@ -1,7 +1,8 @@
 //! The single-copy path between processes of one machine: each rank reads its peers'
-//! buffers straight from their memory (`process_vm_readv`), with a TCP message or two per
+//! buffers straight from their memory (`process_vm_readv`), with a signal or two per
 //! collective to exchange addresses and keep anyone from overwriting a chunk still being
-//! read. Used when every member is on this machine and the kernel lets them read each other.
+//! read (through the mailboxes of mailbox.rs; TCP messages where those are off). Used when
+//! every member is on this machine and the kernel lets them read and write each other.
 
 use std::ops::Range;
 use std::sync::atomic::AtomicU64;

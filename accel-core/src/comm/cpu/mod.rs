@@ -1,8 +1,9 @@
 //! The `cpu` backend's transport, by concern: the wire format (wire.rs), TCP links between
 //! every pair of ranks (tcp.rs), the single-copy path between processes of one machine
-//! (direct.rs), byte views of tensors (buffer.rs), the collective algorithms (ring.rs), the
-//! worker thread that runs a group's transfers in order (worker.rs), and the diagnosis of
-//! failures (diagnosis.rs). [`crate::comm::ProcessGroup`] is its front.
+//! (direct.rs) and its signals (mailbox.rs), byte views of tensors (buffer.rs), the
+//! collective algorithms (ring.rs), the worker thread that runs a group's transfers in
+//! order (worker.rs), and the diagnosis of failures (diagnosis.rs).
+//! [`crate::comm::ProcessGroup`] is its front.
 
 pub(crate) mod buffer;
 pub(crate) mod diagnosis;
