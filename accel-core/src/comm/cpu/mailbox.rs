@@ -37,7 +37,10 @@ const ROUND_OFFSET: usize = HEADER;
 
 /// This rank's mailbox (slot `2 * peer + round % 2` is `peer`'s) and where its peers' are.
 pub(crate) struct Mailbox {
-    slots: Box<[Slot]>,
+    /// Never freed (128 bytes per member and group): a peer that arrives after this rank
+    /// gave up on a collective still writes its signal here, and must not write into memory
+    /// that has been handed out again.
+    slots: &'static [Slot],
     /// Address of each peer's `slots` in its own memory (ours at our rank).
     peers: Vec<u64>,
     /// Signals sent so far; every rank counts the same rounds (collectives run in order).
@@ -61,7 +64,7 @@ pub(crate) fn write_peer(pid: i32, remote: u64, bytes: &[u8]) -> std::io::Result
 impl Mailbox {
     /// An empty mailbox for a group of `world`.
     pub fn new(world: usize) -> Self {
-        let slots = (0..2 * world).map(|_| Slot::default()).collect();
+        let slots = Box::leak((0..2 * world).map(|_| Slot::default()).collect());
         Self { slots, peers: Vec::new(), round: AtomicU64::new(0) }
     }
 
