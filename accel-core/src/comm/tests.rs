@@ -113,6 +113,19 @@ fn all_reduce_every_op_and_dtype_on_2_3_and_4_ranks_by_direct_copy_and_by_tcp() 
     }
 }
 
+/// A scalar (0-dim) is averaged too, by direct copy and by TCP (a loss, a metric).
+#[test]
+fn a_scalar_is_averaged_by_direct_copy_and_by_tcp() {
+    for direct_copy in [true, false] {
+        let options = GroupOptions { timeout: SECOND, direct_copy, ..Default::default() };
+        let results = on_ranks_with(2, options, |g| {
+            let t = Tensor::from(g.rank() as f64 + 1.0);
+            g.all_reduce(&t, ReduceOp::Avg).map(|()| t.double_value(&[])).map_err(|e| e.to_string())
+        });
+        assert_eq!(results, vec![Ok(1.5), Ok(1.5)], "direct copy {direct_copy}");
+    }
+}
+
 #[test]
 fn non_contiguous_tensors_are_reduced_in_place() {
     let results = on_ranks(2, SECOND, |g| {

@@ -98,7 +98,9 @@ fn average_own_chunk(
     if op == ReduceOp::Avg {
         let mine = chunks[links.rank].clone();
         let (start, len) = ((mine.start / buf.elem()) as i64, (mine.len() / buf.elem()) as i64);
-        let _ = buf.tensor().f_narrow(0, start, len)?.f_div_scalar_(links.world as f64)?;
+        // Flat first: a scalar (0-dim) has no dimension to narrow.
+        let flat = buf.tensor().f_view([-1])?;
+        let _ = flat.f_narrow(0, start, len)?.f_div_scalar_(links.world as f64)?;
     }
     Ok(())
 }
