@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicU64;
 
 use super::buffer::{Buffer, reduce_into};
 use super::diagnosis::{Fault, FaultResult};
-use super::mailbox::write_peer;
+use super::mailbox::{Mailbox, write_peer};
 use super::tcp::Links;
 use super::wire::{Tag, WireKind};
 use crate::comm::{Op, ReduceOp};
@@ -113,15 +113,11 @@ impl Links {
             self.pids = pids.ok();
             if cfg!(target_arch = "x86_64") {
                 let tag = Tag { seq: 0, op: Op::Objects, kind: WireKind::Bytes, numel: 1 };
-                let mine = self.mailbox.address().to_le_bytes();
-                let mailboxes = self.all_to_all(tag, &mine, SMALL).map_err(|_| {
+                let mut mailbox = Mailbox::new(self.world);
+                mailbox.connect(self.exchange_words(tag, mailbox.address()).map_err(|_| {
                     Error::Rendezvous("the members could not exchange their mailboxes".into())
-                })?;
-                let addresses = mailboxes
-                    .iter()
-                    .map(|b| b.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0))
-                    .collect();
-                self.mailbox.connect(addresses);
+                })?);
+                self.mailbox = Some(mailbox);
             }
             return Ok(Transport::Direct);
         }
@@ -149,12 +145,16 @@ impl Links {
     /// Addresses of every member's buffer (for reading it), exchanged through the mailboxes
     /// (over TCP where they are off).
     pub fn addresses(&self, buf: &Buffer, tag: Tag) -> FaultResult<Vec<u64>> {
-        if self.mailbox.is_connected() {
-            return self.signal(tag, buf.address());
+        match &self.mailbox {
+            Some(mailbox) => self.signal(mailbox, tag, buf.address()),
+            None => self.exchange_words(tag, buf.address()),
         }
-        let mine = buf.address().to_le_bytes();
+    }
+
+    /// Every member's `word`, by rank, over TCP.
+    fn exchange_words(&self, tag: Tag, word: u64) -> FaultResult<Vec<u64>> {
         Ok(self
-            .all_to_all(tag, &mine, SMALL)?
+            .all_to_all(tag, &word.to_le_bytes(), SMALL)?
             .iter()
             .map(|b| b.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0))
             .collect())
@@ -163,16 +163,16 @@ impl Links {
     /// Every member reaches this point (phase `phase` of a collective) before anyone goes on:
     /// a round of the mailboxes, or a message to and from every peer over TCP.
     pub fn barrier(&self, tag: Tag, phase: u8) -> FaultResult<()> {
-        if self.mailbox.is_connected() {
-            return self.signal(tag, u64::from(phase)).map(|_| ());
+        match &self.mailbox {
+            Some(mailbox) => self.signal(mailbox, tag, u64::from(phase)).map(|_| ()),
+            None => self.all_to_all(tag, &[phase], SMALL).map(|_| ()),
         }
-        self.all_to_all(tag, &[phase], SMALL).map(|_| ())
     }
 
     /// One round of the mailboxes: every member says `word` and hears everyone's.
-    fn signal(&self, tag: Tag, word: u64) -> FaultResult<Vec<u64>> {
+    fn signal(&self, mailbox: &Mailbox, tag: Tag, word: u64) -> FaultResult<Vec<u64>> {
         let pids = self.pids.as_ref().expect("the direct path is on");
-        self.mailbox.round(self.rank, pids, tag, word, self.readers(), self.timeout)
+        mailbox.round(self.rank, pids, tag, word, self.readers(), self.timeout)
     }
 
     fn read(&self, peer: usize, remote: u64, local: &mut [u8]) -> FaultResult<()> {

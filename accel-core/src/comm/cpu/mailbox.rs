@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::diagnosis::{Fault, FaultResult};
-use super::tcp::mismatch;
+use super::tcp::{check_header, mismatch};
 use super::wire::{HEADER, Tag, decode, encode};
 
 /// One signal: the sender's wire header (with its buffer's address as the payload word),
@@ -62,7 +62,7 @@ pub(crate) fn write_peer(pid: i32, remote: u64, bytes: &[u8]) -> std::io::Result
 }
 
 impl Mailbox {
-    /// An empty mailbox for a group of `world`.
+    /// An empty mailbox for a group of `world`, not yet connected to its peers'.
     pub fn new(world: usize) -> Self {
         let slots = Box::leak((0..2 * world).map(|_| Slot::default()).collect());
         Self { slots, peers: Vec::new(), round: AtomicU64::new(0) }
@@ -76,10 +76,6 @@ impl Mailbox {
     /// Every member's mailbox address, by rank: signals can flow.
     pub fn connect(&mut self, peers: Vec<u64>) {
         self.peers = peers;
-    }
-
-    pub fn is_connected(&self) -> bool {
-        !self.peers.is_empty()
     }
 
     /// Tells every peer that this rank reached the next round of `tag` (with `word` for
@@ -148,14 +144,7 @@ impl Mailbox {
         for (bytes, word) in theirs.chunks_exact_mut(8).zip(&slot.header) {
             bytes.copy_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
         }
-        let (their_tag, their_word) = decode(&theirs).map_err(|detail| Fault::Mismatch {
-            peer,
-            detail: format!("rank {peer} signalled {detail}"),
-        })?;
-        if their_tag != tag {
-            return Err(Fault::Mismatch { peer, detail: mismatch(peer, their_tag, tag) });
-        }
-        Ok(their_word)
+        check_header(peer, &theirs, tag, "signalled")
     }
 }
 

@@ -55,8 +55,8 @@ pub(crate) struct Links {
     /// Process ids of the members when all share this machine and may read each other's
     /// memory (`process_vm_readv`): the single-copy path of direct.rs.
     pub pids: Option<Vec<i32>>,
-    /// The direct path's signals (mailbox.rs), connected with it.
-    pub mailbox: Mailbox,
+    /// The direct path's signals (mailbox.rs), where it has them.
+    pub mailbox: Option<Mailbox>,
     pub timeout: Duration,
 }
 
@@ -74,6 +74,24 @@ pub(crate) fn mismatch(peer: usize, theirs: Tag, tag: Tag) -> String {
         tag.numel,
         tag.kind.name()
     )
+}
+
+/// The payload word of `peer`'s header `h` if it belongs to `tag`; else what is wrong
+/// (`verb`: how it came, "sent" or "signalled").
+pub(crate) fn check_header(
+    peer: usize,
+    h: &[u8; HEADER],
+    tag: Tag,
+    verb: &str,
+) -> FaultResult<u64> {
+    let (theirs, payload) = decode(h).map_err(|detail| Fault::Mismatch {
+        peer,
+        detail: format!("rank {peer} {verb} {detail}"),
+    })?;
+    if theirs != tag {
+        return Err(Fault::Mismatch { peer, detail: mismatch(peer, theirs, tag) });
+    }
+    Ok(payload)
 }
 
 fn tune(stream: &TcpStream, timeout: Duration) -> std::io::Result<()> {
@@ -202,8 +220,7 @@ impl Links {
             .map(|r| r.as_ref().map(TcpStream::try_clone).transpose())
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| fail(e.to_string()))?;
-        let mailbox = Mailbox::new(world);
-        Ok(Self { rank, world, readers, writers, pids: None, mailbox, timeout })
+        Ok(Self { rank, world, readers, writers, pids: None, mailbox: None, timeout })
     }
 
     /// Clones of the sockets, so that another thread can shut them down (abort).
@@ -235,14 +252,7 @@ impl Links {
     fn expect(&self, peer: usize, tag: Tag) -> FaultResult<u64> {
         let mut h = [0u8; HEADER];
         self.reader(peer).read_exact(&mut h).map_err(|e| io_fault(peer, e))?;
-        let (theirs, payload) = decode(&h).map_err(|detail| Fault::Mismatch {
-            peer,
-            detail: format!("rank {peer} sent {detail}"),
-        })?;
-        if theirs != tag {
-            return Err(Fault::Mismatch { peer, detail: mismatch(peer, theirs, tag) });
-        }
-        Ok(payload)
+        check_header(peer, &h, tag, "sent")
     }
 
     /// Receives exactly `out.len()` payload bytes of `tag` from `peer`.
