@@ -162,8 +162,17 @@ choices!(
     DataSharding, "data sharding", "data shardings",
     /// The accelerator deals the batches: the attribute prepares the iterable of each
     /// training loop, and with several processes a step on batches that did not come
-    /// through a prepared iterator or loader is an error.
+    /// through a prepared iterator or loader is an error. A loop that only counts
+    /// (`for iter in 0..max_iters` drawing its own batches) runs every iteration on every
+    /// process, each drawing from its own random stream; where the attribute cannot tell
+    /// which of the two a loop is, it asks for `dealt` or `drawn`.
     "prepared" => Prepared,
+    /// The index of the training loop's range picks each batch (`get_batch(i)`): the range
+    /// is dealt, as for `prepared`, even where the attribute cannot see that it picks data.
+    "dealt" => Dealt,
+    /// The training loop draws its own batches (nanoGPT's `get_batch`): every process runs
+    /// every iteration, drawing from torch's generator seeded with the seed + its rank.
+    "drawn" => Drawn,
     /// The program gives each process its own part of the data itself: nothing is dealt
     /// and nothing checks it (autocast and accumulation still apply).
     "manual" => Manual,

@@ -662,4 +662,18 @@ char* accel_rng_set_state(int device_type, int device_index, at::Tensor* state) 
   })
 }
 
+// The seed the CPU default generator was last seeded with (torch.initial_seed()).
+char* accel_rng_initial_seed(uint64_t* seed) {
+  ACCEL_TRY({
+    at::Generator generator = at::globalContext().defaultGenerator(c10::Device(c10::kCPU));
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    *seed = generator.current_seed();
+  })
+}
+
+// A tensor's version counter (tensor._version): in-place updates advance it.
+char* accel_tensor_version(at::Tensor* tensor, int64_t* version) {
+  ACCEL_TRY({ *version = static_cast<int64_t>(tensor->_version()); })
+}
+
 }  // extern "C"

@@ -7,6 +7,18 @@ use std::hash::Hash;
 use tch::{Device, Tensor};
 
 /// Something that can be placed on a device, tensor by tensor.
+///
+/// A borrowed batch (`&Tensor`, `&(Tensor, Tensor)`, from `batches.iter()`) is handed out
+/// as it is: a borrow cannot be moved, so it stays where the program put it, as it would on
+/// one device.
+#[diagnostic::on_unimplemented(
+    message = "#[accelerate] deals this loop's batches and moves each to the process's device, \
+               but it does not know how to move a `{Self}`",
+    label = "the items of this loop are `{Self}`",
+    note = "derive it on your batch type: `#[derive(accel_core::ToDevice)]` (fields that hold no \
+            tensor: `#[to_device(skip)]`); tensors, tuples, Vec, Option, arrays, maps and \
+            borrowed values are handled already"
+)]
 pub trait ToDevice: Sized {
     /// `self`, with every tensor on `device` (tensors already there are not copied).
     fn to_device(self, device: Device) -> Self;
@@ -56,7 +68,19 @@ macro_rules! passthrough {
         }
     )*};
 }
-passthrough!((), bool, i32, i64, u32, u64, usize, f32, f64, String);
+passthrough!((), bool, i8, i16, i32, i64, isize, u8, u16, u32, u64, usize, f32, f64, char, String);
+
+impl<T: ?Sized> ToDevice for &T {
+    fn to_device(self, _device: Device) -> Self {
+        self
+    }
+}
+
+impl<T: ?Sized> ToDevice for &mut T {
+    fn to_device(self, _device: Device) -> Self {
+        self
+    }
+}
 
 macro_rules! tuple_to_device {
     ($($t:ident $i:tt),+) => {

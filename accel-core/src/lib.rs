@@ -41,9 +41,9 @@ pub use accelerator::helpers::{
     Stateful, find_executable_batch_size, find_executable_batch_size_with, is_out_of_memory,
 };
 pub use accelerator::{
-    AcceleratedOptimizer, Accelerator, AcceleratorBuilder, AdoptOptimizer, DataPosition,
-    DriveOptimizer, Driven, ExitGuard, ForwardGuard, IntoAccelOptimizer, PreparedBatches,
-    PreparedIter, PreparedLoader, StepCounters, StepGuard, current, split_between,
+    AcceleratedOptimizer, Accelerator, AcceleratorBuilder, AdoptOptimizer, DataPosition, DrawnLoop,
+    DriveOptimizer, Driven, ExitGuard, ForwardGuard, IntoAccelOptimizer, Lent, PreparedBatches,
+    PreparedIter, PreparedLoader, StepCounters, StepGuard, Steps, current, split_between,
 };
 pub use checkpoint::{HfCheckpoint, merge_weights};
 pub use config::{Config, DataSharding, Fp8Recipe, LogWith, Precision, Strategy};

@@ -24,6 +24,7 @@ fn train(data: &Digits, epochs: usize) -> Result<f64> {
         .seed(0u64)
         .cpu(true)
         .attribute_data_loops(1usize)
+        .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<f64> = (|| {

@@ -22,6 +22,7 @@ fn train(
         .seed(0u64)
         .cpu(true)
         .attribute_data_loops(1usize)
+        .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<f64> = (|| {

@@ -132,6 +132,7 @@ fn annotated(args: &Args) -> Result<(f64, f64)> {
         .cpu(true)
         .data(::accel_core::DataSharding::Manual)
         .attribute_data_loops(1usize)
+        .attribute_call(concat!("`annotated`", " at ", file!(), ":", line!()))
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<(f64, f64)> = (|| {

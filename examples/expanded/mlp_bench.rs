@@ -165,6 +165,7 @@ fn annotated(batches: Vec<(Tensor, Tensor)>) -> Result<Measured> {
         .seed(0u64)
         .cpu(true)
         .attribute_data_loops(1usize)
+        .attribute_call(concat!("`annotated`", " at ", file!(), ":", line!()))
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<Measured> = (|| {

@@ -17,11 +17,17 @@ pub struct Data {
 }
 
 impl Data {
-    /// (inputs of 6 features, labels of 3 classes), in batches.
-    pub fn batches(&self) -> Vec<(Tensor, Tensor)> {
+    /// Every sample: (inputs of 6 features, labels of 3 classes).
+    pub fn all(&self) -> (Tensor, Tensor) {
         let x = (Tensor::arange(SAMPLES * 6, (Kind::Float, Device::Cpu)).view([SAMPLES, 6]) * 0.37)
             .sin();
         let y = (Tensor::arange(SAMPLES, (Kind::Int64, Device::Cpu)) * 7).remainder(3);
+        (x, y)
+    }
+
+    /// (inputs of 6 features, labels of 3 classes), in batches.
+    pub fn batches(&self) -> Vec<(Tensor, Tensor)> {
+        let (x, y) = self.all();
         (0..SAMPLES / self.batch_size)
             .map(|b| {
                 let (start, n) = (b * self.batch_size, self.batch_size);

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use tch::Device;
 
 use super::{Accelerator, CURRENT, GradientState, Inner, Registry};
-use crate::comm::{GroupOptions, ProcessGroup};
+use crate::comm::GroupOptions;
 use crate::config::{Config, Fp8Recipe, PartialConfig, Precision, Strategy, config_file_from_env};
 use crate::error::{Error, Result};
 use crate::launch::config::{DEEPSPEED_CONFIG_ENV, LaunchConfig};
@@ -38,6 +38,8 @@ pub struct AcceleratorBuilder {
     fp32_gathers: bool,
     /// Set by `#[accelerate]`: the data loops it prepared (the run's first line says it).
     attribute_data_loops: Option<usize>,
+    /// Set by `#[accelerate]`: the annotated function and where it is, for messages.
+    attribute_call: Option<String>,
     /// Tests driving ranks as threads: the topology and mesh to use instead of the
     /// environment's.
     #[cfg(test)]
@@ -119,6 +121,13 @@ impl AcceleratorBuilder {
     #[doc(hidden)]
     pub fn attribute_data_loops(mut self, loops: usize) -> Self {
         self.attribute_data_loops = Some(loops);
+        self
+    }
+    /// Set by `#[accelerate]`: which function is annotated, and where ("`train` at
+    /// src/main.rs:12"), for messages about the process's group.
+    #[doc(hidden)]
+    pub fn attribute_call(mut self, call: &str) -> Self {
+        self.attribute_call = Some(call.to_owned());
         self
     }
     /// Distribution strategy.
@@ -371,8 +380,14 @@ impl AcceleratorBuilder {
         let mesh = match given_mesh {
             Some(mesh) => mesh,
             None if process.world_size > 1 || crate::mesh::group_of_one() => {
-                let world = ProcessGroup::new(&process, GroupOptions::from_env()?)?;
-                DeviceMesh::new(dims, &world, device)?
+                let who = self.attribute_call.clone().unwrap_or_else(|| "an accelerator".into());
+                crate::comm::world::mesh_for(
+                    &process,
+                    GroupOptions::from_env()?,
+                    dims,
+                    device,
+                    &who,
+                )?
             }
             None => DeviceMesh::single(),
         };
@@ -426,6 +441,9 @@ impl AcceleratorBuilder {
                 strategy_ended: Default::default(),
                 trigger: Default::default(),
                 buffers: Mutex::new(Vec::new()),
+                loop_exit: Arc::default(),
+                drawn: Mutex::default(),
+                run_name: self.attribute_call.clone().unwrap_or_else(|| "an accelerator".into()),
             }),
         };
         if accelerator.is_main_process() && !quiet() {
@@ -444,7 +462,7 @@ impl AcceleratorBuilder {
 }
 
 /// `ACCEL_QUIET=1` drops the run's first line (for programs that own their output).
-fn quiet() -> bool {
+pub(crate) fn quiet() -> bool {
     std::env::var("ACCEL_QUIET").is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false"))
 }
 

@@ -77,6 +77,44 @@ impl<I: Iterator> Iterator for Rounds<I> {
     }
 }
 
+/// Where the processes are in a loop the attribute prepared, written into the world's
+/// collective ledger (see [`crate::comm::ledger`]): the batch each takes, and where one
+/// leaves early. The sequence check compares them at every optimizer step, so a process
+/// that leaves the loop alone (a `break` on its own loss) is reported at the next step,
+/// with the line it left at, instead of training on beside the others' other batches.
+pub(crate) struct LoopNotes {
+    ledger: Arc<crate::comm::ledger::Ledger>,
+    /// "src/main.rs:40": the loop.
+    site: String,
+    /// Where the body last left the loop (`Accelerator::leaving_loop`).
+    exit: Arc<Mutex<Option<&'static std::panic::Location<'static>>>>,
+    handed: u64,
+    done: bool,
+}
+
+impl LoopNotes {
+    pub(crate) fn batch(&mut self, last: bool) {
+        self.handed += 1;
+        self.done |= last;
+        self.ledger.note(format!("took batch {} of the loop at {}", self.handed, self.site));
+    }
+}
+
+impl Drop for LoopNotes {
+    fn drop(&mut self) {
+        let exit = self.exit.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if self.done || self.handed == 0 {
+            return;
+        }
+        let how = match exit {
+            Some(at) => format!(" (`break`/`return` at {})", crate::comm::ledger::site_of(at)),
+            None => String::new(),
+        };
+        self.ledger
+            .note(format!("left the loop at {} after its batch {}{how}", self.site, self.handed));
+    }
+}
+
 /// Any iterator of batches, prepared ([`super::Accelerator::prepare_iter`]).
 pub struct PreparedIter<I: Iterator> {
     lookahead: Lookahead<I>,
@@ -84,6 +122,7 @@ pub struct PreparedIter<I: Iterator> {
     position: Arc<Mutex<DataPosition>>,
     device: Device,
     remainder: Option<usize>,
+    notes: Option<LoopNotes>,
 }
 
 impl<I: Iterator> PreparedIter<I> {
@@ -93,7 +132,19 @@ impl<I: Iterator> PreparedIter<I> {
         position: Arc<Mutex<DataPosition>>,
         device: Device,
     ) -> Self {
-        Self { lookahead: Lookahead::new(inner), state, position, device, remainder: None }
+        Self {
+            lookahead: Lookahead::new(inner),
+            state,
+            position,
+            device,
+            remainder: None,
+            notes: None,
+        }
+    }
+
+    pub(crate) fn with_notes(mut self, notes: Option<LoopNotes>) -> Self {
+        self.notes = notes;
+        self
     }
 }
 
@@ -111,10 +162,16 @@ where
         let Some((item, last)) = advanced else {
             self.state.set_end_of_dataloader(false);
             self.state.end_batches();
+            if let Some(notes) = &mut self.notes {
+                notes.done = true;
+            }
             return None;
         };
         self.state.set_end_of_dataloader(last);
         self.state.mark_new_batch();
+        if let Some(notes) = &mut self.notes {
+            notes.batch(last);
+        }
         position.batches += 1;
         if last {
             self.state.set_remainder(self.remainder);
@@ -246,16 +303,99 @@ impl Accelerator {
     /// Any iterable of batches: moved to the device, with the look-ahead that closes the
     /// accumulation window on the last batch. With several processes, batches are dealt
     /// round-robin (batch k to rank k mod N) and a last round too short for every rank is
-    /// dropped; use a [`DataLoader`] for Accelerate's padding and for resumable positions.
+    /// dropped; use a [`DataLoader`] for Accelerate's padding.
+    ///
+    /// Each call site is one loop: its position (epoch, batches taken) is kept in
+    /// checkpoints, and after [`load_state`](Self::load_state) the next pass of the same
+    /// loop skips the batches the saved run had taken (Accelerate's `skip_first_batches`).
+    #[track_caller]
     pub fn prepare_iter<I>(&self, iterable: I) -> PreparedIter<Rounds<I::IntoIter>>
     where
         I: IntoIterator,
         I::Item: ToDevice,
     {
-        let position = Arc::new(Mutex::new(DataPosition::default()));
+        let site = std::panic::Location::caller();
         let (index, replicas) = self.data_parallel();
-        let rounds = Rounds::new(iterable.into_iter(), index, replicas);
+        let mut inner = iterable.into_iter();
+        let (position, skip) = self.loop_pass(site);
+        // Resuming mid-epoch: this process's batches of the rounds already taken.
+        for _ in 0..skip.saturating_mul(replicas as u64) {
+            if inner.next().is_none() {
+                break;
+            }
+        }
+        let rounds = Rounds::new(inner, index, replicas);
         PreparedIter::new(rounds, self.inner.state.clone(), position, self.device())
+            .with_notes(self.loop_notes(site))
+    }
+
+    /// The position of the loop at `site`, at the start of a pass: a pass resumed from a
+    /// checkpoint keeps its saved position and skips its batches (returned); any other
+    /// starts at batch 0 of the next epoch.
+    fn loop_pass(
+        &self,
+        site: &'static std::panic::Location<'static>,
+    ) -> (Arc<Mutex<DataPosition>>, u64) {
+        let key = crate::comm::ledger::site_of(site);
+        let mut registry = self.registry();
+        let resumed = registry.resume_loops.remove(&key);
+        let position = registry
+            .loops
+            .entry(key)
+            .or_insert_with(|| Arc::new(Mutex::new(DataPosition::default())))
+            .clone();
+        drop(registry);
+        let mut p = position.lock().unwrap_or_else(|e| e.into_inner());
+        let skip = match resumed {
+            Some(saved) => {
+                *p = saved;
+                saved.batches
+            }
+            None => {
+                // A pass left early (a `break`) counts as an epoch begun.
+                if p.batches > 0 {
+                    *p = DataPosition { epoch: p.epoch + 1, batches: 0 };
+                }
+                0
+            }
+        };
+        drop(p);
+        (position, skip)
+    }
+
+    /// The notes a prepared loop writes into the world's ledger (several processes, no
+    /// pipeline: pipeline stages take their micro-batches from the schedule).
+    pub(crate) fn loop_notes(
+        &self,
+        site: &'static std::panic::Location<'static>,
+    ) -> Option<LoopNotes> {
+        let world = self.process_group()?;
+        if self.inner.mesh.dims().size(crate::mesh::Dim::Pipeline) > 1 {
+            return None;
+        }
+        Some(LoopNotes {
+            ledger: world.ledger_handle(),
+            site: crate::comm::ledger::site_of(site),
+            exit: self.inner.loop_exit.clone(),
+            handed: 0,
+            done: false,
+        })
+    }
+
+    /// Where the body of a prepared loop leaves it early (`break`, `return`): what
+    /// `#[accelerate]` calls before each, so that a process leaving the loop alone is
+    /// reported with this line.
+    #[track_caller]
+    pub fn leaving_loop(&self) {
+        *self.inner.loop_exit.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(std::panic::Location::caller());
+    }
+
+    /// The epoch the prepared loops resume in after [`load_state`](Self::load_state) (the
+    /// latest of their saved positions; 0 in a fresh run): where a resumed program's own
+    /// loop over epochs starts (`for epoch in accelerator.resumed_epoch()..epochs`).
+    pub fn resumed_epoch(&self) -> u64 {
+        self.registry().resumed_epoch
     }
 
     /// This process's share of a stream of samples, with Accelerate's

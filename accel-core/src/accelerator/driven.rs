@@ -368,3 +368,107 @@ impl<O: DriveOptimizer> Driven<'_, O> {
         self.optimizer.params()
     }
 }
+
+/// An optimizer kept as the program made it (tch's `nn::Optimizer`), lent for one call to a
+/// function `#[accelerate]` cannot see into (`apply_schedule(&mut opt, epoch)`): see
+/// [`Accelerator::lend`].
+#[must_use = "`returned` checks what the function did with the optimizer"]
+#[derive(Debug)]
+pub struct Lent {
+    accelerator: Accelerator,
+    /// "`apply_schedule(..)` at src/main.rs:40".
+    call: String,
+    params: Vec<Tensor>,
+    versions: Vec<i64>,
+}
+
+impl Accelerator {
+    /// Prepares the model in `vs` (once) for an optimizer that stays the program's own
+    /// because the body lends it to functions the attribute cannot see into: its calls in
+    /// the body are driven ([`drive`](Self::drive)) and each lending is checked
+    /// ([`lend`](Self::lend)). Refused where such an optimizer cannot follow the strategy
+    /// (its state would have to hold this process's shards).
+    pub fn keep_optimizer<O: DriveOptimizer>(
+        &self,
+        vs: &tch::nn::VarStore,
+        optimizer: O,
+    ) -> Result<O> {
+        // tch's own `zero_grad` (in a helper) detaches gradients, which it cannot do to
+        // views of DDP's buckets.
+        let mut options = self.inner.model_options;
+        options.ddp.gradient_as_bucket_view = false;
+        self.prepare_model_once_with(vs, options)?;
+        let strategy = self.strategy();
+        if self.inner.parallel.splits_model() || !strategy.steps_whole_parameters() {
+            return Err(Error::Unsupported(format!(
+                "the optimizer ({}) is passed to a function #[accelerate] cannot see into, so it \
+                 stays the program's own, which cannot hold this process's shards of the model \
+                 under strategy {} ({}): pass that function what it needs (the learning rate) \
+                 instead of the optimizer, or use strategy ddp or zero1",
+                optimizer.name(),
+                strategy.name(),
+                self.mesh().dims()
+            )));
+        }
+        Ok(optimizer)
+    }
+
+    /// Lends `optimizer` to one call of a function the attribute cannot see into (`what`,
+    /// e.g. "`apply_schedule(..)`"): [`Lent::returned`] then checks what it did. A function
+    /// that only sets the learning rate is fine; one that steps the optimizer itself is
+    /// correct only where nothing has to happen around a step (gradients averaged in
+    /// backward, no loss scaling, no accumulation, no clipping) and refused otherwise.
+    #[track_caller]
+    pub fn lend<O: DriveOptimizer>(&self, optimizer: &O, what: &str) -> Result<Lent> {
+        let at = crate::comm::ledger::site_of(std::panic::Location::caller());
+        let params = optimizer.params();
+        let versions = params.iter().map(crate::shim::tensor_version).collect::<Result<_>>()?;
+        Ok(Lent { accelerator: self.clone(), call: format!("{what} at {at}"), params, versions })
+    }
+}
+
+impl Lent {
+    /// The function returned: if it stepped the optimizer (its parameters changed), the
+    /// step is counted where it was correct, and refused, saying why, where it was not.
+    pub fn returned(self) -> Result<()> {
+        let now =
+            self.params.iter().map(crate::shim::tensor_version).collect::<Result<Vec<_>>>()?;
+        if now == self.versions {
+            return Ok(());
+        }
+        let acc = &self.accelerator;
+        let config = &acc.inner.config;
+        let mut needs = Vec::new();
+        if acc.inner.scaler.is_some() {
+            needs.push("fp16's loss scaling (unscale, skip steps with inf/NaN)".to_owned());
+        }
+        if config.accumulate > 1 {
+            needs.push(format!("gradient accumulation (accumulate = {})", config.accumulate));
+        }
+        if let Some(max) = config.clip_grad_norm {
+            needs.push(format!("clipping (clip_grad_norm = {max})"));
+        }
+        if !needs.is_empty() {
+            return Err(Error::Training(format!(
+                "{} stepped the optimizer itself (its parameters changed during the call), on \
+                 rank {}; under {} a step must go through the accelerator. Step the optimizer in \
+                 the training loop (`opt.step()`, which #[accelerate] makes the accelerator's) \
+                 and leave the function the rest (setting the learning rate, say)",
+                self.call,
+                acc.process_index(),
+                needs.join(" and ")
+            )));
+        }
+        if acc.num_processes() > 1 && !acc.unprepared(&self.params)?.is_empty() {
+            return Err(Error::Training(format!(
+                "{} stepped an optimizer over parameters of no prepared model, on rank {}: their \
+                 gradients are not averaged across processes",
+                self.call,
+                acc.process_index()
+            )));
+        }
+        // Gradients were averaged in backward; the step was the one the accelerator would
+        // have taken. Count it (and run the step's checks).
+        acc.end_optimizer_step(false)
+    }
+}

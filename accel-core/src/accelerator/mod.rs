@@ -7,6 +7,7 @@ mod attribute;
 mod builder;
 mod collectives;
 mod data;
+mod drawn;
 mod driven;
 pub(crate) mod helpers;
 mod layers;
@@ -36,7 +37,8 @@ pub use attribute::{AdoptOptimizer, ExitGuard, IntoAccelOptimizer};
 pub use builder::AcceleratorBuilder;
 pub use collectives::split_between;
 pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader};
-pub use driven::{DriveOptimizer, Driven};
+pub use drawn::{DrawnLoop, Steps};
+pub use driven::{DriveOptimizer, Driven, Lent};
 pub use optimizer::AcceleratedOptimizer;
 pub use step::{ForwardGuard, StepGuard};
 
@@ -61,6 +63,12 @@ pub(crate) struct Registry {
     pub(crate) loaders: Vec<Arc<Mutex<DataPosition>>>,
     /// States of the program's own (`register_for_checkpointing`).
     pub(crate) custom: Vec<Arc<Mutex<dyn helpers::Stateful>>>,
+    /// The positions of the loops `prepare_iter` dealt, by call site.
+    pub(crate) loops: std::collections::BTreeMap<String, Arc<Mutex<DataPosition>>>,
+    /// Loop positions restored by `load_state`, for each loop's next pass to resume from.
+    pub(crate) resume_loops: std::collections::BTreeMap<String, DataPosition>,
+    /// The latest epoch among them (0 in a fresh run).
+    pub(crate) resumed_epoch: u64,
 }
 
 pub(crate) struct Inner {
@@ -102,6 +110,12 @@ pub(crate) struct Inner {
     pub(crate) strategy_ended: std::sync::atomic::AtomicBool,
     /// Each prepared model's buffers, kept equal across the data-parallel processes.
     buffers: Mutex<Vec<crate::strategy::buffers::BufferSync>>,
+    /// Where the body last left a prepared loop early (`leaving_loop`).
+    pub(crate) loop_exit: Arc<Mutex<Option<&'static std::panic::Location<'static>>>>,
+    /// Loops that draw their own batches: seeding and the first step's check.
+    pub(crate) drawn: Mutex<drawn::Drawn>,
+    /// "`train` at src/main.rs:12" under `#[accelerate]`, else "an accelerator".
+    pub(crate) run_name: String,
 }
 
 /// Distributed training for one process of a run; cheap to clone (a shared handle).
@@ -227,6 +241,8 @@ impl Accelerator {
         }
         line.push_str(match self.inner.data {
             crate::config::DataSharding::Prepared => ", data dealt by the accelerator",
+            crate::config::DataSharding::Dealt => ", data dealt by the accelerator (dealt)",
+            crate::config::DataSharding::Drawn => ", batches drawn by each process (drawn)",
             crate::config::DataSharding::Manual => ", data sharded by the program (manual)",
         });
         if self.inner.sync_batchnorm {
@@ -295,12 +311,6 @@ impl Accelerator {
         self.inner.strategy.end_training(&self.strategy_context())
     }
 
-    /// Seeds torch's generators; `device_specific` adds the rank so processes differ.
-    pub fn set_seed(&self, seed: u64, device_specific: bool) {
-        let offset = if device_specific { self.process_index() as u64 } else { 0 };
-        tch::manual_seed(seed.wrapping_add(offset) as i64);
-    }
-
     /// Places the model's variables on this process's device (in place: tensors keep their
     /// identity, so the model's layers see the move), registers them for checkpoints, and
     /// hands them to the strategy: with several processes DDP broadcasts rank 0's values and
@@ -325,6 +335,13 @@ impl Accelerator {
                 }
                 Ok(())
             })?;
+        }
+        // Gradients left by an earlier run (another accelerator's step, say) would be added
+        // to this run's first ones: the model starts without any, as a fresh one does.
+        for p in &params {
+            if p.tensor.grad().defined() {
+                crate::shim::set_grad(&p.tensor, None)?;
+            }
         }
         self.inner.parallel.check_model(&params)?;
         self.filter_fp8_layers(&params)?;
@@ -395,17 +412,32 @@ impl Accelerator {
 
     /// [`prepare_model`](Self::prepare_model) unless this `VarStore` was prepared already.
     pub fn prepare_model_once(&self, vs: &tch::nn::VarStore) -> Result<()> {
+        self.prepare_model_once_with(vs, self.inner.model_options)
+    }
+
+    /// [`prepare_model_with`](Self::prepare_model_with) unless this `VarStore` was prepared
+    /// already.
+    pub(crate) fn prepare_model_once_with(
+        &self,
+        vs: &tch::nn::VarStore,
+        options: ModelOptions,
+    ) -> Result<()> {
         let first = vs.variables().into_values().next();
         let prepared = first.is_some_and(|t| {
             self.registry().models.iter().flatten().any(|p| p.tensor.data_ptr() == t.data_ptr())
         });
-        if prepared { Ok(()) } else { self.prepare_model(vs) }
+        if prepared { Ok(()) } else { self.prepare_model_with(vs, options) }
     }
 
     /// Stops taking part in collectives at once: other ranks waiting for this one get an
     /// error instead of waiting for their timeout. Used when a run fails.
     pub fn abort(&self) {
         if let Some(group) = self.process_group() {
+            crate::comm::world::mark_aborted(format!(
+                "{} failed on rank {}",
+                self.inner.run_name,
+                self.process_index()
+            ));
             group.abort();
         }
     }

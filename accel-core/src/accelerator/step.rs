@@ -81,6 +81,7 @@ impl Accelerator {
             )));
         }
         self.inner.parallel.check_backward(self.process_index())?;
+        self.check_drawn_batches(loss)?;
         // A collective that failed inside the forward (zero3's gathers in `Module::forward`).
         self.inner.strategy.take_error()?;
         let sync = self.inner.state.begin_micro_step();

@@ -60,6 +60,9 @@ pub(crate) struct Manifest {
     pub models: usize,
     pub optimizers: Vec<OptimizerRecord>,
     pub loaders: Vec<DataPosition>,
+    /// The positions of the loops `prepare_iter` dealt, by call site ("src/main.rs:40").
+    #[serde(default)]
+    pub loops: BTreeMap<String, DataPosition>,
     pub rng_devices: Vec<String>,
     /// The tensors of the shard files, by key (`model_{i}/{name}`, `optimizer_{j}/{key}`).
     #[serde(default)]

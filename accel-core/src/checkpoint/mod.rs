@@ -330,6 +330,11 @@ impl Accelerator {
                 .iter()
                 .map(|p| *p.lock().unwrap_or_else(|e| e.into_inner()))
                 .collect(),
+            loops: registry
+                .loops
+                .iter()
+                .map(|(site, p)| (site.clone(), *p.lock().unwrap_or_else(|e| e.into_inner())))
+                .collect(),
             rng_devices: rng_devices().into_iter().map(device_name).collect(),
             pieces,
             shapes: part.shapes,
@@ -352,7 +357,7 @@ impl Accelerator {
             eprintln!("accel: {message}");
         }
         let manifest = Manifest::read(dir)?;
-        let registry = self.registry();
+        let mut registry = self.registry();
         let expect = |what: &str, saved: usize, here: usize| -> Result<()> {
             if saved == here {
                 Ok(())
@@ -547,6 +552,9 @@ impl Accelerator {
         for (position, saved) in registry.loaders.iter().zip(&manifest.loaders) {
             *position.lock().unwrap_or_else(|e| e.into_inner()) = *saved;
         }
+        // Each dealt loop's next pass resumes where it stood (see `prepare_iter`).
+        registry.resumed_epoch = manifest.loops.values().map(|p| p.epoch).max().unwrap_or(0);
+        registry.resume_loops = manifest.loops.clone();
         for name in &manifest.rng_devices {
             let device = match name.strip_prefix("cuda:").and_then(|i| i.parse().ok()) {
                 Some(i) if tch::Cuda::is_available() => Device::Cuda(i),

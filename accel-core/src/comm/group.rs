@@ -210,6 +210,11 @@ impl ProcessGroup {
         })
     }
 
+    /// The group's ledger of collectives (kept alive by the handle).
+    pub(crate) fn ledger_handle(&self) -> Arc<Ledger> {
+        self.ledger.clone()
+    }
+
     /// This process's rank in the group.
     pub fn rank(&self) -> usize {
         self.rank

@@ -45,7 +45,15 @@ pub struct Entry {
 
 impl Entry {
     fn describe(&self) -> String {
+        if self.is_note() {
+            return self.call.clone();
+        }
         format!("collective #{} {} at {}", self.seq, self.call, self.site)
+    }
+
+    /// A note of where the rank is in its data ([`Ledger::note`]), not a collective.
+    fn is_note(&self) -> bool {
+        self.seq == 0
     }
 }
 
@@ -113,6 +121,22 @@ impl Ledger {
             p.entries.push(entry);
         }
         self.epoch.load(Ordering::SeqCst)
+    }
+
+    /// Notes where this rank is in its data ("took batch 3 of the loop at src/main.rs:40"):
+    /// compared at the next check like a collective, so that ranks that part ways in
+    /// their data loops are reported even where their collectives still match.
+    pub(crate) fn note(&self, what: String) {
+        if !self.on {
+            return;
+        }
+        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        p.shape_hash = fnv(p.shape_hash, what.as_bytes());
+        p.hash = fnv(p.hash, what.as_bytes());
+        p.count += 1;
+        if p.entries.len() < KEPT {
+            p.entries.push(Entry { seq: 0, call: what, site: String::new() });
+        }
     }
 
     /// The call sites recorded since the last check, in order (tests).
@@ -378,6 +402,18 @@ fn diverging(scope: &Scope, peer: usize, mine: &Post, theirs: &Post) -> Option<S
                 (&them, &me, theirs.entries.get(mine.entries.len()))
             };
             match extra {
+                Some(e) if e.is_note() => {
+                    return Some(format!(
+                        "{longer} {} before optimizer step {} in {}, which {shorter} did not: \
+                         every process must go through a prepared loop's batches together \
+                         ({me}: {} collective(s) and notes this step, {them}: {})",
+                        e.describe(),
+                        mine.step,
+                        group_of(scope),
+                        mine.count,
+                        theirs.count
+                    ));
+                }
                 Some(e) => format!(
                     "{longer} issued {}, which {shorter} did not ({me}: {} collective(s) this step, \
                      {them}: {})",
@@ -392,6 +428,20 @@ fn diverging(scope: &Scope, peer: usize, mine: &Post, theirs: &Post) -> Option<S
             }
         }
     };
+    if let Some(i) = first.filter(|&i| mine.entries[i].is_note() || theirs.entries[i].is_note()) {
+        return Some(format!(
+            "{me} and {them} parted ways in their data before optimizer step {} in {}: {me} {}, \
+             while {them} {}. Every process must go through a prepared loop's batches together: \
+             a `break` or `return` that only some processes take (on their own loss, say) leaves \
+             the others training on alone, their gradients averaged with other batches' — \
+             decide it on a value every process shares (`accelerator.reduce(..)`, \
+             `accelerator.set_trigger()` / `check_trigger()`)",
+            mine.step,
+            group_of(scope),
+            mine.entries[i].describe(),
+            theirs.entries[i].describe()
+        ));
+    }
     let same_call = first.is_some_and(|i| mine.entries[i].call == theirs.entries[i].call);
     let hint = if sites && same_call {
         " If the ranks call it from different lines on purpose, set \

@@ -21,6 +21,7 @@ mod group;
 pub mod ledger;
 pub mod nccl;
 pub mod store;
+pub(crate) mod world;
 
 pub use cpu::direct::Transport;
 

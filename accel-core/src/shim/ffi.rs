@@ -169,4 +169,6 @@ unsafe extern "C" {
         device_index: i32,
         state: *mut C_tensor,
     ) -> *mut c_char;
+    pub(crate) fn accel_rng_initial_seed(seed: *mut u64) -> *mut c_char;
+    pub(crate) fn accel_tensor_version(tensor: *mut C_tensor, version: *mut i64) -> *mut c_char;
 }

@@ -23,14 +23,25 @@ type ForwardClosure = std::sync::Mutex<Box<dyn Fn(&Tensor) -> Tensor + Send>>;
 /// A post-accumulate-grad hook on a parameter; [`remove`](Self::remove) takes it off.
 /// Dropping the handle leaves the hook in place (as torch's `RemovableHandle`).
 #[derive(Debug)]
+///
+/// Dropping the handle removes the hook: a model keeps no hook of an accelerator that is
+/// gone (a second `#[accelerate]` run over the same model must not run the first run's DDP).
 pub struct PostAccumulateGradHook {
     param: Tensor,
     id: u64,
+    removed: bool,
 }
 
 impl PostAccumulateGradHook {
     /// Removes the hook; returns whether it was still registered.
-    pub fn remove(self) -> Result<bool> {
+    pub fn remove(mut self) -> Result<bool> {
+        self.take_off()
+    }
+
+    fn take_off(&mut self) -> Result<bool> {
+        if std::mem::replace(&mut self.removed, true) {
+            return Ok(false);
+        }
         let mut removed = false;
         // SAFETY: live tensor; out-pointer to a local.
         let message = unsafe {
@@ -38,6 +49,12 @@ impl PostAccumulateGradHook {
         };
         check(message, "remove_post_accumulate_grad_hook")?;
         Ok(removed)
+    }
+}
+
+impl Drop for PostAccumulateGradHook {
+    fn drop(&mut self) {
+        let _ = self.take_off();
     }
 }
 
@@ -63,7 +80,7 @@ pub fn add_post_accumulate_grad_hook(
         )
     };
     check(message, "add_post_accumulate_grad_hook")?;
-    Ok(PostAccumulateGradHook { param: param.shallow_clone(), id })
+    Ok(PostAccumulateGradHook { param: param.shallow_clone(), id, removed: false })
 }
 
 /// A gradient hook on a tensor; [`remove`](Self::remove) takes it off.

@@ -392,6 +392,23 @@ pub fn set_rng_state(device: Device, state: &Tensor) -> Result<()> {
     check(unsafe { ffi::accel_rng_set_state(device_type, index, raw(state)) }, "set_rng_state")
 }
 
+/// The seed the CPU generator was last seeded with (`torch.initial_seed()`): what
+/// `tch::manual_seed` set, or torch's default.
+pub fn initial_seed() -> Result<u64> {
+    let mut seed = 0u64;
+    // SAFETY: out-pointer to a local.
+    check(unsafe { ffi::accel_rng_initial_seed(&mut seed) }, "initial_seed")?;
+    Ok(seed)
+}
+
+/// A tensor's version counter (`tensor._version`): every in-place update advances it.
+pub fn tensor_version(tensor: &Tensor) -> Result<i64> {
+    let mut version = 0i64;
+    // SAFETY: a live tensor and an out-pointer to a local.
+    check(unsafe { ffi::accel_tensor_version(raw(tensor), &mut version) }, "tensor_version")?;
+    Ok(version)
+}
+
 fn generator_device(device: Device) -> Result<(i32, i32)> {
     match device {
         Device::Cpu => Ok((0, -1)),

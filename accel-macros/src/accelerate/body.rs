@@ -73,11 +73,20 @@ pub(crate) enum Source {
     Field { span: Span },
     /// Bound by a pattern (`let (g, d) = ..`), or not found at all: always an error.
     Invisible { why: String, span: Span },
+    /// Made here by a recognised constructor, and passed to functions the attribute cannot
+    /// see into (`apply_schedule(&mut opt, ..)`): it stays the program's own type, so those
+    /// functions keep compiling; the body's calls on it are driven, each lending checked.
+    Lent {
+        /// The model it trains: `build`'s VarStore argument, as written (`&vs`).
+        vs: Option<Expr>,
+    },
 }
 
 /// Every optimizer of the body, by receiver.
 pub(crate) struct Optimizers {
     pub by_key: BTreeMap<String, Source>,
+    /// The calls each optimizer is lent to (`apply_schedule(&mut opt, ..)`), by name.
+    pub lent: BTreeMap<String, Vec<(Span, String)>>,
     /// Receivers of optimizer methods that are not places (`opts[0].step()`).
     pub not_places: Vec<(Span, String)>,
 }
@@ -242,8 +251,24 @@ pub(crate) fn simple_binding(pat: &Pat) -> Option<&syn::Ident> {
 pub(crate) fn optimizers(f: &ItemFn, accelerator: &syn::Ident) -> Optimizers {
     let mut uses = Uses::default();
     uses.visit_block(&f.block);
+    let lent = lent_optimizers(f, accelerator);
     let mut by_key = BTreeMap::new();
+    for key in lent.keys() {
+        let vs = lets_of(f, key).iter().rev().find_map(|l| {
+            match classify(&l.init.as_ref()?.expr, accelerator) {
+                Init::Build(m) => Some(Some(m.args[0].clone())),
+                Init::AccelNew(_) => Some(None),
+                _ => None,
+            }
+        });
+        if let Some(vs) = vs {
+            by_key.insert(key.clone(), Source::Lent { vs });
+        }
+    }
     for (key, (methods, use_span)) in uses.methods {
+        if by_key.contains_key(&key) {
+            continue;
+        }
         let has = |m: &str| methods.iter().any(|x| x == m);
         let defining = methods.iter().any(|m| DEFINING.contains(&m.as_str()));
         let source = source_of(f, &key, use_span, accelerator);
@@ -252,7 +277,76 @@ pub(crate) fn optimizers(f: &ItemFn, accelerator: &syn::Ident) -> Optimizers {
             by_key.insert(key, source);
         }
     }
-    Optimizers { by_key, not_places: uses.not_places }
+    let lent = lent.into_iter().filter(|(k, _)| by_key.contains_key(k)).collect();
+    Optimizers { by_key, lent, not_places: uses.not_places }
+}
+
+/// Optimizers made in the body by a recognised constructor (`config.build(..)`, accel's
+/// `Adam::new(..)`) and passed to a function or method as an argument, with those calls.
+pub(crate) fn lent_optimizers(
+    f: &ItemFn,
+    accelerator: &syn::Ident,
+) -> BTreeMap<String, Vec<(Span, String)>> {
+    struct Made<'a>(&'a syn::Ident, Vec<String>);
+    impl<'a> Visit<'a> for Made<'_> {
+        fn visit_local(&mut self, local: &'a syn::Local) {
+            if let (Some(ident), Some(init)) = (simple_binding(&local.pat), &local.init) {
+                if matches!(classify(&init.expr, self.0), Init::Build(_) | Init::AccelNew(_)) {
+                    self.1.push(ident.to_string());
+                }
+            }
+            syn::visit::visit_local(self, local);
+        }
+        fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
+    }
+    let mut made = Made(accelerator, Vec::new());
+    made.visit_block(&f.block);
+    struct Calls<'a> {
+        made: &'a [String],
+        accelerator: &'a syn::Ident,
+        found: BTreeMap<String, Vec<(Span, String)>>,
+    }
+    impl Calls<'_> {
+        fn args<'e>(&mut self, args: impl Iterator<Item = &'e Expr>, span: Span, what: String) {
+            for arg in args {
+                let mut e = arg;
+                while let Expr::Reference(r) = e {
+                    e = &r.expr;
+                }
+                if let Expr::Path(p) = e {
+                    if let Some(name) = p.path.get_ident().map(|i| i.to_string()) {
+                        if self.made.contains(&name) {
+                            self.found.entry(name).or_default().push((span, what.clone()));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    impl<'a> Visit<'a> for Calls<'_> {
+        fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
+            if called_in_place(c).is_none() {
+                let name = match &*c.func {
+                    Expr::Path(p) => p.path.to_token_stream().to_string().replace(' ', ""),
+                    _ => "a closure".into(),
+                };
+                self.args(c.args.iter(), span_of(c), format!("`{name}(..)`"));
+            }
+            visit_call(self, c);
+        }
+        fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
+            let ours = matches!(&*m.receiver, Expr::Path(p) if p.path.is_ident(self.accelerator));
+            if !ours {
+                let what = format!("`.{}(..)`", m.method);
+                self.args(m.args.iter(), span_of(m), what);
+            }
+            syn::visit::visit_expr_method_call(self, m);
+        }
+        fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
+    }
+    let mut calls = Calls { made: &made.1, accelerator, found: BTreeMap::new() };
+    calls.visit_block(&f.block);
+    calls.found
 }
 
 fn source_of(f: &ItemFn, key: &str, use_span: Span, accelerator: &syn::Ident) -> Source {

@@ -25,8 +25,9 @@ pub(crate) struct Context {
     pub model: Option<Expr>,
     /// `precision = "fp8"`: the body's `nn::linear(..)` become the accelerator's fp8 layers.
     pub fp8: bool,
-    /// `data = "manual"`: loops are put under autocast but their data is not dealt.
-    pub manual_data: bool,
+    /// How loops' data is decided (the `data` key); under `manual` loops are put under
+    /// autocast but their data is not dealt.
+    pub mode: super::loops::Mode,
     /// `sync_batchnorm = true`: the body's `nn::batch_norm*d(..)` become the accelerator's,
     /// whose statistics span the data-parallel processes.
     pub sync_batchnorm: bool,
@@ -34,7 +35,12 @@ pub(crate) struct Context {
 
 /// The builder chain the arguments ask for; `loops` is how many data loops the rewrite
 /// prepared (the run's first line says it).
-pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path, loops: usize) -> TokenStream {
+pub(crate) fn builder(
+    raw: &RawArgs,
+    krate: &syn::Path,
+    loops: usize,
+    function: &syn::Ident,
+) -> TokenStream {
     let mut calls = TokenStream::new();
     let ident = |name: &str| syn::Ident::new(name, Span::call_site());
     // FSDP with a sharding strategy is the strategy that sharding is.
@@ -119,6 +125,8 @@ pub(crate) fn builder(raw: &RawArgs, krate: &syn::Path, loops: usize) -> TokenSt
         calls.extend(quote!(.config_file(#c)));
     }
     calls.extend(quote!(.attribute_data_loops(#loops)));
+    let call = format!("`{function}`");
+    calls.extend(quote!(.attribute_call(concat!(#call, " at ", file!(), ":", line!()))));
     quote!(#krate::Accelerator::builder() #calls .build())
 }
 
@@ -138,6 +146,8 @@ pub(super) struct Rewriter<'c> {
     varstore_refs: &'c [syn::Ident],
     /// Data loops prepared so far.
     pub(super) loops: usize,
+    /// Of those, loops that count and draw their own batches.
+    pub(super) drawn: usize,
     unit: bool,
     pub(super) errors: Vec<syn::Error>,
     in_closure: usize,
@@ -168,6 +178,51 @@ impl Rewriter<'_> {
         None
     }
 
+    /// The model when the attribute names it or the function has one VarStore.
+    fn single_model(&self) -> Option<Expr> {
+        if let Some(model) = &self.cx.model {
+            return Some(model.clone());
+        }
+        match self.varstores {
+            [only] => Some(parse_quote!(#only)),
+            _ => None,
+        }
+    }
+
+    /// A call that lends an optimizer to a function the attribute cannot see into
+    /// (`apply_schedule(&mut opt, epoch)`), checked around the call.
+    fn lend(&self, expr: &Expr) -> Option<Expr> {
+        let args = match expr {
+            Expr::Call(c) if body::called_in_place(c).is_none() => &c.args,
+            Expr::MethodCall(m) => &m.args,
+            _ => return None,
+        };
+        let lent = args.iter().find_map(|arg| {
+            let mut e = arg;
+            while let Expr::Reference(r) = e {
+                e = &r.expr;
+            }
+            let key = body::place_key(e)?;
+            self.optimizers.lent.contains_key(&key).then_some(e.clone())
+        })?;
+        let (name, span) = (&self.cx.name, span_of(expr));
+        let what = match expr {
+            Expr::Call(c) => {
+                let func = &c.func;
+                format!("`{}(..)`", quote!(#func).to_string().replace(' ', ""))
+            }
+            Expr::MethodCall(m) => format!("`.{}(..)`", m.method),
+            _ => unreachable!("matched above"),
+        };
+        let lend = parse_quote_spanned_expr(span, quote!(#name.lend(&#lent, #what)?));
+        Some(parse_quote!({
+            let __accel_lent = #lend;
+            let __accel_value = #expr;
+            __accel_lent.returned()?;
+            __accel_value
+        }))
+    }
+
     /// The name to suggest in messages for the model's VarStore.
     fn suggested_model(&self, field: bool) -> String {
         match self.varstores {
@@ -181,6 +236,28 @@ impl Rewriter<'_> {
     fn rewrite_optimizer_let(&mut self, key: &str, index: usize, init: &mut Expr) {
         let name = self.cx.name.clone();
         match self.optimizers.by_key.get(key).cloned() {
+            Some(Source::Lent { vs }) => {
+                let vs = match vs {
+                    Some(vs) => Some(vs),
+                    None => self.single_model().map(|m| parse_quote!(&#m)),
+                };
+                match vs {
+                    Some(vs) => {
+                        let (e, span) = (&*init, span_of(&*init));
+                        *init =
+                            parse_quote_spanned_expr(span, quote!(#name.keep_optimizer(#vs, #e)?));
+                    }
+                    None => self.errors.push(syn::Error::new(
+                        span_of(&*init),
+                        format!(
+                            "`{key}` is passed to a function #[accelerate] cannot see into, so it \
+                             stays the program's own optimizer; name the model it trains: \
+                             #[accelerate(model = {})]",
+                            self.suggested_model(false)
+                        ),
+                    )),
+                }
+            }
             Some(Source::Made) => {
                 let target = peel_mut(init);
                 let replacement = match body::classify(target, &name) {
@@ -202,7 +279,20 @@ impl Rewriter<'_> {
                 }
             }
             Some(Source::Unseen { what, span, index: last }) if index == last => {
-                match &self.cx.model {
+                // The model: named by the attribute, else the VarStore the helper is given
+                // (`make_opt(&vs)`), else the function's only one.
+                let given: Vec<_> = self
+                    .varstores
+                    .iter()
+                    .filter(|v| super::loops::mentions(&quote!(#init), v))
+                    .collect();
+                let model = match (&self.cx.model, given.as_slice()) {
+                    (Some(model), _) => Some(model.clone()),
+                    (None, [vs]) => Some(parse_quote!(#vs)),
+                    (None, []) => self.single_model(),
+                    (None, _) => None,
+                };
+                match &model {
                     Some(model) => {
                         let e = &*init;
                         *init = parse_quote_spanned_expr(
@@ -247,7 +337,7 @@ impl Rewriter<'_> {
         let driven = match source {
             Source::Made | Source::Unseen { .. } => None,
             Source::Argument { by_ref: true, .. } => Some(quote!(&mut *#receiver)),
-            Source::Argument { by_ref: false, .. } | Source::Field { .. } => {
+            Source::Argument { by_ref: false, .. } | Source::Field { .. } | Source::Lent { .. } => {
                 Some(quote!(&mut #receiver))
             }
             Source::Invisible { .. } => return None,
@@ -393,8 +483,28 @@ impl VisitMut for Rewriter<'_> {
             }
         }
         syn::visit_mut::visit_expr_mut(self, expr);
+        if self.in_closure == 0 {
+            if let Some(checked) = self.lend(expr) {
+                *expr = checked;
+                return;
+            }
+        }
         let name = self.cx.name.clone();
         let span = span_of(expr);
+        // Where the function's loops draw their own batches, each process seeds its own
+        // stream (seed + rank; nanoGPT's `seed_offset`).
+        if self.drawn > 0 && self.drawn == self.loops && is_call_to(expr, &["manual_seed"]) {
+            if let Expr::Call(call) = &*expr {
+                if call.args.len() == 1 {
+                    let seed = &call.args[0];
+                    *expr = parse_quote_spanned_expr(
+                        span,
+                        quote!(#name.set_seed((#seed) as u64, true)),
+                    );
+                    return;
+                }
+            }
+        }
         // Hard-coded accelerator devices become the process's device.
         if is_call_to(expr, &["Device", "cuda_if_available"])
             || is_call_to(expr, &["Device", "Cuda"])
@@ -476,6 +586,85 @@ pub(super) fn parse_quote_spanned_expr(span: Span, tokens: TokenStream) -> Expr 
     syn::parse2(tokens).expect("generated expressions parse")
 }
 
+/// `accumulate = k` over a loop that already accumulates by hand (`if (i + 1) % 4 == 0 {
+/// opt.step(); }`): both would divide the loss and decide the steps.
+fn hand_written_accumulation(
+    block: &Block,
+    optimizers: &body::Optimizers,
+    raw: &RawArgs,
+) -> Vec<syn::Error> {
+    let Some(accumulate) = raw.accumulate.as_ref().filter(|a| a.value > 1) else {
+        return Vec::new();
+    };
+    struct Finder<'o> {
+        optimizers: &'o body::Optimizers,
+        /// The `%` conditions around the point visited.
+        conditions: Vec<(Span, String)>,
+        found: Vec<(Span, String)>,
+    }
+    fn has_remainder(e: &Expr) -> bool {
+        struct R(bool);
+        impl<'a> syn::visit::Visit<'a> for R {
+            fn visit_bin_op(&mut self, op: &'a syn::BinOp) {
+                self.0 |= matches!(op, syn::BinOp::Rem(_));
+            }
+        }
+        let mut r = R(false);
+        syn::visit::Visit::visit_expr(&mut r, e);
+        r.0
+    }
+    impl<'a> syn::visit::Visit<'a> for Finder<'_> {
+        fn visit_expr_if(&mut self, e: &'a syn::ExprIf) {
+            self.visit_expr(&e.cond);
+            let pushed = has_remainder(&e.cond);
+            if pushed {
+                let cond = &e.cond;
+                self.conditions.push((span_of(&e.if_token), quote!(#cond).to_string()));
+            }
+            self.visit_block(&e.then_branch);
+            if pushed {
+                self.conditions.pop();
+            }
+            if let Some((_, other)) = &e.else_branch {
+                self.visit_expr(other);
+            }
+        }
+        fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
+            let steps = m.method == "step" || m.method.to_string().starts_with("backward_step");
+            if steps && self.optimizers.source(&m.receiver).is_some() {
+                if let Some(c) = self.conditions.last() {
+                    self.found.push(c.clone());
+                }
+            }
+            syn::visit::visit_expr_method_call(self, m);
+        }
+        fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
+    }
+    let mut finder = Finder { optimizers, conditions: Vec::new(), found: Vec::new() };
+    syn::visit::Visit::visit_block(&mut finder, block);
+    finder.found.dedup_by(|a, b| a.1 == b.1);
+    finder
+        .found
+        .into_iter()
+        .map(|(span, cond)| {
+            let mut e = syn::Error::new(
+                span,
+                format!(
+                    "this `if {}` steps the optimizer every few batches by hand, and \
+                     `accumulate = {}` accumulates gradients as well: the loss would be divided \
+                     twice and the steps taken at other batches than either asks. Keep one: step \
+                     every batch and let `accumulate` decide (it also skips the gradient \
+                     exchange between steps), or remove `accumulate`",
+                    cond.replace(" (", "(").replace("( ", "(").replace(" )", ")"),
+                    accumulate.value
+                ),
+            );
+            e.combine(syn::Error::new(accumulate.span, "`accumulate` is set here"));
+            e
+        })
+        .collect()
+}
+
 /// The whole rewritten function.
 pub(crate) fn function(
     mut f: ItemFn,
@@ -493,6 +682,7 @@ pub(crate) fn function(
         varstores: &varstores,
         varstore_refs: &varstore_refs,
         loops: 0,
+        drawn: 0,
         unit,
         errors: Vec::new(),
         in_closure: 0,
@@ -500,6 +690,7 @@ pub(crate) fn function(
         lets_seen: HashMap::new(),
     };
     rewriter.refuse_unreachable_optimizers();
+    rewriter.errors.extend(hand_written_accumulation(&f.block, &optimizers, raw));
     let mut body = (*f.block).clone();
     let driven = optimizers
         .by_key
@@ -509,7 +700,8 @@ pub(crate) fn function(
         rewriter.prepare_model_before_training(&mut body);
     }
     rewriter.rewrite_loops(&mut body);
-    let uncovered = super::loops::coverage(&body, cx.manual_data);
+    let manual = cx.mode == super::loops::Mode::Manual;
+    let uncovered = super::loops::coverage(&body, manual);
     rewriter.errors.extend(uncovered);
     rewriter.visit_block_mut(&mut body);
     if let Some(mut first) = rewriter.errors.first().cloned() {
@@ -530,7 +722,7 @@ pub(crate) fn function(
     }
     let name = &cx.name;
     let krate = &cx.krate;
-    let build = builder(raw, krate, rewriter.loops);
+    let build = builder(raw, krate, rewriter.loops, &f.sig.ident);
     let stmts = &body.stmts;
     let new_body: Block = match returns {
         Returns::Result(ty) => parse_quote!({

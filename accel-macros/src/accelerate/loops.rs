@@ -14,7 +14,8 @@ use syn::visit_mut::VisitMut;
 use syn::{Block, Expr, ExprMethodCall, Pat, Stmt, parse_quote};
 
 use super::body::{self, called_in_place, span_of};
-use super::expand::Rewriter;
+use super::expand::{Rewriter, parse_quote_spanned_expr as spanned};
+use super::index;
 
 /// The statement every prepared loop body starts with; [`coverage`] recognises prepared
 /// loops by it.
@@ -68,40 +69,163 @@ fn is_training_loop(expr: &Expr) -> bool {
 
 /// Where a training loop takes its batches from, as far as the attribute can see.
 enum Data {
-    /// `for batch in data` (any iterable but a counting range), or a range whose variable
-    /// picks the batch (`for i in 0..n { let b = &batches[i]; .. }`): the iterable is dealt.
+    /// `for batch in data` (any iterable but a counting range): the iterable is dealt.
     Iterable,
     /// `while let Some(b) = it.next()` or `loop { let Some(b) = it.next() else { .. }; .. }`.
     Next(syn::Ident),
-    /// A range whose variable only counts (`for epoch in 1..200`, `for _ in 0..n`): the
-    /// batches come from elsewhere.
-    Counter { span: Span, what: String },
-    /// `while cond { .. }` or `loop { .. }` with no `it.next()` to follow.
+    /// A range whose index only picks the batch (`x.narrow(0, i * bs, bs)`, `batches[i]`):
+    /// the range is dealt.
+    Indexed,
+    /// A range whose index picks the batch and is used otherwise too, or is passed where
+    /// the attribute cannot tell what it does: refused at those uses.
+    Refused(Vec<syn::Error>),
+    /// A loop that only counts (`for iter in 0..max_iters` whose index picks nothing,
+    /// `loop { .. }`, `while cond { .. }`): its body draws its own batches, so every process
+    /// runs every iteration, each drawing from a random stream of its own.
+    Counting,
+    /// `while let` over something other than `it.next()`.
     Unseen { span: Span },
 }
 
-fn data_of(expr: &Expr) -> Data {
+impl Data {
+    /// A loop that deals data (or is refused for how it would): searched for first.
+    fn deals(&self) -> bool {
+        matches!(self, Data::Iterable | Data::Next(_) | Data::Indexed | Data::Refused(_))
+    }
+}
+
+/// How the attribute decides what a loop's data is (the `data` key).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// The default: from what the loop's body does with its index; asks when unclear.
+    Decide,
+    /// `data = "dealt"`: a range's index picks the batch.
+    Dealt,
+    /// `data = "drawn"`: counting loops draw their own batches.
+    Drawn,
+    /// `data = "manual"`: nothing is dealt; every training loop runs under autocast only.
+    Manual,
+}
+
+impl Mode {
+    pub(super) fn of(data: Option<accel_choices::DataSharding>) -> Self {
+        use accel_choices::DataSharding::*;
+        match data {
+            None | Some(Prepared) => Mode::Decide,
+            Some(Dealt) => Mode::Dealt,
+            Some(Drawn) => Mode::Drawn,
+            Some(Manual) => Mode::Manual,
+        }
+    }
+}
+
+fn range_text(range: &Expr) -> String {
+    quote::ToTokens::to_token_stream(range)
+        .to_string()
+        .replace(" . ", ".")
+        .replace(" ..= ", "..=")
+        .replace(" .. ", "..")
+        .replace("( ", "(")
+        .replace(" )", ")")
+}
+
+fn data_of(expr: &Expr, mode: Mode) -> Data {
     match expr {
         Expr::ForLoop(l) => match range_of(&l.expr) {
-            Some(range) if !picks_data(&l.pat, &l.body) => Data::Counter {
-                span: span_of(range),
-                what: quote::ToTokens::to_token_stream(&*l.expr)
-                    .to_string()
-                    .replace(" . ", ".")
-                    .replace(" ..= ", "..=")
-                    .replace(" .. ", ".."),
-            },
-            _ => Data::Iterable,
+            Some(range) => index_data(&l.pat, &l.body, range, mode),
+            None => Data::Iterable,
         },
         Expr::While(w) => match next_receiver(Some(&w.cond), &w.body) {
             Some(it) => Data::Next(it),
-            None => Data::Unseen { span: span_of(&w.while_token) },
+            None if matches!(&*w.cond, Expr::Let(_)) => {
+                Data::Unseen { span: span_of(&w.while_token) }
+            }
+            None => counting(mode, span_of(&w.while_token)),
         },
         Expr::Loop(l) => match next_receiver(None, &l.body) {
             Some(it) => Data::Next(it),
-            None => Data::Unseen { span: span_of(&l.loop_token) },
+            // `loop { let Some(b) = source() else { break }; .. }`: batches from somewhere
+            // the attribute cannot see, as with `while let`.
+            None if matches!(l.body.stmts.first(), Some(Stmt::Local(local))
+                if local.init.as_ref().is_some_and(|i| i.diverge.is_some())) =>
+            {
+                Data::Unseen { span: span_of(&l.loop_token) }
+            }
+            None => counting(mode, span_of(&l.loop_token)),
         },
         _ => Data::Unseen { span: span_of(expr) },
+    }
+}
+
+/// A loop with no index and no iterator in sight: it counts, unless told to deal.
+fn counting(mode: Mode, span: Span) -> Data {
+    if mode != Mode::Dealt {
+        return Data::Counting;
+    }
+    Data::Refused(vec![syn::Error::new(
+        span,
+        "`data = \"dealt\"`, but this loop has nothing to deal: write it over the batches \
+         (`for batch in data { .. }`) or over their indices (`for i in 0..n { .. }`)",
+    )])
+}
+
+/// A range loop: dealt, counting, or refused, from what its body does with the index.
+fn index_data(pat: &Pat, body: &Block, range: &Expr, mode: Mode) -> Data {
+    if mode == Mode::Drawn {
+        return Data::Counting;
+    }
+    let uses = index::uses(pat, body);
+    let name = index::bound_names(pat).join(", ");
+    let range = range_text(range);
+    let pick = uses.picks.first().map(|u| u.what.clone());
+    let other_errors = |pick: &str| -> Vec<syn::Error> {
+        uses.other
+            .iter()
+            .map(|u| {
+                syn::Error::new(
+                    u.span,
+                    format!(
+                        "`{name}` {pick}, so #[accelerate] deals this loop across processes: each \
+                         of N processes takes every Nth `{name}` of `{range}` (process 0 takes 0, N, \
+                         2N, ..). Here `{name}` {}, which would then differ from process to \
+                         process. Count the steps apart from the index: `for (step, {name}) in \
+                         ({range}).enumerate() {{ .. }}` (`step` counts this process's batches, \
+                         the same on every process); for gradient accumulation, step every batch \
+                         and set `accumulate = k` in the attribute",
+                        u.what
+                    ),
+                )
+            })
+            .collect()
+    };
+    match mode {
+        Mode::Dealt if uses.other.is_empty() => Data::Indexed,
+        Mode::Dealt => Data::Refused(other_errors("picks the batch (`data = \"dealt\"`)")),
+        _ if !uses.unclear.is_empty() => Data::Refused(
+            uses.unclear
+                .iter()
+                .map(|u| {
+                    syn::Error::new(
+                        u.span,
+                        format!(
+                            "`{name}` {}, and #[accelerate] cannot tell whether that picks this \
+                             loop's batch or only counts. If it picks the batch, the loop is \
+                             dealt: each of N processes takes every Nth `{name}` of `{range}`. If it \
+                             only counts (a schedule; a loop that draws random batches, as \
+                             nanoGPT's does), every process runs every iteration and draws batches \
+                             of its own. Say which: #[accelerate(data = \"dealt\")] or \
+                             #[accelerate(data = \"drawn\")]",
+                            u.what
+                        ),
+                    )
+                })
+                .collect(),
+        ),
+        _ => match pick {
+            None => Data::Counting,
+            Some(_) if uses.other.is_empty() => Data::Indexed,
+            Some(pick) => Data::Refused(other_errors(&pick)),
+        },
     }
 }
 
@@ -119,70 +243,16 @@ fn range_of(expr: &Expr) -> Option<&Expr> {
     }
 }
 
-/// Whether the variables `pat` binds pick data in `body`: used as an index (`xs[i]`) or in
-/// the arguments of a call (`xs.narrow(0, i * b, b)`, `batch(i)`), outside macros. A
-/// variable used only in conditions, arithmetic or `println!` only counts.
-fn picks_data(pat: &Pat, body: &Block) -> bool {
-    struct Names(Vec<syn::Ident>);
-    impl<'a> Visit<'a> for Names {
-        fn visit_pat_ident(&mut self, p: &'a syn::PatIdent) {
-            if !p.ident.to_string().starts_with('_') {
-                self.0.push(p.ident.clone());
-            }
-        }
-    }
-    let mut names = Names(Vec::new());
-    names.visit_pat(pat);
-    if names.0.is_empty() {
-        return false;
-    }
-    struct Uses<'n> {
-        names: &'n [syn::Ident],
-        /// Inside an index or a call's arguments.
-        depth: usize,
+/// Whether `body` holds a training loop (outside closures and items) for which `pick` is
+/// true.
+fn holds_loop(body: &Block, pick: &dyn Fn(&Expr) -> bool) -> bool {
+    struct Finder<'p> {
+        pick: &'p dyn Fn(&Expr) -> bool,
         found: bool,
     }
-    impl Uses<'_> {
-        fn inside(&mut self, f: impl FnOnce(&mut Self)) {
-            self.depth += 1;
-            f(self);
-            self.depth -= 1;
-        }
-    }
-    impl<'a> Visit<'a> for Uses<'_> {
-        fn visit_expr_path(&mut self, p: &'a syn::ExprPath) {
-            self.found |= self.depth > 0 && self.names.iter().any(|n| p.path.is_ident(n));
-        }
-        fn visit_expr_index(&mut self, i: &'a syn::ExprIndex) {
-            self.visit_expr(&i.expr);
-            self.inside(|s| s.visit_expr(&i.index));
-        }
-        fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
-            self.visit_expr(&c.func);
-            self.inside(|s| c.args.iter().for_each(|a| s.visit_expr(a)));
-        }
-        fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
-            self.visit_expr(&m.receiver);
-            self.inside(|s| m.args.iter().for_each(|a| s.visit_expr(a)));
-        }
-    }
-    let mut uses = Uses { names: &names.0, depth: 0, found: false };
-    uses.visit_block(body);
-    uses.found
-}
-
-/// Whether `body` holds a training loop (outside closures and items) the attribute would
-/// prepare: one whose data it can see, or in `manual` mode any training loop.
-fn holds_training_loop(body: &Block, manual: bool) -> bool {
-    struct Finder {
-        manual: bool,
-        found: bool,
-    }
-    impl<'a> Visit<'a> for Finder {
+    impl<'a> Visit<'a> for Finder<'_> {
         fn visit_expr(&mut self, e: &'a Expr) {
-            if is_training_loop(e)
-                && (self.manual || matches!(data_of(e), Data::Iterable | Data::Next(_)))
-            {
+            if is_training_loop(e) && (self.pick)(e) {
                 self.found = true;
                 return;
             }
@@ -194,7 +264,7 @@ fn holds_training_loop(body: &Block, manual: bool) -> bool {
         fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
         fn visit_item(&mut self, _: &'a syn::Item) {}
     }
-    let mut f = Finder { manual, found: false };
+    let mut f = Finder { pick, found: false };
     f.visit_block(body);
     f.found
 }
@@ -255,15 +325,14 @@ impl VisitMut for Loops<'_, '_> {
     fn visit_block_mut(&mut self, block: &mut Block) {
         for i in 0..block.stmts.len() {
             let (before, rest) = block.stmts.split_at_mut(i);
-            let replacement = match &mut rest[0] {
-                Stmt::Expr(expr, _) if is_training_loop(expr) => self.training_loop(expr, before),
-                stmt => {
-                    self.visit_stmt_mut(stmt);
-                    None
+            match &mut rest[0] {
+                Stmt::Expr(expr, _) if is_training_loop(expr) => {
+                    // A replacement keeps the statement's semicolon (and so its type).
+                    if let Some(wrapped) = self.training_loop(expr, before) {
+                        *expr = wrapped;
+                    }
                 }
-            };
-            if let Some(wrapped) = replacement {
-                block.stmts[i] = wrapped;
+                stmt => self.visit_stmt_mut(stmt),
             }
         }
     }
@@ -273,11 +342,7 @@ impl VisitMut for Loops<'_, '_> {
             // A loop in value position (a `match` arm, `let x = loop { .. }`): no statements
             // before it to prepare an iterator in, so it may become a block.
             if let Some(wrapped) = self.training_loop(expr, &mut []) {
-                *expr = Expr::Block(syn::ExprBlock {
-                    attrs: Vec::new(),
-                    label: None,
-                    block: Block { brace_token: Default::default(), stmts: vec![wrapped] },
-                });
+                *expr = wrapped;
             }
             return;
         }
@@ -308,11 +373,17 @@ fn peel_parens_mut(expr: &mut Expr) -> &mut Expr {
 impl Loops<'_, '_> {
     /// A loop that runs backward: searched further when a loop inside it is the one to
     /// prepare, else prepared (or refused). Returns a replacement when it had to be wrapped.
-    fn training_loop(&mut self, expr: &mut Expr, before: &mut [Stmt]) -> Option<Stmt> {
-        let manual = self.rw.cx.manual_data;
-        let data = data_of(expr);
+    ///
+    /// The loop prepared is the innermost one that deals data; failing that, the innermost
+    /// training loop, which counts (its body draws its own batches). A counting loop inside
+    /// a data loop (`for _ in 0..n_critic`) only repeats the step on the batch dealt around it.
+    fn training_loop(&mut self, expr: &mut Expr, before: &mut [Stmt]) -> Option<Expr> {
+        let mode = self.rw.cx.mode;
+        let manual = mode == Mode::Manual;
+        let data = data_of(expr, mode);
         let body = loop_body_mut(expr).expect("a training loop");
-        if holds_training_loop(body, manual) {
+        let deals_inside = holds_loop(body, &|e| manual || data_of(e, mode).deals());
+        if deals_inside || (!data.deals() && holds_loop(body, &|_| true)) {
             self.visit_block_mut(body);
             return None;
         }
@@ -325,36 +396,56 @@ impl Loops<'_, '_> {
         }
         let name = self.rw.cx.name.clone();
         match data {
-            Data::Iterable => {
+            Data::Iterable | Data::Indexed => {
                 let Expr::ForLoop(l) = expr else { unreachable!("only `for` loops iterate") };
+                // The loop's own span: the accelerator knows each loop by its line.
+                let at = span_of(&l.for_token);
+                let prepare = |data: &Expr| {
+                    let data = match data {
+                        Expr::Paren(p) => &*p.expr,
+                        other => other,
+                    };
+                    spanned(at, quote::quote!(#name.prepare_iter(#data)))
+                };
                 // `enumerate` counts this process's batches, as Python's `enumerate` over a
                 // prepared data loader does, so it stays outside.
                 match &mut *l.expr {
                     Expr::MethodCall(m) if m.method == "enumerate" && m.args.is_empty() => {
-                        let data = &m.receiver;
-                        *m.receiver = parse_quote!(#name.prepare_iter(#data));
+                        *m.receiver = prepare(&m.receiver);
                     }
-                    data => *data = parse_quote!(#name.prepare_iter(#data)),
+                    data => *data = prepare(data),
                 }
                 self.rw.loops += 1;
+                self.rw.note_exits(loop_body_mut(expr).expect("a loop"));
                 None
             }
             Data::Next(it) => {
                 self.rw.loops += 1;
+                self.rw.note_exits(loop_body_mut(expr).expect("a loop"));
                 self.rw.prepare_iterator(it, before, expr)
             }
-            Data::Counter { span, what } => {
-                self.rw.errors.push(syn::Error::new(
-                    span,
-                    format!(
-                        "this loop runs backward, but it counts (`{what}`) and takes its batches \
-                         from elsewhere, so #[accelerate] has no batches to deal: every process \
-                         would train on the same data. Loop over the batches themselves (`for \
-                         (x, y) in data {{ .. }}`, e.g. `m.train_iter(64)`), or, if each process \
-                         picks its own batches (its own seed or files), say so with \
-                         #[accelerate(data = \"manual\")]"
-                    ),
-                ));
+            Data::Counting => {
+                self.rw.loops += 1;
+                self.rw.drawn += 1;
+                self.rw.note_exits(loop_body_mut(expr).expect("a loop"));
+                if let Expr::ForLoop(l) = expr {
+                    let (at, range) = (span_of(&l.for_token), &l.expr);
+                    *l.expr = spanned(at, quote::quote!(#name.prepare_steps(#range)));
+                    return None;
+                }
+                // `loop`/`while`: no iterable to wrap; a guard around the loop counts its
+                // iterations (its drop ends them, as a prepared iterator's does).
+                let at = span_of(&*expr);
+                let body = loop_body_mut(expr).expect("a loop");
+                body.stmts.insert(1, parse_quote!(__accel_steps.next_step();));
+                let guard = spanned(at, quote::quote!(#name.drawn_loop()));
+                Some(parse_quote!({
+                    let mut __accel_steps = #guard;
+                    #expr
+                }))
+            }
+            Data::Refused(errors) => {
+                self.rw.errors.extend(errors);
                 None
             }
             Data::Unseen { span } => {
@@ -363,8 +454,10 @@ impl Loops<'_, '_> {
                     "#[accelerate] prepares the data of the loop that calls `.backward()`, but \
                      cannot see where this loop takes its batches from; write `for batch in \
                      data { .. }`, `while let Some(batch) = it.next() { .. }`, or start the loop \
-                     with `let Some(batch) = it.next() else { break };` — or, if each process \
-                     picks its own batches, say so with #[accelerate(data = \"manual\")]",
+                     with `let Some(batch) = it.next() else { break };` — or say how each \
+                     process gets its batches: #[accelerate(data = \"drawn\")] (each draws its \
+                     own, from its own random stream) or #[accelerate(data = \"manual\")] (the \
+                     program gives each its part)",
                 ));
                 None
             }
@@ -379,36 +472,114 @@ impl Rewriter<'_> {
     }
 
     /// Prepares the iterator `it` of a `while`/`loop` that calls `it.next()`: where it is
-    /// made, when that is a `let` just before; else by borrowing it for the loop.
+    /// made, when that is a `let` just before and nothing between uses it; else by borrowing
+    /// it for the loop (an iterator configured first, `it.shuffle()`, keeps its own type).
     fn prepare_iterator(
         &mut self,
         it: syn::Ident,
         before: &mut [Stmt],
         the_loop: &mut Expr,
-    ) -> Option<Stmt> {
+    ) -> Option<Expr> {
         let name = self.cx.name.clone();
-        let made = before.iter_mut().rev().find_map(|s| match s {
-            Stmt::Local(local) => match (body::simple_binding(&local.pat), &mut local.init) {
-                (Some(ident), Some(init)) if *ident == it => Some(init),
-                _ => None,
-            },
-            _ => None,
+        let at = span_of(&*the_loop);
+        let made = before.iter().rposition(|s| match s {
+            Stmt::Local(local) => {
+                body::simple_binding(&local.pat).is_some_and(|i| *i == it) && local.init.is_some()
+            }
+            _ => false,
         });
-        if let Some(init) = made {
-            let e = &init.expr;
-            *init.expr = parse_quote!(#name.prepare_iter(#e));
-            return None;
+        let used_between = made.is_some_and(|i| {
+            before[i + 1..].iter().any(|s| mentions(&quote::ToTokens::to_token_stream(s), &it))
+        });
+        if let (Some(i), false) = (made, used_between) {
+            if let Stmt::Local(local) = &mut before[i] {
+                let init = local.init.as_mut().expect("checked above");
+                let e = &init.expr;
+                *init.expr = spanned(at, quote::quote!(#name.prepare_iter(#e)));
+                return None;
+            }
         }
         // Made elsewhere (an argument, say): the loop borrows it through a prepared view.
         let prepared = syn::Ident::new(&format!("__accel_{it}"), it.span());
         RenameNext { from: &it, to: &prepared }.visit_expr_mut(the_loop);
-        Some(Stmt::Expr(
-            parse_quote!({
-                let mut #prepared = #name.prepare_iter(#it.by_ref());
-                #the_loop
-            }),
-            None,
-        ))
+        let prepare = spanned(at, quote::quote!(#name.prepare_iter(#it.by_ref())));
+        Some(parse_quote!({
+            let mut #prepared = #prepare;
+            #the_loop
+        }))
+    }
+
+    /// Each way out of a prepared loop's body before its data ends (`break`, `return`) first
+    /// tells the accelerator where it leaves, so that a process leaving alone is reported
+    /// with that line.
+    fn note_exits(&self, body: &mut Block) {
+        struct Exits<'n> {
+            name: &'n syn::Ident,
+            /// Labels of the loops inside the prepared one, innermost last; `None` unlabeled.
+            inner: Vec<Option<String>>,
+        }
+        impl Exits<'_> {
+            fn leaves(&self, label: Option<&syn::Lifetime>) -> bool {
+                match label {
+                    None => self.inner.is_empty(),
+                    Some(l) => !self.inner.iter().flatten().any(|i| *i == l.ident.to_string()),
+                }
+            }
+            fn nested(&mut self, label: Option<&syn::Label>, f: impl FnOnce(&mut Self)) {
+                self.inner.push(label.map(|l| l.name.ident.to_string()));
+                f(self);
+                self.inner.pop();
+            }
+        }
+        impl VisitMut for Exits<'_> {
+            fn visit_expr_mut(&mut self, e: &mut Expr) {
+                match e {
+                    Expr::ForLoop(l) => {
+                        self.visit_expr_mut(&mut l.expr);
+                        let label = l.label.clone();
+                        self.nested(label.as_ref(), |s| s.visit_block_mut(&mut l.body));
+                    }
+                    Expr::While(w) => {
+                        self.visit_expr_mut(&mut w.cond);
+                        let label = w.label.clone();
+                        self.nested(label.as_ref(), |s| s.visit_block_mut(&mut w.body));
+                    }
+                    Expr::Loop(l) => {
+                        let label = l.label.clone();
+                        self.nested(label.as_ref(), |s| s.visit_block_mut(&mut l.body));
+                    }
+                    Expr::Closure(_) | Expr::Async(_) => {}
+                    Expr::Break(b) if b.expr.is_none() && self.leaves(b.label.as_ref()) => {
+                        let (name, span) = (self.name, span_of(&*b));
+                        let call = spanned(span, quote::quote!(#name.leaving_loop()));
+                        *e = parse_quote!({ #call; #b });
+                    }
+                    Expr::Return(r) => {
+                        if let Some(value) = &mut r.expr {
+                            self.visit_expr_mut(value);
+                        }
+                        let (name, span) = (self.name, span_of(&*r));
+                        let call = spanned(span, quote::quote!(#name.leaving_loop()));
+                        *e = parse_quote!({ #call; #r });
+                    }
+                    _ => syn::visit_mut::visit_expr_mut(self, e),
+                }
+            }
+            fn visit_local_mut(&mut self, local: &mut syn::Local) {
+                // `let Some(b) = it.next() else { break };` is the loop's end of data.
+                if let Some(init) = &mut local.init {
+                    self.visit_expr_mut(&mut init.expr);
+                    let reads_next =
+                        matches!(&*init.expr, Expr::MethodCall(m) if m.method == "next");
+                    if let (Some((_, diverge)), false) = (&mut init.diverge, reads_next) {
+                        self.visit_expr_mut(diverge);
+                    }
+                }
+            }
+            fn visit_item_mut(&mut self, _: &mut syn::Item) {}
+            fn visit_macro_mut(&mut self, _: &mut syn::Macro) {}
+        }
+        Exits { name: &self.cx.name, inner: Vec::new() }.visit_block_mut(body);
     }
 
     /// The whole loop body runs under autocast: the forward passes of the step, however they
@@ -558,4 +729,13 @@ pub(super) fn coverage(body: &Block, manual: bool) -> Vec<syn::Error> {
     let mut check = Check { prepared: 0, loops: 0, places: Vec::new(), manual, errors: Vec::new() };
     check.visit_block(body);
     check.errors
+}
+
+/// Whether `tokens` mention the identifier `ident`.
+pub(super) fn mentions(tokens: &proc_macro2::TokenStream, ident: &syn::Ident) -> bool {
+    tokens.clone().into_iter().any(|t| match t {
+        proc_macro2::TokenTree::Ident(i) => i == *ident,
+        proc_macro2::TokenTree::Group(g) => mentions(&g.stream(), ident),
+        _ => false,
+    })
 }

@@ -9,6 +9,7 @@ mod attr;
 mod body;
 mod check;
 mod expand;
+mod index;
 mod lint;
 mod loops;
 
@@ -46,7 +47,25 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
         plain.into_token_stream()
     };
 
-    if !has_any_backward(&function) {
+    let accelerator = raw
+        .name
+        .clone()
+        .unwrap_or_else(|| syn::Ident::new("accelerator", proc_macro2::Span::call_site()));
+    let lent = body::lent_optimizers(&function, &accelerator);
+    if let (false, Some((opt, calls))) = (has_any_backward(&function), lent.iter().next()) {
+        let (span, what) = &calls[0];
+        errors.push(syn::Error::new(
+            *span,
+            format!(
+                "the training step runs in {what}, which is given the optimizer `{opt}` and which \
+                 #[accelerate] cannot see into: its backward pass and optimizer step would not be \
+                 the accelerator's (no gradients averaged across processes, no autocast, no \
+                 accumulation). Write the loop's `loss.backward()` and `{opt}.step()` in this \
+                 function (the helper may still compute the loss), or put #[accelerate] on the \
+                 function that runs the loop"
+            ),
+        ));
+    } else if !has_any_backward(&function) {
         errors.push(syn::Error::new(
             check::name_span(&function),
             "#[accelerate] found no `loss.backward()` (or `opt.backward_step(&loss)`) in this \
@@ -68,10 +87,7 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
             .unwrap_or_else(|| syn::Ident::new("accelerator", proc_macro2::Span::call_site())),
         model: raw.model.clone(),
         fp8: raw.precision.as_ref().is_some_and(|p| p.value == accel_choices::Precision::Fp8),
-        manual_data: raw
-            .data
-            .as_ref()
-            .is_some_and(|d| d.value == accel_choices::DataSharding::Manual),
+        mode: loops::Mode::of(raw.data.as_ref().map(|d| d.value)),
         sync_batchnorm: raw.sync_batchnorm.as_ref().is_some_and(|s| s.value),
     };
     match expand::function(function, &raw, context, returns) {

@@ -29,6 +29,7 @@ fn train(data: &Digits, init: &nn::VarStore) -> Result<Vec<(String, Tensor)>> {
         .cpu(true)
         .tensor_parallel(2usize)
         .attribute_data_loops(1usize)
+        .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
         .build()?;
     let __accel_exit = acc.exit_guard();
     let __accel_result: Result<Vec<(String, Tensor)>> = (|| {

@@ -10,6 +10,7 @@ fn train(vs: &nn::VarStore, data: &Data) -> anyhow::Result<usize> {
         .clip_grad_norm(1f64)
         .cpu(true)
         .attribute_data_loops(1usize)
+        .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<usize> = (|| {

@@ -9,6 +9,7 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
         .attribute_data_loops(1usize)
+        .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
@@ -26,7 +27,10 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
                     continue;
                 }
                 if i == 6 {
-                    break;
+                    {
+                        accelerator.leaving_loop();
+                        break;
+                    };
                 }
                 let loss = net.forward(&x).cross_entropy_for_logits(&y);
                 opt.zero_grad()?;

@@ -8,6 +8,7 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
         .attribute_data_loops(1usize)
+        .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {

@@ -16,16 +16,20 @@ macro_rules! shapes {
 }
 shapes!(
     amsgrad_groups_and_setters, anyhow_result_varstore_by_ref, backward_inside_if,
-    batch_norm_buffers_agree, blocks_labels_and_values, closure_called_in_place,
-    backward_step_clip, backward_step_mut_varstore, closure_optimizer_with_model_key,
-    enumerate_skip_and_break, gan_two_models, helper_optimizer_with_model_key,
-    index_range_loop, iterator_argument_while_let, loop_let_else, manual_data,
-    match_arm_with_varstore_save_and_load, method_with_varstore_field,
-    nested_loops_inline_loss_accel_optimizer, optimizer_argument_with_model_key,
+    batch_norm_buffers_agree, blocks_labels_and_values, borrowed_split_zip,
+    closure_called_in_place, backward_step_clip, backward_step_mut_varstore,
+    closure_optimizer_with_model_key, enumerate_skip_and_break, gan_two_models,
+    helper_optimizer_with_model_key, helper_sets_the_schedule,
+    helper_steps_the_optimizer, index_loop_enumerated_with_a_schedule, index_range_loop,
+    iterator_argument_while_let, iterator_shuffled_before_the_loop, loop_let_else,
+    manual_data, match_arm_with_varstore_save_and_load, method_called_once_per_epoch,
+    method_with_varstore_field, nested_loops_inline_loss_accel_optimizer,
+    optimizer_argument_with_model_key, optimizer_from_a_helper_one_model,
     optimizer_in_a_field_with_model_key, owned_varstore_box_error_while_let,
-    reborrowed_varstore, sync_batchnorm, teacher_and_student, tch_error_mut_varstore,
-    try_inside_the_loop, unit_return_backward_step, zero1_sgd_nesterov,
-    zero2_clip_and_set_lr, zip_of_two_iterators,
+    pretrain_then_fine_tune, reborrowed_varstore, sync_batchnorm, teacher_and_student,
+    tch_error_mut_varstore, try_inside_the_loop, unit_return_backward_step,
+    vec_iter_enumerate_accumulate_by_hand, zero1_sgd_nesterov, zero2_clip_and_set_lr,
+    zip_of_two_iterators,
 );
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -10,6 +10,7 @@ fn train(data: &Data) -> anyhow::Result<(u64, Vec<(String, Tensor)>)> {
         .strategy(::accel_core::Strategy::Ddp)
         .cpu(true)
         .attribute_data_loops(1usize)
+        .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
         .build()?;
     let __accel_exit = acc.exit_guard();
     let __accel_result: anyhow::Result<(u64, Vec<(String, Tensor)>)> = (|| {

@@ -21,6 +21,7 @@ impl Trainer {
             .strategy(::accel_core::Strategy::Ddp)
             .cpu(true)
             .attribute_data_loops(1usize)
+            .attribute_call(concat!("`fit`", " at ", file!(), ":", line!()))
             .build()?;
         let __accel_exit = accelerator.exit_guard();
         let __accel_result: anyhow::Result<()> = (|| {

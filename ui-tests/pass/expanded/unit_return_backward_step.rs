@@ -10,6 +10,7 @@ fn train(vs: &nn::VarStore, data: &Data) {
         .accumulate(2u32)
         .cpu(true)
         .attribute_data_loops(1usize)
+        .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
         .build()
         .unwrap_or_else(|e| panic!("accel: {e}"));
     let __accel_exit = accelerator.exit_guard();

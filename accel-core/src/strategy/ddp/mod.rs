@@ -24,6 +24,11 @@ pub struct DdpOptions {
     /// Keep the model's buffers (variables that are not parameters: batch norm's running
     /// statistics) equal to rank 0's, as torch's `broadcast_buffers=True` (the default) does.
     pub broadcast_buffers: bool,
+    /// Gradients become views of the all-reduce buckets after the first step (torch's
+    /// `gradient_as_bucket_view`; on by default: one copy fewer per step). Off, they stay
+    /// tensors of their own, which an optimizer that is not the accelerator's (tch's own
+    /// `zero_grad`, which detaches them) can clear.
+    pub gradient_as_bucket_view: bool,
 }
 
 impl Default for DdpOptions {
@@ -33,6 +38,7 @@ impl Default for DdpOptions {
             allow_unused: false,
             compression: None,
             broadcast_buffers: true,
+            gradient_as_bucket_view: true,
         }
     }
 }
@@ -153,6 +159,7 @@ impl Ddp {
             .collect();
         for (b, i, param) in layout {
             let (pending, group, state) = (pending.clone(), group.clone(), state.clone());
+            let as_view = options.gradient_as_bucket_view;
             let hook = move |p: &Tensor| {
                 if !state.sync_gradients() {
                     return;
@@ -168,7 +175,7 @@ impl Ddp {
                         view.f_copy_(&grad.f_reshape([-1])?)?;
                         // From now on autograd accumulates straight into the bucket (the
                         // optimizer zeroes grads in place under DDP), so no copy is needed.
-                        if view.kind() == grad.kind() {
+                        if as_view && view.kind() == grad.kind() {
                             crate::shim::set_grad(p, Some(&view.f_view(grad.size().as_slice())?))?;
                         }
                     }

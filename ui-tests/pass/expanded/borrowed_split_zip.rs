@@ -1,0 +1,40 @@
+//! Batches borrowed from `split(..).iter().zip(..)`: `&Tensor` items, handed out as they are.
+#![deny(warnings)]
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Tensor};
+use crate::common::{Data, mlp, weights};
+fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let accelerator = ::accel_core::Accelerator::builder()
+        .strategy(::accel_core::Strategy::Ddp)
+        .cpu(true)
+        .attribute_data_loops(1usize)
+        .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
+        .build()?;
+    let __accel_exit = accelerator.exit_guard();
+    let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
+        use OptimizerConfig as _;
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = mlp(&vs.root());
+        let mut opt = accelerator.build_optimizer(nn::Adam::default(), &vs, 1e-2)?;
+        let (x, y) = data.all();
+        let xs = x.split(data.batch_size, 0);
+        let ys = y.split(data.batch_size, 0);
+        for _ in 0..data.epochs {
+            for (xb, yb) in accelerator.prepare_iter(xs.iter().zip(ys.iter())) {
+                let __accel_autocast = accelerator.autocast_step()?;
+                let loss = net.forward(xb).cross_entropy_for_logits(yb);
+                opt.zero_grad()?;
+                accelerator.backward(&loss)?;
+                opt.step()?;
+            }
+        }
+        Ok(weights(&vs, ""))
+    })();
+    if __accel_result.is_ok() {
+        __accel_exit.finish()?;
+    }
+    __accel_result
+}
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    train(data)
+}

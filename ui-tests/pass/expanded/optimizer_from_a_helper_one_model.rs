@@ -1,0 +1,43 @@
+//! An optimizer made by a helper given the function's only VarStore: that is its model.
+#![deny(warnings)]
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, TchError, Tensor};
+use crate::common::{Data, mlp, weights};
+fn make_opt(vs: &nn::VarStore) -> Result<nn::Optimizer, TchError> {
+    nn::Adam {
+        wd: 1e-3,
+        ..Default::default()
+    }
+        .build(vs, 1e-2)
+}
+fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let accelerator = ::accel_core::Accelerator::builder()
+        .strategy(::accel_core::Strategy::Ddp)
+        .cpu(true)
+        .attribute_data_loops(1usize)
+        .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
+        .build()?;
+    let __accel_exit = accelerator.exit_guard();
+    let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = mlp(&vs.root());
+        let mut opt = accelerator.adopt_optimizer(&vs, make_opt(&vs)?)?;
+        for _ in 0..data.epochs {
+            for (x, y) in accelerator.prepare_iter(data.batches()) {
+                let __accel_autocast = accelerator.autocast_step()?;
+                let loss = net.forward(&x).cross_entropy_for_logits(&y);
+                opt.zero_grad()?;
+                accelerator.backward(&loss)?;
+                opt.step()?;
+            }
+        }
+        Ok(weights(&vs, ""))
+    })();
+    if __accel_result.is_ok() {
+        __accel_exit.finish()?;
+    }
+    __accel_result
+}
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    train(data)
+}

@@ -1,0 +1,41 @@
+//! A `Vec<(Tensor, Tensor)>` borrowed with `.iter().enumerate()`, and gradient accumulation
+//! written by hand on the enumerate count (this process's batches, the same on every one).
+#![deny(warnings)]
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Tensor};
+use crate::common::{Data, mlp, weights};
+fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let accelerator = ::accel_core::Accelerator::builder()
+        .strategy(::accel_core::Strategy::Ddp)
+        .cpu(true)
+        .attribute_data_loops(1usize)
+        .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
+        .build()?;
+    let __accel_exit = accelerator.exit_guard();
+    let __accel_result: anyhow::Result<Vec<(String, Tensor)>> = (|| {
+        use OptimizerConfig as _;
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = mlp(&vs.root());
+        let mut opt = accelerator.build_optimizer(nn::Sgd::default(), &vs, 0.1)?;
+        let batches: Vec<(Tensor, Tensor)> = data.batches();
+        for _ in 0..data.epochs {
+            for (step, (x, y)) in accelerator.prepare_iter(batches.iter()).enumerate() {
+                let __accel_autocast = accelerator.autocast_step()?;
+                let loss = net.forward(x).cross_entropy_for_logits(y) / 2.0;
+                accelerator.backward(&loss)?;
+                if (step + 1) % 2 == 0 {
+                    opt.step()?;
+                    opt.zero_grad()?;
+                }
+            }
+        }
+        Ok(weights(&vs, ""))
+    })();
+    if __accel_result.is_ok() {
+        __accel_exit.finish()?;
+    }
+    __accel_result
+}
+pub fn run(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
+    train(data)
+}
