@@ -4,6 +4,7 @@
 //! it runs without LD_LIBRARY_PATH and keeps libtorch_cuda loaded. tch_examples.rs builds
 //! tch-rs's own examples the same way.
 
+mod corpus;
 mod tch_examples;
 
 use std::path::{Path, PathBuf};

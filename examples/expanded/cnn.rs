@@ -28,6 +28,7 @@ fn train(data: &Digits, epochs: usize) -> Result<f64> {
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<f64> = (|| {
+        use Device as _;
         use OptimizerConfig as _;
         let device = accelerator.device();
         let vs = nn::VarStore::new(device);

@@ -26,6 +26,7 @@ fn train(
         .build()?;
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: Result<f64> = (|| {
+        use Device as _;
         use OptimizerConfig as _;
         let device = accelerator.device();
         let vs = nn::VarStore::new(device);

@@ -38,6 +38,8 @@ pub struct AcceleratorBuilder {
     fp32_gathers: bool,
     /// Set by `#[accelerate]`: the data loops it prepared (the run's first line says it).
     attribute_data_loops: Option<usize>,
+    /// Set by `#[accelerate]`: of those, the loops that draw their own batches.
+    attribute_drawn_loops: usize,
     /// Set by `#[accelerate]`: the annotated function and where it is, for messages.
     attribute_call: Option<String>,
     /// Tests driving ranks as threads: the topology and mesh to use instead of the
@@ -121,6 +123,12 @@ impl AcceleratorBuilder {
     #[doc(hidden)]
     pub fn attribute_data_loops(mut self, loops: usize) -> Self {
         self.attribute_data_loops = Some(loops);
+        self
+    }
+    /// Set by `#[accelerate]`: how many of its data loops draw their own batches.
+    #[doc(hidden)]
+    pub fn attribute_drawn_loops(mut self, loops: usize) -> Self {
+        self.attribute_drawn_loops = loops;
         self
     }
     /// Set by `#[accelerate]`: which function is annotated, and where ("`train` at
@@ -447,7 +455,11 @@ impl AcceleratorBuilder {
             }),
         };
         if accelerator.is_main_process() && !quiet() {
-            eprintln!("{}", accelerator.describe(self.attribute_data_loops));
+            eprintln!(
+                "{}",
+                accelerator
+                    .describe(self.attribute_data_loops.map(|n| (n, self.attribute_drawn_loops)))
+            );
         }
         if given_mesh_absent {
             // Process-wide; a test's thread ranks leave it to the process.

@@ -214,7 +214,7 @@ impl Accelerator {
     /// is built (`ACCEL_QUIET=1` drops it): the strategy (and what it runs as), processes
     /// and mesh, device, precision, accumulation, who deals the data and, under
     /// `#[accelerate]`, how many data loops the attribute prepared.
-    pub fn describe(&self, attribute_data_loops: Option<usize>) -> String {
+    pub fn describe(&self, attribute_data_loops: Option<(usize, usize)>) -> String {
         let config = &self.inner.config;
         let mut strategy = config.strategy.to_string();
         let runs_as = self.inner.strategy.name();
@@ -248,11 +248,17 @@ impl Accelerator {
         if self.inner.sync_batchnorm {
             line.push_str(", synchronised batch norm");
         }
-        if let Some(loops) = attribute_data_loops {
+        if let Some((loops, drawn)) = attribute_data_loops {
             line.push_str(&format!(
                 ", #[accelerate] prepared {loops} data loop{}",
                 if loops == 1 { "" } else { "s" }
             ));
+            if drawn > 0 {
+                line.push_str(&format!(
+                    " ({drawn} of which draw{} its own batches on every process)",
+                    if drawn == 1 { "s" } else { "" }
+                ));
+            }
         }
         line
     }

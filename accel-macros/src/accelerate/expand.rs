@@ -38,7 +38,7 @@ pub(crate) struct Context {
 pub(crate) fn builder(
     raw: &RawArgs,
     krate: &syn::Path,
-    loops: usize,
+    (loops, drawn): (usize, usize),
     function: &syn::Ident,
 ) -> TokenStream {
     let mut calls = TokenStream::new();
@@ -125,6 +125,9 @@ pub(crate) fn builder(
         calls.extend(quote!(.config_file(#c)));
     }
     calls.extend(quote!(.attribute_data_loops(#loops)));
+    if drawn > 0 {
+        calls.extend(quote!(.attribute_drawn_loops(#drawn)));
+    }
     let call = format!("`{function}`");
     calls.extend(quote!(.attribute_call(concat!(#call, " at ", file!(), ":", line!()))));
     quote!(#krate::Accelerator::builder() #calls .build())
@@ -152,6 +155,8 @@ pub(super) struct Rewriter<'c> {
     pub(super) errors: Vec<syn::Error>,
     in_closure: usize,
     rewrote_build: bool,
+    /// A `Device::..` call (through the user's import of `Device`) became the accelerator's.
+    rewrote_device: bool,
     /// `let`s of each optimizer seen so far (to find the one an `Unseen` source names).
     lets_seen: HashMap<String, usize>,
 }
@@ -509,6 +514,10 @@ impl VisitMut for Rewriter<'_> {
         if is_call_to(expr, &["Device", "cuda_if_available"])
             || is_call_to(expr, &["Device", "Cuda"])
         {
+            if let Expr::Call(c) = &*expr {
+                self.rewrote_device |=
+                    matches!(&*c.func, Expr::Path(p) if p.path.segments.len() == 2);
+            }
             *expr = parse_quote_spanned_expr(span, quote!(#name.device()));
             return;
         }
@@ -687,6 +696,7 @@ pub(crate) fn function(
         errors: Vec::new(),
         in_closure: 0,
         rewrote_build: false,
+        rewrote_device: false,
         lets_seen: HashMap::new(),
     };
     rewriter.refuse_unreachable_optimizers();
@@ -720,9 +730,18 @@ pub(crate) fn function(
             ),
         );
     }
+    if rewriter.rewrote_device {
+        // Likewise for the import of `Device`, when `Device::cuda_if_available()` was its use.
+        body.stmts.insert(
+            0,
+            parse_quote!(
+                use Device as _;
+            ),
+        );
+    }
     let name = &cx.name;
     let krate = &cx.krate;
-    let build = builder(raw, krate, rewriter.loops, &f.sig.ident);
+    let build = builder(raw, krate, (rewriter.loops, rewriter.drawn), &f.sig.ident);
     let stmts = &body.stmts;
     let new_body: Block = match returns {
         Returns::Result(ty) => parse_quote!({

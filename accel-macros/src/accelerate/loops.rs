@@ -14,7 +14,17 @@ use syn::visit_mut::VisitMut;
 use syn::{Block, Expr, ExprMethodCall, Pat, Stmt, parse_quote};
 
 use super::body::{self, called_in_place, span_of};
-use super::expand::{Rewriter, parse_quote_spanned_expr as spanned};
+use super::expand::Rewriter;
+
+/// An expression whose every token is at `span` (the user's loop or `break`): a call the
+/// accelerator locates with `#[track_caller]` must be wholly the user's line, or rustc
+/// reports the attribute's.
+macro_rules! located {
+    ($span:expr=> $($tokens:tt)*) => {
+        syn::parse2::<Expr>(quote::quote_spanned!($span=> $($tokens)*))
+            .expect("generated expressions parse")
+    };
+}
 use super::index;
 
 /// The statement every prepared loop body starts with; [`coverage`] recognises prepared
@@ -400,12 +410,13 @@ impl Loops<'_, '_> {
                 let Expr::ForLoop(l) = expr else { unreachable!("only `for` loops iterate") };
                 // The loop's own span: the accelerator knows each loop by its line.
                 let at = span_of(&l.for_token);
+                let name = respan(&name, at);
                 let prepare = |data: &Expr| {
                     let data = match data {
                         Expr::Paren(p) => &*p.expr,
                         other => other,
                     };
-                    spanned(at, quote::quote!(#name.prepare_iter(#data)))
+                    located!(at=> #name.prepare_iter(#data))
                 };
                 // `enumerate` counts this process's batches, as Python's `enumerate` over a
                 // prepared data loader does, so it stays outside.
@@ -430,7 +441,8 @@ impl Loops<'_, '_> {
                 self.rw.note_exits(loop_body_mut(expr).expect("a loop"));
                 if let Expr::ForLoop(l) = expr {
                     let (at, range) = (span_of(&l.for_token), &l.expr);
-                    *l.expr = spanned(at, quote::quote!(#name.prepare_steps(#range)));
+                    let name = respan(&name, at);
+                    *l.expr = located!(at=> #name.prepare_steps(#range));
                     return None;
                 }
                 // `loop`/`while`: no iterable to wrap; a guard around the loop counts its
@@ -438,7 +450,8 @@ impl Loops<'_, '_> {
                 let at = span_of(&*expr);
                 let body = loop_body_mut(expr).expect("a loop");
                 body.stmts.insert(1, parse_quote!(__accel_steps.next_step();));
-                let guard = spanned(at, quote::quote!(#name.drawn_loop()));
+                let name = respan(&name, at);
+                let guard = located!(at=> #name.drawn_loop());
                 Some(parse_quote!({
                     let mut __accel_steps = #guard;
                     #expr
@@ -480,8 +493,8 @@ impl Rewriter<'_> {
         before: &mut [Stmt],
         the_loop: &mut Expr,
     ) -> Option<Expr> {
-        let name = self.cx.name.clone();
         let at = span_of(&*the_loop);
+        let name = respan(&self.cx.name, at);
         let made = before.iter().rposition(|s| match s {
             Stmt::Local(local) => {
                 body::simple_binding(&local.pat).is_some_and(|i| *i == it) && local.init.is_some()
@@ -495,14 +508,14 @@ impl Rewriter<'_> {
             if let Stmt::Local(local) = &mut before[i] {
                 let init = local.init.as_mut().expect("checked above");
                 let e = &init.expr;
-                *init.expr = spanned(at, quote::quote!(#name.prepare_iter(#e)));
+                *init.expr = located!(at=> #name.prepare_iter(#e));
                 return None;
             }
         }
         // Made elsewhere (an argument, say): the loop borrows it through a prepared view.
         let prepared = syn::Ident::new(&format!("__accel_{it}"), it.span());
         RenameNext { from: &it, to: &prepared }.visit_expr_mut(the_loop);
-        let prepare = spanned(at, quote::quote!(#name.prepare_iter(#it.by_ref())));
+        let prepare = located!(at=> #name.prepare_iter(#it.by_ref()));
         Some(parse_quote!({
             let mut #prepared = #prepare;
             #the_loop
@@ -550,16 +563,18 @@ impl Rewriter<'_> {
                     }
                     Expr::Closure(_) | Expr::Async(_) => {}
                     Expr::Break(b) if b.expr.is_none() && self.leaves(b.label.as_ref()) => {
-                        let (name, span) = (self.name, span_of(&*b));
-                        let call = spanned(span, quote::quote!(#name.leaving_loop()));
+                        let span = span_of(&*b);
+                        let name = respan(self.name, span);
+                        let call = located!(span=> #name.leaving_loop());
                         *e = parse_quote!({ #call; #b });
                     }
                     Expr::Return(r) => {
                         if let Some(value) = &mut r.expr {
                             self.visit_expr_mut(value);
                         }
-                        let (name, span) = (self.name, span_of(&*r));
-                        let call = spanned(span, quote::quote!(#name.leaving_loop()));
+                        let span = span_of(&*r);
+                        let name = respan(self.name, span);
+                        let call = located!(span=> #name.leaving_loop());
                         *e = parse_quote!({ #call; #r });
                     }
                     _ => syn::visit_mut::visit_expr_mut(self, e),
@@ -738,4 +753,10 @@ pub(super) fn mentions(tokens: &proc_macro2::TokenStream, ident: &syn::Ident) ->
         proc_macro2::TokenTree::Group(g) => mentions(&g.stream(), ident),
         _ => false,
     })
+}
+
+/// The accelerator's name at `span`: a call the accelerator locates with `#[track_caller]`
+/// (a loop, a `break`) must start at the user's line, not at the attribute's.
+fn respan(name: &syn::Ident, span: Span) -> syn::Ident {
+    syn::Ident::new(&name.to_string(), span)
 }

@@ -15,6 +15,7 @@ fn train(vs: &nn::VarStore, data: &Data) {
         .unwrap_or_else(|e| panic!("accel: {e}"));
     let __accel_exit = accelerator.exit_guard();
     let __accel_result: ::core::result::Result<(), ::accel_core::Error> = (|| {
+        use Device as _;
         use OptimizerConfig as _;
         let device = accelerator.device();
         let (x, y): (Vec<Tensor>, Vec<Tensor>) = data.batches().into_iter().unzip();

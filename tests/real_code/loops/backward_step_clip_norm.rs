@@ -1,0 +1,25 @@
+//! tch's one-call step with clipping: `opt.backward_step_clip_norm(&loss, max)`.
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::Device;
+
+use crate::data;
+
+#[accel_core::accelerate(strategy = "zero1")]
+fn train() -> anyhow::Result<()> {
+    let d = data::load()?;
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = data::mlp(&vs.root());
+    let mut opt = nn::Adam::default().build(&vs, 1e-2)?;
+    for _ in 0..2 {
+        for (x, y) in data::batches(&d, data::batch_size()) {
+            let loss = net.forward(&x).cross_entropy_for_logits(&y);
+            opt.backward_step_clip_norm(&loss, 1.0);
+        }
+    }
+    Ok(())
+}
+
+pub fn run() -> anyhow::Result<()> {
+    tch::manual_seed(0);
+    train()
+}
