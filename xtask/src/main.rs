@@ -8,8 +8,8 @@
 //!   processes (`accel launch`), on CPU.
 //! - `cargo xtask bench`         setup, release build, then accel, a raw tch loop and PyTorch +
 //!   Accelerate on the same work in the same run, as a table of ratios; writes
-//!   bench/results.json and README's performance block from it (`bench speed`: without the
-//!   memory benchmarks; `bench readme`: only the README block, from the file).
+//!   bench/results.json and the bench block of docs/performance.md from it (`bench speed`:
+//!   without the memory benchmarks; `bench readme`: only that block, from the file).
 //!
 //! Only std and serde_json are used so that this builds in seconds, before libtorch exists.
 
@@ -49,7 +49,7 @@ fn main() -> ExitCode {
              cargo xtask train [ARGS]  the main job\n  \
              cargo xtask bench         accel vs a raw tch loop and PyTorch + Accelerate, same run\n  \
              cargo xtask bench speed   the same without the memory benchmarks\n  \
-             cargo xtask bench readme  README's performance block from bench/results.json\n  \
+             cargo xtask bench readme  docs/performance.md's readings, from bench/results.json\n  \
              cargo xtask bench memory  peak memory per process of ddp and zero1/2/3"
         )),
     };
@@ -580,8 +580,12 @@ fn bench() -> Result<(), String> {
     readme_from_results()
 }
 
-/// Where the speed benchmark's results are kept (README's performance block is made from it).
+/// Where the speed benchmark's results are kept (docs/performance.md's bench block is made
+/// from it).
 const RESULTS: &str = "bench/results.json";
+
+/// The page whose block between the bench markers `cargo xtask bench readme` rewrites.
+const BENCH_PAGE: &str = "docs/performance.md";
 
 /// Writes bench/results.json: the figures, the printed report, the commit, the CPU, the date.
 fn write_results(report: &Report) -> Result<(), String> {
@@ -630,7 +634,8 @@ const KEPT_HEAP: (&str, &str) = (
     "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824",
 );
 
-/// Rewrites README's block between the bench markers from bench/results.json.
+/// Rewrites the block between the bench markers of docs/performance.md from
+/// bench/results.json. Reads the file only; runs nothing.
 fn readme_from_results() -> Result<(), String> {
     const BEGIN: &str = "<!-- bench:begin -->";
     const END: &str = "<!-- bench:end -->";
@@ -649,14 +654,14 @@ fn readme_from_results() -> Result<(), String> {
         results["cores"],
         field("report")
     );
-    let path = root.join("README.md");
-    let readme = std::fs::read_to_string(&path).map_err(|e| format!("README.md: {e}"))?;
-    let (Some(start), Some(end)) = (readme.find(BEGIN), readme.find(END)) else {
-        return Err(format!("README.md has no {BEGIN} … {END} block"));
+    let path = root.join(BENCH_PAGE);
+    let page = std::fs::read_to_string(&path).map_err(|e| format!("{BENCH_PAGE}: {e}"))?;
+    let (Some(start), Some(end)) = (page.find(BEGIN), page.find(END)) else {
+        return Err(format!("{BENCH_PAGE} has no {BEGIN} … {END} block"));
     };
-    let updated = format!("{}{block}{}", &readme[..start], &readme[end + END.len()..]);
-    std::fs::write(&path, updated).map_err(|e| format!("README.md: {e}"))?;
-    eprintln!("xtask: README.md's performance block now shows {RESULTS}");
+    let updated = format!("{}{block}{}", &page[..start], &page[end + END.len()..]);
+    std::fs::write(&path, updated).map_err(|e| format!("{BENCH_PAGE}: {e}"))?;
+    eprintln!("xtask: {BENCH_PAGE}'s bench block now shows {RESULTS}");
     Ok(())
 }
 
@@ -888,4 +893,189 @@ fn train(rest: &[OsString]) -> Result<(), String> {
         ])
         .arg(root.join("target/debug/examples").join(MAIN_EXAMPLE))
         .args(rest))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+    use std::path::{Path, PathBuf};
+
+    use super::root;
+
+    /// The README is the front door (what accel is, the two commands, the one line, the
+    /// limits); the rest lives in docs/.
+    const README_MAX_LINES: usize = 400;
+
+    #[test]
+    fn the_readme_stays_a_front_door() {
+        let text = std::fs::read_to_string(root().join("README.md")).expect("README.md");
+        let lines = text.lines().count();
+        assert!(
+            lines <= README_MAX_LINES,
+            "README.md has {lines} lines, more than {README_MAX_LINES}: move the detail into a \
+             guide under docs/ and link to it"
+        );
+    }
+
+    /// README.md and every docs/*.md.
+    fn pages() -> Vec<PathBuf> {
+        let root = root();
+        let mut pages = vec![root.join("README.md")];
+        let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
+            .expect("docs/")
+            .map(|e| e.expect("docs/ entry").path())
+            .filter(|p| p.extension().is_some_and(|e| e == "md"))
+            .collect();
+        docs.sort();
+        pages.extend(docs);
+        pages
+    }
+
+    /// `text` with fenced code blocks and code spans blanked out (newlines kept, so that
+    /// positions still give line numbers): `](` in code is not a link.
+    fn prose(text: &str) -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut fenced = false;
+        for line in text.split_inclusive('\n') {
+            let fence = line.trim_start().starts_with("```");
+            if fence || fenced {
+                out.extend(line.chars().map(|c| if c == '\n' { '\n' } else { ' ' }));
+            } else {
+                out.push_str(line);
+            }
+            fenced ^= fence;
+        }
+        // Code spans (CommonMark): a run of n backticks up to the next run of exactly n;
+        // an unmatched run is literal.
+        let chars: Vec<char> = out.chars().collect();
+        let run_at = |i: usize| chars[i..].iter().take_while(|&&c| c == '`').count();
+        let mut blank = vec![false; chars.len()];
+        let mut i = 0;
+        while i < chars.len() {
+            if chars[i] != '`' {
+                i += 1;
+                continue;
+            }
+            let n = run_at(i);
+            let mut j = i + n;
+            let mut close = None;
+            while j < chars.len() {
+                if chars[j] == '`' {
+                    let m = run_at(j);
+                    if m == n {
+                        close = Some(j + m);
+                        break;
+                    }
+                    j += m;
+                } else {
+                    j += 1;
+                }
+            }
+            match close {
+                Some(end) => {
+                    blank[i..end].iter_mut().for_each(|b| *b = true);
+                    i = end;
+                }
+                None => i += n,
+            }
+        }
+        chars.iter().zip(&blank).map(|(&c, &b)| if b && c != '\n' { ' ' } else { c }).collect()
+    }
+
+    /// The link targets of `text` (`](target)`), with their line numbers.
+    fn links(text: &str) -> Vec<(usize, String)> {
+        let prose = prose(text);
+        let mut found = Vec::new();
+        let mut from = 0;
+        while let Some(at) = prose[from..].find("](") {
+            let start = from + at + 2;
+            let Some(close) = prose[start..].find(')') else { break };
+            let target = prose[start..start + close].split_whitespace().next().unwrap_or("");
+            let line = prose[..start].matches('\n').count() + 1;
+            found.push((line, target.trim_matches(['<', '>']).to_owned()));
+            from = start + close;
+        }
+        found
+    }
+
+    /// The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces
+    /// made hyphens.
+    fn anchors(text: &str) -> HashSet<String> {
+        prose(text)
+            .lines()
+            .zip(text.lines())
+            .filter(|(blanked, _)| blanked.starts_with('#'))
+            .map(|(_, heading)| {
+                heading
+                    .trim_start_matches('#')
+                    .trim()
+                    .to_lowercase()
+                    .chars()
+                    .filter_map(|c| match c {
+                        ' ' => Some('-'),
+                        c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                        _ => None,
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_relative_link_of_the_readme_and_the_guides_points_at_something_that_exists() {
+        let mut broken = Vec::new();
+        for page in pages() {
+            let text = std::fs::read_to_string(&page).expect("a page");
+            let dir = page.parent().expect("a folder");
+            let name = page.strip_prefix(root()).unwrap_or(&page).display().to_string();
+            for (line, target) in links(&text) {
+                if target.contains("://") || target.starts_with("mailto:") || target.is_empty() {
+                    continue;
+                }
+                let (path, anchor) = match target.split_once('#') {
+                    Some((path, anchor)) => (path, Some(anchor)),
+                    None => (target.as_str(), None),
+                };
+                let file: PathBuf = if path.is_empty() { page.clone() } else { dir.join(path) };
+                if !file.exists() {
+                    broken.push(format!("{name}:{line}: `{target}`: no {}", rel(&file)));
+                    continue;
+                }
+                let markdown = file.extension().is_some_and(|e| e == "md");
+                if let (Some(anchor), true) = (anchor, markdown) {
+                    let heads = anchors(&std::fs::read_to_string(&file).expect("a page"));
+                    if !heads.contains(anchor) {
+                        broken.push(format!(
+                            "{name}:{line}: `{target}`: no heading with anchor #{anchor} in {}",
+                            rel(&file)
+                        ));
+                    }
+                }
+            }
+        }
+        assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+    }
+
+    fn rel(path: &Path) -> String {
+        let root = root();
+        let normal: PathBuf = path.components().fold(PathBuf::new(), |mut acc, c| {
+            match c {
+                std::path::Component::ParentDir => {
+                    acc.pop();
+                }
+                other => acc.push(other),
+            }
+            acc
+        });
+        normal.strip_prefix(&root).unwrap_or(&normal).display().to_string()
+    }
+
+    #[test]
+    fn links_in_code_are_not_links_and_anchors_follow_github() {
+        let text = "# Top: the `data` key\n[a](x.md) `[b](y.md)` ``[c](z.md)``\n\
+                    ```\n[d](w.md)\n```\n[e](v.md#top-the-data-key)\n";
+        let found: Vec<String> = links(text).into_iter().map(|(_, t)| t).collect();
+        assert_eq!(found, ["x.md", "v.md#top-the-data-key"]);
+        assert!(anchors(text).contains("top-the-data-key"));
+    }
 }

@@ -445,7 +445,7 @@ fn run_token(plan: &LaunchPlan) -> Result<Option<String>> {
         if plan.machine_rank == 0 {
             eprintln!(
                 "accel launch: connections between the machines are not authenticated; give every \
-                 machine the same secret in {TOKEN_ENV} or {TOKEN_FILE_ENV} (README: Security)"
+                 machine the same secret in {TOKEN_ENV} or {TOKEN_FILE_ENV} (docs/security.md)"
             );
         }
         return Ok(None);

@@ -102,9 +102,9 @@ pub(crate) fn table(
         }
     }
     out.push_str(
-        "\nMeasured against these formulas by `cargo xtask bench memory` (CPU): see the README. \
-         zero3 holds a unit's whole parameters (and gradients, until reduce-scattered) while it \
-         computes, on top of the row.\n",
+        "\nMeasured against these formulas by `cargo xtask bench memory` (CPU): see \
+         docs/performance.md. zero3 holds a unit's whole parameters (and gradients, until \
+         reduce-scattered) while it computes, on top of the row.\n",
     );
     Ok(out)
 }

@@ -134,7 +134,7 @@ impl Links {
         if self.rank == 0 {
             // Said once per group, on rank 0: the run goes on, slower, over TCP.
             eprintln!(
-                "accel: {why}; collectives go through TCP, slower (README: Performance). Allow \
+                "accel: {why}; collectives go through TCP, slower (docs/performance.md). Allow \
                  it with `sysctl kernel.yama.ptrace_scope=1` or CAP_SYS_PTRACE, or silence this \
                  with ACCEL_DISABLE_CMA=1"
             );
