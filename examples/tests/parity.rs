@@ -12,6 +12,9 @@ use std::process::Command;
 
 use accel_core::launch::{LaunchPlan, run};
 
+#[path = "parity/clusters.rs"]
+mod clusters;
+
 /// target/debug (or wherever this test binary's deps/ folder sits).
 fn build_dir() -> PathBuf {
     std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().to_path_buf()

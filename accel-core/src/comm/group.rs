@@ -100,11 +100,11 @@ impl ProcessGroup {
             allow_siblings_to_read();
         }
         let server = if topology.rank == 0 {
-            Some(StoreServer::start_with(
-                &topology.master_addr,
-                topology.master_port,
-                options.token.clone(),
-            )?)
+            // Across machines the store listens on every interface, as torch's TCPStore
+            // does: the master's host name may resolve here to an address that only this
+            // machine sees (Debian's 127.0.1.1).
+            let listen = if topology.num_nodes() > 1 { "0.0.0.0" } else { &topology.master_addr };
+            Some(StoreServer::start_with(listen, topology.master_port, options.token.clone())?)
         } else {
             None
         };
@@ -114,6 +114,20 @@ impl ProcessGroup {
             options.timeout,
             &options.token,
         )?;
+        let ip = store.local_ip()?;
+        // A loopback MASTER_ADDR says every "machine" is this one (a test, a simulation);
+        // a host name that resolves to loopback here says nothing of the sort.
+        let said_loopback = topology.master_addr == "localhost"
+            || topology.master_addr.parse::<std::net::IpAddr>().is_ok_and(|a| a.is_loopback());
+        if topology.num_nodes() > 1 && ip.is_loopback() && !said_loopback {
+            // Peers are dialled at the address this connection came from.
+            return Err(Error::Rendezvous(format!(
+                "rank {} reaches the store at MASTER_ADDR={} through {ip}, a loopback address \
+                 that the other machines cannot dial: set MASTER_ADDR to an address of rank 0's \
+                 host that every machine reaches (e.g. the first of `hostname -I`)",
+                topology.rank, topology.master_addr
+            )));
+        }
         store.hello(topology.rank, topology.world_size)?;
         let shared = Arc::new(Shared {
             store: Arc::new(Mutex::new(store)),

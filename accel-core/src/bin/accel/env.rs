@@ -6,8 +6,18 @@ use accel_core::cuda::{self, LibtorchCuda};
 
 /// Variables that decide how a distributed run starts, from accel's launcher, torchrun,
 /// Slurm, Open MPI, NCCL and CUDA.
-const DISTRIBUTED_PREFIXES: &[&str] =
-    &["ACCEL_", "SLURM_", "OMPI_COMM_WORLD_", "PMI_", "NCCL_", "TORCH_", "TORCHELASTIC_"];
+const DISTRIBUTED_PREFIXES: &[&str] = &[
+    "ACCEL_",
+    "SLURM_",
+    "OMPI_COMM_WORLD_",
+    "PMI_",
+    "PMIX_",
+    "MPI_LOCAL",
+    "MV2_COMM_WORLD_",
+    "NCCL_",
+    "TORCH_",
+    "TORCHELASTIC_",
+];
 const DISTRIBUTED_NAMES: &[&str] = &[
     "RANK",
     "WORLD_SIZE",

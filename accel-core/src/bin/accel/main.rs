@@ -311,13 +311,40 @@ impl LaunchArgs {
             env.push(("ACCEL_TIMEOUT_SECS".into(), t.to_string()));
             env.push(("ACCEL_NCCL_TIMEOUT".into(), t.to_string()));
         }
+        // `srun accel launch ...`, once per node: the machines are Slurm's unless named.
+        let slurm = if config.num_machines.is_none() && config.machine_rank.is_none() {
+            accel_core::topology::SlurmMachines::from_env_with(|k| std::env::var(k).ok())?
+        } else {
+            None
+        };
+        if let Some(m) = &slurm {
+            eprintln!(
+                "accel launch: Slurm step: machine {} of {}, store on {}:{}",
+                m.machine_rank,
+                m.num_machines,
+                config.main_process_ip.as_deref().unwrap_or(&m.main_process_ip),
+                config.main_process_port.unwrap_or(m.main_process_port)
+            );
+        }
         Ok(LaunchPlan {
             program,
             num_processes: config.num_processes.unwrap_or(1),
-            num_machines: config.num_machines.unwrap_or(1),
-            machine_rank: config.machine_rank.unwrap_or(0),
-            main_process_ip: config.main_process_ip.unwrap_or_else(|| "127.0.0.1".into()),
-            main_process_port: config.main_process_port.unwrap_or(29500),
+            num_machines: config
+                .num_machines
+                .or(slurm.as_ref().map(|m| m.num_machines))
+                .unwrap_or(1),
+            machine_rank: config
+                .machine_rank
+                .or(slurm.as_ref().map(|m| m.machine_rank))
+                .unwrap_or(0),
+            main_process_ip: config
+                .main_process_ip
+                .or(slurm.as_ref().map(|m| m.main_process_ip.clone()))
+                .unwrap_or_else(|| "127.0.0.1".into()),
+            main_process_port: config
+                .main_process_port
+                .or(slurm.as_ref().map(|m| m.main_process_port))
+                .unwrap_or(29500),
             env,
             rank0_only: self.rank0_only,
             max_restarts: self.max_restarts,

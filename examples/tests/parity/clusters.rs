@@ -1,0 +1,329 @@
+//! Real launchers, as users run them: Open MPI's `mpirun`, MPICH's `mpiexec`, Kubernetes'
+//! variables, and a real Slurm (Debian's slurmctld + one slurmd per host) across two hosts
+//! that are network namespaces of this machine (scripts/cluster.sh). Each run trains the
+//! parity example and must end with the weights of `accel launch` on one host (1e-6): a
+//! group formed wrongly — N separate 1-process runs, ranks swapped, a host that waits for
+//! nobody — gives other weights, another exit code, or a hang that the timeout ends.
+//!
+//! The launchers are Debian packages (openmpi-bin, mpich, slurmctld, slurmd, slurm-client,
+//! munge); `.ci/run` installs them. Where one is missing, or the kernel refuses namespaces,
+//! the test says so and skips that part.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use super::{example, make_weights_and_data, max_diff, read_weights, root, scratch};
+
+fn have(tool: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {tool}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// The parity program's arguments, writing `out`.
+fn parity_args(dir: &Path, strategy: &str, out: &Path) -> Vec<String> {
+    let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
+    [
+        "--init",
+        w.to_str().unwrap(),
+        "--data",
+        d.to_str().unwrap(),
+        "--hidden",
+        "16,16",
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.1",
+        "--batch-size",
+        "4",
+        "--accumulate",
+        "2",
+        "--epochs",
+        "2",
+        "--strategy",
+        strategy,
+        "--out",
+        out.to_str().unwrap(),
+        "--losses",
+        out.with_extension("jsonl").to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Runs `cmd` with a deadline; its output. A hang is a failure, never a stuck suite.
+fn run_for(mut cmd: Command, secs: u64, what: &str) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{what} still ran after {secs} s:\n{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn succeeded(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn equal_to(reference: &std::collections::BTreeMap<String, Vec<f32>>, out: &Path, what: &str) {
+    let diff = max_diff(reference, &read_weights(out));
+    assert!(diff <= 1e-6, "{what} differs from accel launch on one host by {diff}");
+    eprintln!("{what}: equal to accel launch (max difference {diff})");
+}
+
+#[test]
+fn mpi_launchers_and_kubernetes_variables_form_one_group_as_accel_launch_does() {
+    let dir = scratch("mpi");
+    make_weights_and_data(&dir, 11);
+    let launched = dir.join("launched.safetensors");
+    let mut program = vec![example("parity")];
+    program.extend(parity_args(&dir, "ddp", &launched));
+    super::launch(2, program);
+    let reference_weights = read_weights(&launched);
+    let port = || accel_core::comm::free_port("127.0.0.1").unwrap().to_string();
+
+    if have("mpirun.openmpi") {
+        let out = dir.join("openmpi.safetensors");
+        let mut cmd = Command::new("mpirun.openmpi");
+        cmd.args(["--allow-run-as-root", "--oversubscribe", "-n", "2", "-x"])
+            .arg(format!("MASTER_PORT={}", port()))
+            .args(["-x", "ACCEL_TIMEOUT_SECS=60", &example("parity")])
+            .args(parity_args(&dir, "ddp", &out));
+        let output = run_for(cmd, 120, "mpirun (Open MPI) -n 2");
+        succeeded(&output, "mpirun (Open MPI) -n 2");
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(said.contains("2 processes"), "{said}");
+        equal_to(&reference_weights, &out, "mpirun (Open MPI) -n 2");
+    } else {
+        eprintln!(
+            "skipped: Open MPI's mpirun.openmpi is not installed (apt-get install openmpi-bin)"
+        );
+    }
+    if have("mpiexec.mpich") {
+        let out = dir.join("mpich.safetensors");
+        let mut cmd = Command::new("mpiexec.mpich");
+        cmd.args(["-n", "2", "-genv", "MASTER_PORT", &port(), "-genv", "ACCEL_TIMEOUT_SECS", "60"])
+            .arg(example("parity"))
+            .args(parity_args(&dir, "ddp", &out));
+        let output = run_for(cmd, 120, "mpiexec (MPICH) -n 2");
+        succeeded(&output, "mpiexec (MPICH) -n 2");
+        equal_to(&reference_weights, &out, "mpiexec (MPICH) -n 2");
+    } else {
+        eprintln!("skipped: MPICH's mpiexec.mpich is not installed (apt-get install mpich)");
+    }
+
+    // Kubernetes' PyTorchJob: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, nothing local.
+    let out = dir.join("pods.safetensors");
+    let port = port();
+    let pods: Vec<_> = (0..2)
+        .map(|rank| {
+            let mut cmd = Command::new(example("parity"));
+            cmd.args(parity_args(&dir, "ddp", &out))
+                .env_remove("LOCAL_RANK")
+                .env_remove("LOCAL_WORLD_SIZE")
+                .envs([
+                    ("RANK", rank.to_string()),
+                    ("WORLD_SIZE", "2".into()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.clone()),
+                    ("ACCEL_TIMEOUT_SECS", "60".into()),
+                ]);
+            std::thread::spawn(move || run_for(cmd, 120, &format!("pod {rank}")))
+        })
+        .collect();
+    for (rank, pod) in pods.into_iter().enumerate() {
+        let output = pod.join().unwrap();
+        succeeded(&output, &format!("pod {rank}"));
+        if rank == 0 {
+            let said = format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+            assert!(said.contains("2 processes"), "{said}");
+        }
+    }
+    equal_to(&reference_weights, &out, "2 pods with Kubernetes' variables");
+
+    // A launcher's variables, incomplete: an error naming what is missing, never a 1-process
+    // run.
+    for (vars, missing) in [
+        (&[("PMI_RANK", "0")][..], "PMI_SIZE is not set though PMI_RANK is"),
+        (
+            &[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")][..],
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+        ),
+        (&[("PMIX_RANK", "1")][..], "PMIX_RANK is set"),
+        (&[("RANK", "1"), ("WORLD_SIZE", "2")][..], "MASTER_ADDR is not set"),
+    ] {
+        let mut cmd = Command::new(example("parity"));
+        cmd.args(parity_args(&dir, "ddp", &dir.join("never.safetensors")))
+            .envs(vars.iter().copied());
+        let output = run_for(cmd, 30, &format!("{vars:?}"));
+        let said = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success() && said.contains(missing), "{vars:?}: {said}");
+    }
+    assert!(!dir.join("never.safetensors").exists());
+}
+
+/// scripts/cluster.sh's hosts, taken down when dropped.
+struct Cluster {
+    conf: String,
+}
+
+impl Cluster {
+    fn up(dir: &Path) -> Option<Self> {
+        let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout == b"0\n");
+        if !is_root {
+            eprintln!("skipped: the cluster test needs root (network namespaces, slurmd)");
+            return None;
+        }
+        for tool in ["slurmctld", "slurmd", "srun", "munged"] {
+            if !have(tool) {
+                eprintln!(
+                    "skipped: {tool} is not installed (apt-get install slurmctld slurmd \
+                     slurm-client munge)"
+                );
+                return None;
+            }
+        }
+        let out = Command::new(root().join("scripts/cluster.sh"))
+            .arg("up")
+            .arg(dir)
+            .arg("2")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            if said.contains("the kernel refused") {
+                eprintln!("skipped: {said}");
+                return None;
+            }
+            panic!("scripts/cluster.sh up failed:\n{said}");
+        }
+        let conf = dir.join("slurm.conf").display().to_string();
+        Some(Self { conf })
+    }
+
+    fn srun(&self, args: &[&str], program: Vec<String>, what: &str) -> Output {
+        let mut cmd = Command::new("srun");
+        cmd.env("SLURM_CONF", &self.conf)
+            .env("ACCEL_TIMEOUT_SECS", "60")
+            .args(["--time=5", "--kill-on-bad-exit=1"])
+            .args(args)
+            .args(program);
+        run_for(cmd, 180, what)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new(root().join("scripts/cluster.sh")).arg("down").status();
+    }
+}
+
+#[test]
+fn srun_across_two_hosts_trains_as_four_processes_on_one() {
+    // Not under /tmp: each host has its own.
+    let dir = scratch("slurm");
+    make_weights_and_data(&dir, 12);
+    let Some(cluster) = Cluster::up(&dir.join("cluster")) else { return };
+    let one_host = dir.join("one-host.safetensors");
+    {
+        let mut program = vec![example("parity")];
+        program.extend(parity_args(&dir, "ddp", &one_host));
+        super::launch(4, program);
+    }
+    let reference = read_weights(&one_host);
+
+    // srun PROGRAM: 2 hosts × 2 tasks, nothing set by hand.
+    let out = dir.join("srun.safetensors");
+    let mut program = vec![example("parity")];
+    program.extend(parity_args(&dir, "ddp", &out));
+    let what = "srun -N 2 -n 4 --ntasks-per-node 2";
+    let output = cluster.srun(&["-N", "2", "-n", "4", "--ntasks-per-node", "2"], program, what);
+    succeeded(&output, what);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(said.contains("4 processes"), "{said}");
+    equal_to(&reference, &out, what);
+
+    // srun accel launch: one launcher per host, each starting its host's 2 processes.
+    let accel = super::build_dir().join("accel");
+    if accel.exists() {
+        let out = dir.join("srun-launch.safetensors");
+        let mut program =
+            vec![accel.display().to_string(), "launch".into(), "--num-processes".into()];
+        program.extend(["2".into(), example("parity")]);
+        program.extend(parity_args(&dir, "ddp", &out));
+        let what = "srun -N 2 --ntasks-per-node 1 accel launch --num-processes 2";
+        let output = cluster.srun(&["-N", "2", "--ntasks-per-node", "1"], program, what);
+        succeeded(&output, what);
+        equal_to(&reference, &out, what);
+    } else {
+        eprintln!("skipped: {} is not built", accel.display());
+    }
+
+    // HYBRID_SHARD across the two hosts: shards within a host, replicas across: equal to
+    // its run on one host as two launchers.
+    let hybrid_one_host = dir.join("hybrid-one-host.safetensors");
+    let mut program = vec![example("parity")];
+    program.extend(parity_args(&dir, "hybrid_shard", &hybrid_one_host));
+    super::launch_machines(2, 2, program);
+    let reference = read_weights(&hybrid_one_host);
+    let out = dir.join("srun-hybrid.safetensors");
+    let mut program = vec![example("parity")];
+    program.extend(parity_args(&dir, "hybrid_shard", &out));
+    let what = "srun hybrid_shard on 2 hosts × 2";
+    let output = cluster.srun(&["-N", "2", "-n", "4", "--ntasks-per-node", "2"], program, what);
+    succeeded(&output, what);
+    equal_to(&reference, &out, what);
+
+    // A batch script is one process, not task 0 of 4: refused, not left waiting.
+    let script = dir.join("batch.sh");
+    let mut program = vec![example("parity")];
+    program.extend(parity_args(&dir, "ddp", &dir.join("never.safetensors")));
+    std::fs::write(&script, format!("#!/bin/sh\nexec {}\n", program.join(" "))).unwrap();
+    let log = dir.join("batch.log");
+    let mut cmd = Command::new("sbatch");
+    cmd.env("SLURM_CONF", &cluster.conf)
+        .args(["--wait", "-N", "2", "-n", "4", "--ntasks-per-node", "2", "-o"])
+        .arg(&log)
+        .arg(&script);
+    let output = run_for(cmd, 120, "sbatch without srun");
+    assert!(!output.status.success(), "the batch script ran as task 0 of 4");
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(said.contains("the batch script of a job of 4 tasks"), "{said}");
+    drop(cluster);
+}

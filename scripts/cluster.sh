@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# A Slurm cluster of N hosts on this machine, for the tests across hosts: each host is a
+# network namespace (its own address on a bridge), a UTS namespace (its own host name) and a
+# mount namespace (its own /tmp and /etc/hosts), with one slurmd; slurmctld and munged run on
+# the bridge's address. Debian's slurmctld, slurmd, slurm-client and munge; root.
+#
+#   scripts/cluster.sh up DIR [N]   start hosts h1..hN (default 2); prints `export ...` lines
+#   scripts/cluster.sh run I CMD... run CMD on host hI (its network, name, /tmp)
+#   scripts/cluster.sh down         stop everything and remove the namespaces
+#
+# Addresses: bridge accelbr0 10.77.0.1/24 (the controller, "ctl"), host hI at 10.77.0.(10+I).
+set -euo pipefail
+
+BRIDGE=accelbr0
+NET=10.77.0
+PREFIX=accel-h
+
+die() { echo "cluster.sh: $*" >&2; exit 1; }
+
+pid_of_host() { cat "/run/$PREFIX$1.pid" 2>/dev/null || die "host h$1 is not up"; }
+
+# Runs a command inside host I's namespaces (network from `ip netns`, the rest from the
+# host's anchor process, which also holds its name, /tmp and /etc/hosts).
+run_on() {
+    local i=$1; shift
+    local pid; pid=$(pid_of_host "$i")
+    exec nsenter --target "$pid" --uts --mount --net -- "$@"
+}
+
+down() {
+    # Everything this script starts (its daemons are started as `slurmctld -f ...` and
+    # `slurmd -f ...`), whatever folder they were started with.
+    pkill -f "^slurmd -f " 2>/dev/null || true
+    pkill -f "^slurmctld -f " 2>/dev/null || true
+    pkill -f "^slurmstepd" 2>/dev/null || true
+    for pidfile in /run/$PREFIX*.pid; do
+        [ -e "$pidfile" ] || continue
+        kill "$(cat "$pidfile")" 2>/dev/null || true
+        rm -f "$pidfile"
+    done
+    for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$PREFIX" || true); do
+        ip netns del "$ns" 2>/dev/null || true
+    done
+    ip link del "$BRIDGE" 2>/dev/null || true
+    rm -rf /etc/netns/$PREFIX* 2>/dev/null || true
+    sed -i "/^$NET\./d" /etc/hosts 2>/dev/null || true
+    # Daemons take a moment to let go of their ports.
+    for _ in $(seq 1 50); do
+        pgrep -f "^slurm(ctld|d) -f " >/dev/null || break
+        sleep 0.1
+    done
+}
+
+up() {
+    local dir=$1 n=${2:-2}
+    [ "$(id -u)" = 0 ] || die "needs root (namespaces, slurmd)"
+    for tool in slurmctld slurmd srun munged unshare nsenter ip; do
+        command -v "$tool" >/dev/null || die "$tool is not installed (apt-get install slurmctld slurmd slurm-client munge iproute2)"
+    done
+    down >/dev/null 2>&1 || true
+    mkdir -p "$dir"
+    dir=$(cd "$dir" && pwd)
+
+    ip link add "$BRIDGE" type bridge || die "the kernel refused a bridge (no CAP_NET_ADMIN?)"
+    ip addr add "$NET.1/24" dev "$BRIDGE"
+    ip link set "$BRIDGE" up
+    local hosts="127.0.0.1 localhost
+$NET.1 ctl"
+    for i in $(seq 1 "$n"); do hosts="$hosts
+$NET.$((10 + i)) h$i"; done
+    for i in $(seq 1 "$n"); do
+        local ns=$PREFIX$i
+        ip netns add "$ns"
+        ip link add "veth-h$i" type veth peer name eth0 netns "$ns"
+        ip link set "veth-h$i" master "$BRIDGE" up
+        ip -n "$ns" addr add "$NET.$((10 + i))/24" dev eth0
+        ip -n "$ns" link set eth0 up
+        ip -n "$ns" link set lo up
+        ip -n "$ns" route add default via "$NET.1"
+        mkdir -p "/etc/netns/$ns" "$dir/h$i/tmp"
+        echo "$hosts" > "/etc/netns/$ns/hosts"
+        echo "h$i" > "/etc/netns/$ns/hostname"
+        # The anchor: a process that holds the host's name and mounts; everything of the host
+        # enters its namespaces.
+        # (nsenter, not `ip netns exec`, which would mount a fresh /sys without cgroups.)
+        nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private sh -c "
+            hostname h$i
+            mount --bind /etc/netns/$ns/hosts /etc/hosts
+            mount --bind '$dir/h$i/tmp' /tmp
+            exec sleep infinity" </dev/null >/dev/null 2>&1 &
+        echo $! > "/run/$ns.pid"
+    done
+    # The root namespace resolves the hosts too (srun and the controller name them).
+    for i in $(seq 1 "$n"); do echo "$NET.$((10 + i)) h$i" >> /etc/hosts; done
+    echo "$NET.1 ctl" >> /etc/hosts
+
+    rm -rf "$dir/state" "$dir/log" "$dir"/spool-h*
+    mkdir -p "$dir/state" "$dir/log"
+    for i in $(seq 1 "$n"); do mkdir -p "$dir/spool-h$i"; done
+    cat > "$dir/slurm.conf" <<EOF
+ClusterName=accel
+SlurmctldHost=$(hostname -s)($NET.1)
+MailProg=/bin/true
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool-%n
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd-%n.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+KillWait=5
+MinJobAge=30
+$(for i in $(seq 1 "$n"); do echo "NodeName=h$i NodeAddr=$NET.$((10 + i)) CPUs=$(nproc) RealMemory=2000 State=UNKNOWN"; done)
+PartitionName=debug Nodes=h[1-$n] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+EOF
+
+    pgrep -x munged >/dev/null || { mkdir -p /run/munge; chown munge:munge /run/munge 2>/dev/null || true; su -s /bin/sh munge -c munged 2>/dev/null || munged --force; }
+    export SLURM_CONF=$dir/slurm.conf
+    slurmctld -f "$dir/slurm.conf" -i
+    for i in $(seq 1 "$n"); do
+        (run_on "$i" slurmd -f "$dir/slurm.conf" -N "h$i") || die "slurmd on h$i did not start: $dir/log/slurmd-h$i.log"
+    done
+    # Ready when every node is idle.
+    for _ in $(seq 1 100); do
+        if [ "$(sinfo -h -o '%t' -N 2>/dev/null | grep -c idle || true)" -ge "$n" ]; then
+            echo "export SLURM_CONF=$dir/slurm.conf"
+            return 0
+        fi
+        sleep 0.2
+    done
+    sinfo -N >&2 || true
+    die "the nodes did not come up: $dir/log/"
+}
+
+case "${1:-}" in
+    up) shift; up "$@" ;;
+    down) down ;;
+    run) shift; run_on "$@" ;;
+    *) die "usage: $0 up DIR [N] | run I CMD... | down" ;;
+esac
