@@ -6,6 +6,7 @@
 #
 #   scripts/cluster.sh up DIR [N]   start hosts h1..hN (default 2); prints `export ...` lines
 #   scripts/cluster.sh run I CMD... run CMD on host hI (its network, name, /tmp)
+#   scripts/cluster.sh kill I PAT   SIGKILL host hI's processes whose command line matches PAT
 #   scripts/cluster.sh down         stop everything and remove the namespaces
 #
 # Addresses: bridge accelbr0 10.77.0.1/24 (the controller, "ctl"), host hI at 10.77.0.(10+I).
@@ -25,6 +26,20 @@ run_on() {
     local i=$1; shift
     local pid; pid=$(pid_of_host "$i")
     exec nsenter --target "$pid" --uts --mount --net -- "$@"
+}
+
+# Kills (SIGKILL) the processes of host I whose command line matches PATTERN: the host's
+# processes are those in its UTS namespace (process ids are shared with this machine).
+kill_on() {
+    local i=$1 pattern=$2
+    local ns; ns=$(readlink "/proc/$(pid_of_host "$i")/ns/uts")
+    local n=0
+    for p in $(pgrep -f "$pattern" || true); do
+        [ "$(readlink "/proc/$p/ns/uts" 2>/dev/null)" = "$ns" ] || continue
+        [ "$p" = "$(pid_of_host "$i")" ] && continue
+        kill -9 "$p" 2>/dev/null && n=$((n + 1))
+    done
+    echo "killed $n processes on h$i"
 }
 
 down() {
@@ -148,5 +163,6 @@ case "${1:-}" in
     up) shift; up "$@" ;;
     down) down ;;
     run) shift; run_on "$@" ;;
-    *) die "usage: $0 up DIR [N] | run I CMD... | down" ;;
+    kill) shift; kill_on "$@" ;;
+    *) die "usage: $0 up DIR [N] | run I CMD... | kill I PATTERN | down" ;;
 esac

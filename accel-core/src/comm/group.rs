@@ -205,7 +205,13 @@ impl ProcessGroup {
         let transport = links.enable_direct(pids, &probes)?;
         let direct = transport == Transport::Direct;
         let sockets = Arc::new(links.shutdown_handles());
-        let who = Identity { group: id, rank, members: members.clone(), timeout: options.timeout };
+        // host_id() is "boot id/host name".
+        let hosts = parsed
+            .iter()
+            .map(|(h, _, _)| h.rsplit_once('/').map_or(h.as_str(), |(_, name)| name).to_owned())
+            .collect();
+        let who =
+            Identity { group: id, rank, members: members.clone(), timeout: options.timeout, hosts };
         let worker = Arc::new(Worker::start(links, who, shared.store.clone())?);
         Ok(Self {
             rank,

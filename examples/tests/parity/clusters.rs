@@ -310,6 +310,20 @@ fn srun_across_two_hosts_trains_as_four_processes_on_one() {
     succeeded(&output, what);
     equal_to(&reference, &out, what);
 
+    // A host lost mid-run: every process of h2 killed after a few steps of char_lm under
+    // zero2 (srun, one `accel launch --max-restarts 1` per host). The group stops naming
+    // the host, both launchers restart, and the run resumes from its last complete
+    // checkpoint to the weights of the run that was never interrupted.
+    if accel.exists() {
+        let straight = char_lm_on_two_hosts(&cluster, &dir.join("straight"), &accel, false);
+        let restarted = char_lm_on_two_hosts(&cluster, &dir.join("h2-killed"), &accel, true);
+        let diff = max_diff(&straight, &restarted);
+        assert!(diff <= 1e-6, "the resumed run differs from the uninterrupted one by {diff}");
+        eprintln!(
+            "h2 killed mid-run: resumed to the uninterrupted weights (max difference {diff})"
+        );
+    }
+
     // A batch script is one process, not task 0 of 4: refused, not left waiting.
     let script = dir.join("batch.sh");
     let mut program = vec![example("parity")];
@@ -326,4 +340,67 @@ fn srun_across_two_hosts_trains_as_four_processes_on_one() {
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(said.contains("the batch script of a job of 4 tasks"), "{said}");
     drop(cluster);
+}
+
+/// char_lm on h1 and h2 (2 processes each, zero2, a checkpoint every 2 steps); with `kill`,
+/// every process of h2 is killed once the run is past step 4. Its final weights.
+fn char_lm_on_two_hosts(
+    cluster: &Cluster,
+    dir: &Path,
+    accel: &Path,
+    kill: bool,
+) -> std::collections::BTreeMap<String, Vec<f32>> {
+    std::fs::create_dir_all(dir).unwrap();
+    let text = root().join("data/kjv-genesis-exodus.txt");
+    let (weights, losses) = (dir.join("weights.safetensors"), dir.join("losses.jsonl"));
+    let mut program: Vec<String> =
+        [accel.to_str().unwrap(), "launch", "--num-processes", "2", "--max-restarts", "1"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    program.extend(["--strategy".into(), "zero2".into(), example("char_lm")]);
+    let small = "--steps 16 --width 32 --blocks 2 --heads 2 --context 16 --batch-size 8 \
+                 --target 10 --checkpoint-every 2";
+    program.extend(small.split_whitespace().map(String::from));
+    for (flag, path) in [
+        ("--text", text),
+        ("--checkpoint-dir", dir.join("checkpoints")),
+        ("--weights", weights.clone()),
+        ("--losses", losses.clone()),
+    ] {
+        program.extend([flag.to_string(), path.display().to_string()]);
+    }
+    let killer = kill.then(|| {
+        let losses = losses.clone();
+        let pattern = format!("^{}", example("char_lm"));
+        std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            while std::time::Instant::now() < deadline {
+                let steps = std::fs::read_to_string(&losses).map_or(0, |s| s.lines().count());
+                if steps >= 5 {
+                    let out = Command::new(root().join("scripts/cluster.sh"))
+                        .args(["kill", "2", &pattern])
+                        .output()
+                        .unwrap();
+                    return String::from_utf8_lossy(&out.stdout).into_owned();
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            "never killed: the run did not reach step 5".into()
+        })
+    });
+    let what = format!("char_lm on 2 hosts{}", if kill { ", h2 killed" } else { "" });
+    let output = cluster.srun(&["-N", "2", "--ntasks-per-node", "1"], program, &what);
+    succeeded(&output, &what);
+    if let Some(killer) = killer {
+        let killed = killer.join().unwrap();
+        assert!(killed.starts_with("killed 2 processes on h2"), "{killed}");
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(said.contains("on h2") && said.contains("resumed from"), "{said}");
+    }
+    read_weights(&weights)
 }

@@ -47,6 +47,9 @@ pub(crate) struct Scene<'a> {
     pub members: &'a [usize],
     pub store: &'a Mutex<StoreClient>,
     pub timeout: Duration,
+    /// Host names of the members, by group rank; empty where unknown. Named in reports
+    /// only when the members are on several hosts.
+    pub hosts: &'a [String],
 }
 
 /// The store key where group rank `rank` of the group with store prefix `scope` posts the
@@ -56,25 +59,37 @@ pub(crate) fn progress_key(scope: &str, rank: usize) -> String {
 }
 
 impl Scene<'_> {
+    /// "rank 3", or "rank 3 on h2" when the group spans hosts.
+    fn name(&self, group_rank: usize) -> String {
+        let member = self.members[group_rank];
+        match self.hosts.get(group_rank) {
+            Some(host) if self.hosts.iter().any(|h| h != host) => {
+                format!("rank {member} on {host}")
+            }
+            _ => format!("rank {member}"),
+        }
+    }
+
     /// "; not arrived: rank 2 (last at #14)", read from the store.
     pub fn behind(&self, seq: u64) -> String {
         let Ok(mut store) = self.store.lock() else { return String::new() };
         let mut late = Vec::new();
         // Progress is posted every half second: a rank without a post may have done a few
         // collectives already, but not many. This rank's own is known without asking.
-        for (r, member) in self.members.iter().enumerate().filter(|&(r, _)| r != self.rank) {
+        for r in (0..self.members.len()).filter(|&r| r != self.rank) {
+            let who = self.name(r);
             match store.get(&progress_key(&self.scope, r), Duration::ZERO) {
                 Ok(bytes) => {
                     let theirs = parse_progress(&bytes).map_or(0, |(seq, _, _)| seq);
                     if theirs < seq {
-                        late.push(format!("rank {member} (last at #{theirs})"));
+                        late.push(format!("{who} (last at #{theirs})"));
                     }
                 }
                 Err(Error::StoreLost { .. }) => {
                     return "; the store of rank 0 is unreachable: rank 0 has probably exited"
                         .into();
                 }
-                Err(_) => late.push(format!("rank {member} (no progress posted yet)")),
+                Err(_) => late.push(format!("{who} (no progress posted yet)")),
             }
         }
         if late.is_empty() { String::new() } else { format!("; not arrived: {}", late.join(", ")) }
@@ -84,14 +99,14 @@ impl Scene<'_> {
     pub fn diagnose(&self, fault: Fault, seq: u64, op: Op, what: &str) -> Error {
         let message = match fault {
             Fault::Timeout { peer } => format!(
-                "timed out after {:.0} s waiting for rank {}{}",
+                "timed out after {:.0} s waiting for {}{}",
                 self.timeout.as_secs_f64(),
-                self.members[peer],
+                self.name(peer),
                 self.behind(seq)
             ),
             Fault::Lost { peer, detail } => format!(
-                "lost the connection to rank {} ({detail}); it has probably exited{}",
-                self.members[peer],
+                "lost the connection to {} ({detail}); it has probably exited{}",
+                self.name(peer),
                 self.behind(seq)
             ),
             Fault::Mismatch { peer, detail } => {

@@ -51,6 +51,8 @@ pub(crate) struct Identity {
     pub rank: usize,
     pub members: Vec<usize>,
     pub timeout: Duration,
+    /// Host names by group rank (for naming the unreachable).
+    pub hosts: Vec<String>,
 }
 
 /// The queue of a group's worker thread.
@@ -96,6 +98,7 @@ impl Worker {
                     members: &who.members,
                     store: &store,
                     timeout: who.timeout,
+                    hosts: &who.hosts,
                 };
                 for Queued { tag, site, what, job, done } in queue {
                     if let Some((site, epoch)) = site {

@@ -191,6 +191,7 @@ impl NcclComm {
                         members: &members,
                         store: &store,
                         timeout,
+                        hosts: &[],
                     };
                     scene.behind(seq)
                 })
