@@ -56,6 +56,10 @@ down() {
     for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$PREFIX" || true); do
         ip netns del "$ns" 2>/dev/null || true
     done
+    # A namespace's end frees its veth pair asynchronously: remove them here.
+    for link in $(ip -o link 2>/dev/null | grep -o 'veth-h[0-9]*' | sort -u); do
+        ip link del "$link" 2>/dev/null || true
+    done
     ip link del "$BRIDGE" 2>/dev/null || true
     rm -rf /etc/netns/$PREFIX* 2>/dev/null || true
     sed -i "/^$NET\./d" /etc/hosts 2>/dev/null || true

@@ -391,22 +391,44 @@ def verify(args):
     run(m, ids)
     after24 = run(m, ids[:, :20])
     report["llama-dynamic"]["seq20_fresh_vs_after_seq24_diff"] = diff(fresh20, after24)
+    # Mistral without a window is Llama (same seed: the same weights).
+    report["mistral-nowindow"]["vs_llama_diff"] = diff(out["mistral-nowindow"], out["llama"])
+    # inv_freq and the cos/sin multiplier: transformers' rotary embedding against the spec.
+    for v in ["llama", "llama-linear", "llama-dynamic", "llama3", "llama-yarn"]:
+        m = load(os.path.join(work, v))
+        run(m, ids)  # dynamic recomputes inv_freq in the forward
+        rot = m.model.rotary_emb
+        with open(os.path.join(work, v, "config.json")) as f:
+            cfg = json.load(f)
+        inv, att = spec_inv_freq(cfg, m.config.head_dim, ids.shape[1])
+        default, _ = spec_inv_freq({**cfg, "rope_parameters": {"rope_theta": cfg["rope_parameters"]["rope_theta"]}},
+                                   m.config.head_dim, ids.shape[1])
+        report[v]["inv_freq_over_default"] = [round(x, 6) for x in (rot.inv_freq.double() / default).tolist()]
+        report[v]["attention_scaling"] = rot.attention_scaling
+        report[v]["inv_freq_spec_max_rel_diff"] = float(((rot.inv_freq.double() - inv) / inv).abs().max())
+        report[v]["attention_scaling_spec_diff"] = abs(rot.attention_scaling - att)
     # tie_word_embeddings: one tensor fewer in the file.
     tied = load_file(os.path.join(work, "qwen2-tied", "model.safetensors"))
     report["qwen2-tied"]["has_lm_head_weight"] = "lm_head.weight" in tied
 
-    if args.adapter:
-        from peft import PeftModel  # noqa: F401
-
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        report["llama-lora"] = "skipped: peft is not installed"
+    else:
         ad = os.path.join(work, "llama-lora")
         shutil.rmtree(ad, ignore_errors=True)
         adapter(argparse.Namespace(model=os.path.join(work, "llama"), out=ad, r=4, alpha=8,
                                    target="q_proj,v_proj", seed=0, rslora=False))
         lora = run(load(os.path.join(work, "llama"), ad), ids)
         merged = spec_merge(os.path.join(work, "llama"), ad)
+        peft_merged = load(os.path.join(work, "llama"), ad).merge_and_unload().state_dict()
+        spec_w = load_file(os.path.join(merged, "model.safetensors"))
         report["llama-lora"] = {
             "vs_base_diff": diff(lora, out["llama"]),
             "spec_merged_vs_peft": diff(lora, spec_logits(merged, ids).float()),
+            "merge_and_unload_vs_spec_weights": max(diff(peft_merged[k], spec_w[k]) for k in spec_w),
+            "merge_and_unload_keys_equal_base": sorted(peft_merged) == sorted(spec_w),
         }
     print(json.dumps(report, indent=1))
 
@@ -456,6 +478,4 @@ required = {
 missing = [f"--{k}" for k in required[args.mode] if getattr(args, k) is None]
 if missing:
     p.error(f"{args.mode} needs {' '.join(missing)}")
-if args.mode == "verify":
-    args.adapter = True
 {"make": make, "tokens": tokens, "logits": logits, "adapter": adapter, "verify": verify}[args.mode](args)

@@ -431,6 +431,7 @@ impl AcceleratorBuilder {
                 registry: Mutex::new(Registry::default()),
                 checkpoint_dir: self.checkpoint_dir,
                 checkpoint_limit: self.checkpoint_limit,
+                shared_dirs: Mutex::default(),
                 parallel,
                 fp8,
                 mesh,
@@ -454,6 +455,10 @@ impl AcceleratorBuilder {
                 run_name: self.attribute_call.clone().unwrap_or_else(|| "an accelerator".into()),
             }),
         };
+        // Before the first step, not at the first save after an epoch of training.
+        if let Some(dir) = accelerator.inner.checkpoint_dir.clone() {
+            accelerator.refuse_unshared(&dir, "checkpoint directory")?;
+        }
         if accelerator.is_main_process() && !quiet() {
             eprintln!(
                 "{}",

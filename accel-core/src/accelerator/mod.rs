@@ -80,6 +80,8 @@ pub(crate) struct Inner {
     pub(crate) registry: Mutex<Registry>,
     pub(crate) checkpoint_dir: Option<PathBuf>,
     pub(crate) checkpoint_limit: Option<usize>,
+    /// Folders found shared by every machine of the run (checkpoint/mod.rs).
+    pub(crate) shared_dirs: Mutex<Vec<PathBuf>>,
     /// The run's parallel dimensions and their communicators (the world's group inside).
     pub(crate) mesh: DeviceMesh,
     /// What every hook of training defers to.

@@ -190,6 +190,69 @@ impl Accelerator {
         Ok(part)
     }
 
+    /// Refuses a folder that the machines of the run do not share: the main process writes
+    /// a probe into `dir`, every process looks for it. A checkpoint is written by several
+    /// processes into one folder that the main process creates, so on a disk local to each
+    /// machine the first save would fail after training had begun. A collective; checked
+    /// once per folder, and only when the run spans machines.
+    pub(crate) fn refuse_unshared(&self, dir: &Path, what: &str) -> Result<()> {
+        let Some(group) = self.process_group().cloned() else { return Ok(()) };
+        if self.inner.process.num_nodes() <= 1 {
+            return Ok(());
+        }
+        {
+            let checked = self.inner.shared_dirs.lock().unwrap_or_else(|e| e.into_inner());
+            if checked.iter().any(|d| d == dir) {
+                return Ok(());
+            }
+        }
+        let token = format!("{:016x}", rand_token());
+        let probe = dir.join(format!(".accel-shared-{token}"));
+        let made = if group.rank() == 0 {
+            std::fs::create_dir_all(dir)
+                .and_then(|_| std::fs::write(&probe, &token))
+                .map_err(|e| io_error(dir, e).to_string())
+        } else {
+            Ok(())
+        };
+        let made: std::result::Result<(), String> =
+            group.broadcast_object((group.rank() == 0).then_some(&made), 0)?;
+        made.map_err(|e| bad(dir, format!("the main process cannot write the {what}: {e}")))?;
+        // Rank 0's token, so that another run's leftover probe does not count.
+        let token: String = group.broadcast_object((group.rank() == 0).then_some(&token), 0)?;
+        let probe = dir.join(format!(".accel-shared-{token}"));
+        let seen = std::fs::read_to_string(&probe).is_ok_and(|t| t == token);
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_default();
+        let all = group.gather_objects(&(seen, host), 0)?;
+        let verdict: Option<Option<String>> = all.map(|all| {
+            let _ = std::fs::remove_file(&probe);
+            let blind: Vec<String> = all
+                .iter()
+                .enumerate()
+                .filter(|(_, (seen, _))| !seen)
+                .map(|(rank, (_, host))| format!("rank {rank} on {host}"))
+                .collect();
+            (!blind.is_empty()).then(|| blind.join(", "))
+        });
+        let verdict: Option<String> =
+            group.broadcast_object((group.rank() == 0).then_some(&verdict.flatten()), 0)?;
+        if let Some(blind) = verdict {
+            return Err(bad(
+                dir,
+                format!(
+                    "the {what} is not shared by the machines of this run: {blind} cannot see \
+                     what rank 0 writes there (a disk local to each machine?). Every process \
+                     writes into one checkpoint folder; put it on a file system that every \
+                     machine mounts (NFS, Lustre, ...)"
+                ),
+            ));
+        }
+        self.inner.shared_dirs.lock().unwrap_or_else(|e| e.into_inner()).push(dir.to_path_buf());
+        Ok(())
+    }
+
     /// Saves the whole training state into folder `dir` (created or replaced atomically).
     /// With several processes every process must call it: the main process writes the
     /// model, optimizer and manifest, each process its random generator states and what it
@@ -209,6 +272,10 @@ impl Accelerator {
             }
             return publish(&tmp, dir);
         };
+        if let Some(parent) = dir.parent() {
+            let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
+            self.refuse_unshared(parent, "checkpoint folder")?;
+        }
         // Every rank learns the main process's outcome of each phase, so all return alike.
         let agree = |outcome: Result<()>| -> Result<()> {
             let message = outcome.as_ref().err().map(ToString::to_string);
@@ -633,4 +700,18 @@ impl Accelerator {
             None => Ok(None),
         }
     }
+}
+
+/// A number no other run picks (time and process id, mixed).
+fn rand_token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
 }
