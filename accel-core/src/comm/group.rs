@@ -104,7 +104,12 @@ impl ProcessGroup {
             // does: the master's host name may resolve here to an address that only this
             // machine sees (Debian's 127.0.1.1).
             let listen = if topology.num_nodes() > 1 { "0.0.0.0" } else { &topology.master_addr };
-            Some(StoreServer::start_with(listen, topology.master_port, options.token.clone())?)
+            Some(StoreServer::start_for(
+                listen,
+                topology.master_port,
+                options.token.clone(),
+                topology.world_size,
+            )?)
         } else {
             None
         };

@@ -21,9 +21,13 @@ use crate::error::{Error, Result};
 
 /// How long a new connection may take to prove the run's token.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections served at once; more are closed at once (torch's TCPStore has no such cap,
-/// and a flood of idle connections would otherwise hold a thread each).
+/// Connections served at once, at least; more are closed at once (torch's TCPStore has no
+/// such cap, and a flood of idle connections would otherwise hold a thread each). A run of
+/// N processes is served 4·N (each process holds one or two).
 const MAX_CONNECTIONS: usize = 1024;
+/// Each connection's thread only parses requests: a small stack lets a store serve tens of
+/// thousands of them.
+const CONNECTION_STACK: usize = 256 << 10;
 /// The largest message either side accepts.
 pub const MAX_MESSAGE: usize = 64 << 20;
 
@@ -81,6 +85,12 @@ impl StoreServer {
     /// [`StoreServer::start`] serving only clients that prove `token` (see
     /// [`super::auth`]).
     pub fn start_with(addr: &str, port: u16, token: Token) -> Result<Self> {
+        Self::start_for(addr, port, token, 0)
+    }
+
+    /// [`StoreServer::start_with`] for a run of `processes` processes (the connection cap
+    /// grows with it).
+    pub fn start_for(addr: &str, port: u16, token: Token, processes: usize) -> Result<Self> {
         let listener = TcpListener::bind((addr, port)).map_err(|e| {
             let hint = if e.kind() == std::io::ErrorKind::AddrInUse {
                 format!(
@@ -98,7 +108,7 @@ impl StoreServer {
             changed: Condvar::new(),
             token,
             connections: Default::default(),
-            max_connections: MAX_CONNECTIONS,
+            max_connections: MAX_CONNECTIONS.max(processes.saturating_mul(4)),
         });
         std::thread::Builder::new()
             .name("accel-store".into())
@@ -110,8 +120,10 @@ impl StoreServer {
                         continue; // dropped: closed at once
                     }
                     let shared = shared.clone();
-                    let spawned =
-                        std::thread::Builder::new().name("accel-store-conn".into()).spawn({
+                    let spawned = std::thread::Builder::new()
+                        .name("accel-store-conn".into())
+                        .stack_size(CONNECTION_STACK)
+                        .spawn({
                             let shared = shared.clone();
                             move || {
                                 serve(stream, &shared);
@@ -733,5 +745,27 @@ mod tests {
         let server = StoreServer::start("127.0.0.1", 0).unwrap();
         let err = StoreServer::start("127.0.0.1", server.addr().port()).unwrap_err().to_string();
         assert!(err.contains("already in use"), "{err}");
+    }
+
+    #[test]
+    fn a_store_for_many_processes_serves_more_than_the_default_cap() {
+        // 1,500 clients at once, each proving the token and writing: past the default cap of
+        // 1024, within a run of 1,000 processes' 4,000.
+        let token = Token::from_bytes(b"many processes, one store").unwrap();
+        let server = StoreServer::start_for("127.0.0.1", 0, token.clone(), 1000).unwrap();
+        let port = server.addr().port();
+        let clients: Vec<StoreClient> = (0..1500)
+            .map(|i| {
+                let mut c =
+                    StoreClient::connect_with("127.0.0.1", port, Duration::from_secs(20), &token)
+                        .unwrap_or_else(|e| panic!("client {i}: {e}"));
+                c.set(&format!("k{i}"), b"x").unwrap();
+                c
+            })
+            .collect();
+        let mut last =
+            StoreClient::connect_with("127.0.0.1", port, Duration::from_secs(5), &token).unwrap();
+        assert_eq!(last.get("k1499", Duration::from_secs(1)).unwrap(), b"x");
+        drop(clients);
     }
 }
