@@ -118,9 +118,13 @@ fn main() -> Result<()> {
     let vs = tch::nn::VarStore::new(acc.device());
     let model = Llama::new(&vs.root(), &config, Init::Uninit);
 
+    // Before anything is read into it: the checkpoint's tensors must be the model's.
+    model.check_checkpoint(&vs, &args.model)?;
     if let (Some(eval), Some(out)) = (&args.eval, &args.logits_out) {
         acc.load_checkpoint_in_model(&vs, &args.model)?;
-        let ids = input_ids(eval)?.to_device(acc.device());
+        let ids = input_ids(eval)?;
+        config.check_ids(&ids).with_context(|| format!("{}", eval.display()))?;
+        let ids = ids.to_device(acc.device());
         let logits = tch::no_grad(|| model.forward(&ids)).to_kind(tch::Kind::Float);
         if acc.is_main_process() {
             Tensor::write_safetensors(&[("logits", &logits)], out)?;
@@ -128,6 +132,14 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let Some(data) = &args.data else { bail!("give --eval (with --logits-out) or --data") };
+    if config.attention_dropout != 0.0 {
+        bail!(
+            "{}: attention_dropout is {}; this trainer implements none (set it to 0.0 to \
+             fine-tune without it)",
+            args.model.join("config.json").display(),
+            config.attention_dropout
+        );
+    }
 
     acc.prepare_model_from_checkpoint(&vs, &args.model)?;
     let params: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
@@ -158,6 +170,7 @@ fn main() -> Result<()> {
     };
     let mut opt = acc.prepare_optimizer(AdamW::new(acc.params(&vs), adamw)?);
     let ids = input_ids(data)?;
+    config.check_ids(&ids).with_context(|| format!("{}", data.display()))?;
     let options = LoaderOptions { batch_size: args.batch_size, ..Default::default() };
     let mut loader =
         acc.prepare_loader(DataLoader::new(TensorDataset::new(vec![ids])?, options)?)?;
@@ -202,8 +215,26 @@ fn main() -> Result<()> {
     let out = args.out.as_ref().expect("clap requires --out with --data");
     acc.save_model(&vs, out, args.max_shard_size)?;
     if acc.is_main_process() {
-        std::fs::copy(args.model.join("config.json"), out.join("config.json"))
-            .with_context(|| format!("copying config.json into {}", out.display()))?;
+        // The same configuration, its dtype saying what the saved tensors are (the weights
+        // are kept and written in fp32 whatever the checkpoint held).
+        let source = args.model.join("config.json");
+        let text = std::fs::read_to_string(&source)
+            .with_context(|| format!("reading {}", source.display()))?;
+        let mut json: serde_json::Value = serde_json::from_str(&text)?;
+        let saved = vs.variables().values().next().map(|t| t.kind()).unwrap_or(tch::Kind::Float);
+        let dtype = match saved {
+            tch::Kind::BFloat16 => "bfloat16",
+            tch::Kind::Half => "float16",
+            _ => "float32",
+        };
+        if let Some(map) = json.as_object_mut() {
+            map.insert("dtype".into(), dtype.into());
+            if map.contains_key("torch_dtype") {
+                map.insert("torch_dtype".into(), dtype.into());
+            }
+        }
+        std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&json)? + "\n")
+            .with_context(|| format!("writing config.json into {}", out.display()))?;
     }
     acc.end_training()?;
     Ok(())

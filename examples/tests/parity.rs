@@ -1301,3 +1301,271 @@ fn gpu_check_runs_end_to_end_as_a_cpu_dry_run() {
         assert!(summary.contains(step), "{step:?} missing from the summary:\n{summary}");
     }
 }
+
+fn hf_families(args: &[&str]) {
+    let output = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("python/reference/hf_families.py"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "hf_families.py {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Every family and RoPE type the model implements gives transformers' logits (eager, fp32)
+/// on random checkpoints that transformers itself wrote: Llama with default, linear,
+/// dynamic (past max_position_embeddings), llama3 and yarn RoPE; Qwen2 (biases), Qwen2 with
+/// sliding layers, tied Qwen2, Qwen3 (q/k norms, head_dim ≠ hidden/heads), Mistral with and
+/// without its window (24 tokens, windows of 8). What the model does not understand is
+/// refused by name before anything is computed, never computed otherwise with exit 0.
+#[test]
+fn every_family_gives_transformers_logits_and_what_is_not_understood_is_refused() {
+    let dir = scratch("families");
+    let tokens = dir.join("tokens.safetensors");
+    let t = tokens.to_str().unwrap();
+    hf_families(&["tokens", "--out", t, "--vocab", "128", "--batch", "2", "--seq", "24"]);
+    let llama = |model: &Path, ids: &Path, out: &Path| {
+        Command::new(example("llama"))
+            .args(["--model", model.to_str().unwrap(), "--eval", ids.to_str().unwrap()])
+            .args(["--logits-out", out.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    for variant in [
+        "llama",
+        "llama-linear",
+        "llama-dynamic",
+        "llama3",
+        "llama-yarn",
+        "qwen2",
+        "qwen2-sliding",
+        "qwen2-tied",
+        "qwen3",
+        "mistral",
+        "mistral-nowindow",
+    ] {
+        let model = dir.join(variant);
+        hf_families(&["make", "--variant", variant, "--out", model.to_str().unwrap()]);
+        let (py, rs) = (
+            dir.join(format!("{variant}-py.safetensors")),
+            dir.join(format!("{variant}-rs.safetensors")),
+        );
+        hf_families(&[
+            "logits",
+            "--model",
+            model.to_str().unwrap(),
+            "--tokens",
+            t,
+            "--out",
+            py.to_str().unwrap(),
+        ]);
+        let output = llama(&model, &tokens, &rs);
+        assert!(output.status.success(), "{variant}: {}", String::from_utf8_lossy(&output.stderr));
+        let diff = max_abs_difference(&read_tensor(&py, "logits"), &read_tensor(&rs, "logits"));
+        assert!(diff <= 1e-4, "{variant}: logits differ from transformers' by {diff}");
+        eprintln!("{variant}: logits within {diff:e} of transformers'");
+    }
+
+    // Each refusal: a copy of a checkpoint with one thing changed.
+    let altered = |from: &str, name: &str, edit: &dyn Fn(&mut serde_json::Value)| -> PathBuf {
+        let to = dir.join(name);
+        std::fs::create_dir_all(&to).unwrap();
+        for entry in std::fs::read_dir(dir.join(from)).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+        let path = to.join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        edit(&mut config);
+        std::fs::write(&path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
+        to
+    };
+    let bad_ids = dir.join("bad-ids.safetensors");
+    let ids = read_tensor(&tokens, "input_ids");
+    let _ = ids.get(1).get(3).fill_(999);
+    tch::Tensor::write_safetensors(&[("input_ids", &ids)], &bad_ids).unwrap();
+    let cases: Vec<(PathBuf, &Path, &str)> = vec![
+        (
+            altered("llama", "granite", &|c| {
+                c["model_type"] = "granite".into();
+                c["architectures"] = serde_json::json!(["GraniteForCausalLM"]);
+            }),
+            &tokens,
+            "model_type \"granite\" is not a family this model computes",
+        ),
+        (
+            altered("llama", "multiplier", &|c| c["embedding_multiplier"] = 12.0.into()),
+            &tokens,
+            "`embedding_multiplier` is not a key this llama model knows",
+        ),
+        (
+            // Qwen2's tensors under Llama's name: its q/k/v biases would be dropped.
+            altered("qwen2", "qwen2-as-llama", &|c| {
+                c["model_type"] = "llama".into();
+                c["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+                c.as_object_mut().unwrap().remove("use_sliding_window");
+                c.as_object_mut().unwrap().remove("sliding_window");
+                c.as_object_mut().unwrap().remove("max_window_layers");
+                c.as_object_mut().unwrap().remove("layer_types");
+            }),
+            &tokens,
+            "UNEXPECTED (in the checkpoint, not in this LlamaForCausalLM model): \
+             model.layers.{0, 1, 2}.self_attn.k_proj.bias",
+        ),
+        (
+            altered("llama", "longrope", &|c| {
+                c["rope_parameters"]["rope_type"] = "longrope".into();
+            }),
+            &tokens,
+            "RoPE type \"longrope\" is not implemented",
+        ),
+        (
+            altered("llama", "no-heads", &|c| c["num_attention_heads"] = 0.into()),
+            &tokens,
+            "`num_attention_heads` is 0",
+        ),
+        (
+            altered("qwen3", "sliding-without-window", &|c| {
+                c["layer_types"] = serde_json::json!([
+                    "sliding_attention",
+                    "sliding_attention",
+                    "sliding_attention"
+                ]);
+                c["use_sliding_window"] = false.into();
+            }),
+            &tokens,
+            "layer 0 is \"sliding_attention\" but there is no window",
+        ),
+        (
+            dir.join("llama"),
+            &bad_ids,
+            "token id 999 at row 1, position 3 is outside the vocabulary",
+        ),
+    ];
+    for (model, ids, expected) in cases {
+        let out = dir.join("refused.safetensors");
+        let output = llama(&model, ids, &out);
+        let said = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{}: accepted", model.display());
+        assert!(
+            said.contains(expected) && !said.contains("panicked"),
+            "{}: {said}",
+            model.display()
+        );
+        assert!(!out.exists(), "{}: logits were written", model.display());
+    }
+}
+
+/// A 2-process zero3 fine-tune with activation checkpointing of Qwen2 (sliding layers),
+/// Qwen3, Mistral (windowed) and a Llama 3.1-style RoPE equals transformers + Accelerate DDP
+/// (losses 1e-5, weights 1e-4), and the folder it writes loads with `from_pretrained` with
+/// nothing missing, unexpected or mismatched, its config's dtype saying float32.
+#[test]
+fn families_fine_tune_under_zero3_as_transformers_and_accelerate_do() {
+    let dir = scratch("families-fine-tune");
+    let tokens = dir.join("tokens.safetensors");
+    hf_families(&[
+        "tokens",
+        "--out",
+        tokens.to_str().unwrap(),
+        "--vocab",
+        "128",
+        "--batch",
+        "12",
+        "--seq",
+        "12",
+    ]);
+    for variant in ["qwen2-sliding", "qwen3", "mistral", "llama3"] {
+        let model = dir.join(variant);
+        hf_families(&["make", "--variant", variant, "--out", model.to_str().unwrap()]);
+        let common = |out: &Path, losses: &Path| -> Vec<String> {
+            ["--model", model.to_str().unwrap(), "--data", tokens.to_str().unwrap()]
+                .iter()
+                .map(|s| s.to_string())
+                .chain(["--steps", "4", "--batch-size", "2", "--lr", "1e-2"].map(String::from))
+                .chain(["--weight-decay", "0.01"].map(String::from))
+                .chain([
+                    "--out".into(),
+                    out.display().to_string(),
+                    "--losses".into(),
+                    losses.display().to_string(),
+                ])
+                .collect()
+        };
+        let (py_out, py_losses) =
+            (dir.join(format!("{variant}-py")), dir.join(format!("{variant}-py.jsonl")));
+        let port = accel_core::comm::free_port("127.0.0.1").unwrap();
+        let output = Command::new(root().join(".venv/bin/torchrun"))
+            .args(["--nproc-per-node=2".to_string(), format!("--master-port={port}")])
+            .arg(root().join("python/reference/llama_reference.py"))
+            .arg("train")
+            .args(common(&py_out, &py_losses))
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{variant}: Accelerate: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let (rs_out, rs_losses) =
+            (dir.join(format!("{variant}-rs")), dir.join(format!("{variant}-rs.jsonl")));
+        let mut program = vec![example("llama")];
+        program.extend(common(&rs_out, &rs_losses));
+        program.extend(["--strategy", "zero3", "--activation-checkpointing"].map(String::from));
+        launch(2, program);
+        let (reference, ours) = (read_losses(&py_losses), read_losses(&rs_losses));
+        assert_eq!(reference.len(), 4);
+        for (step, (a, b)) in reference.iter().zip(&ours).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-5,
+                "{variant} step {step}: Accelerate's loss {a}, accel's {b}"
+            );
+        }
+        let (theirs, mine) = (read_hf_folder(&py_out), read_hf_folder(&rs_out));
+        assert_eq!(theirs.keys().collect::<Vec<_>>(), mine.keys().collect::<Vec<_>>(), "{variant}");
+        for (name, t) in &theirs {
+            let diff = max_abs_difference(t, &mine[name]);
+            assert!(
+                diff <= 1e-4,
+                "{variant}: {name} differs from transformers + Accelerate's by {diff}"
+            );
+        }
+        let config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(rs_out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(config["dtype"], "float32", "{variant}");
+        // from_pretrained of accel's folder: nothing missing or unexpected (the reference
+        // refuses otherwise), and the logits of the weights it holds.
+        let (py_logits, rs_logits) = (
+            dir.join(format!("{variant}-load.safetensors")),
+            dir.join(format!("{variant}-ours.safetensors")),
+        );
+        llama_reference(&[
+            "load",
+            "--model",
+            rs_out.to_str().unwrap(),
+            "--eval",
+            tokens.to_str().unwrap(),
+            "--logits-out",
+            py_logits.to_str().unwrap(),
+        ]);
+        let output = Command::new(example("llama"))
+            .args(["--model", rs_out.to_str().unwrap(), "--eval", tokens.to_str().unwrap()])
+            .args(["--logits-out", rs_logits.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{variant}: {}", String::from_utf8_lossy(&output.stderr));
+        let diff = max_abs_difference(
+            &read_tensor(&py_logits, "logits"),
+            &read_tensor(&rs_logits, "logits"),
+        );
+        assert!(
+            diff <= 1e-4,
+            "{variant}: from_pretrained of accel's folder gives other logits ({diff})"
+        );
+        eprintln!("{variant}: fine-tune equals Accelerate's and loads back");
+    }
+}

@@ -1,6 +1,6 @@
 """transformers' side of the model families the Rust Llama is extended to (Llama with its RoPE
 types, Qwen2, Qwen3, Mistral): tiny random checkpoints made by transformers' own config and
-model classes, and their reference logits. /work/notes/models-spec.md has the math.
+model classes, and their reference logits. python/reference/MODELS.md has the math.
 
     make    --variant V --out DIR [--seed S] [--dtype float32|bfloat16]
     tokens  --out T.safetensors --vocab N --batch B --seq L [--seed S]        random input_ids

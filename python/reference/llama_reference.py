@@ -6,6 +6,8 @@
     train  --model DIR --data T.safetensors --steps K --batch-size B --lr LR --weight-decay WD \
            --out DIR2 --losses L.jsonl        (under torchrun: Accelerate DDP)
     load   --model DIR2 --eval T.safetensors --logits-out OUT.safetensors   from_pretrained works
+           (any family AutoModelForCausalLM loads; a load report with anything missing,
+           unexpected or mismatched is an error)
     memory --model DIR --data T.safetensors --steps 3 --batch-size 1 [--checkpointing]
            (under torchrun) PyTorch FSDP2: fully_shard on every decoder layer, the embedding,
            the head and the root, checkpoint_wrapper on every decoder layer with
@@ -21,7 +23,7 @@ import json
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 
 def make(args):
@@ -60,7 +62,15 @@ def tokens(args):
 
 
 def load(path):
-    return LlamaForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    """Any family's checkpoint (Llama, Qwen2, Qwen3, Mistral: AutoModelForCausalLM), refused
+    when transformers' load report has anything MISSING, UNEXPECTED or MISMATCHED."""
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", dtype=torch.float32, output_loading_info=True
+    )
+    problems = {k: v for k, v in info.items() if v and k != "error_msgs"}
+    if problems or info.get("error_msgs"):
+        raise SystemExit(f"{path}: transformers' load report: {info}")
+    return model
 
 
 def logits(args):
