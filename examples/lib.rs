@@ -2,7 +2,7 @@
 //! (a strategy written outside accel-core).
 
 pub mod gpt;
-pub mod llama;
+pub use accel_models::llama;
 pub mod local_sgd;
 pub mod raw;
 

@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW};
 use accel_core::{Accelerator, Precision, Strategy};
-use accel_examples::llama::{Init, Llama, LlamaConfig};
+use accel_models::llama::{Llama, LlamaConfig};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use tch::Tensor;
@@ -116,12 +116,9 @@ fn main() -> Result<()> {
     let acc = builder.build()?;
     let (baseline, _) = rss();
     let vs = tch::nn::VarStore::new(acc.device());
-    let model = Llama::new(&vs.root(), &config, Init::Uninit);
 
-    // Before anything is read into it: the checkpoint's tensors must be the model's.
-    model.check_checkpoint(&vs, &args.model)?;
     if let (Some(eval), Some(out)) = (&args.eval, &args.logits_out) {
-        acc.load_checkpoint_in_model(&vs, &args.model)?;
+        let model = Llama::load_pretrained(&acc, &vs, &args.model)?;
         let ids = input_ids(eval)?;
         config.check_ids(&ids).with_context(|| format!("{}", eval.display()))?;
         let ids = ids.to_device(acc.device());
@@ -141,7 +138,7 @@ fn main() -> Result<()> {
         );
     }
 
-    acc.prepare_model_from_checkpoint(&vs, &args.model)?;
+    let model = Llama::from_pretrained(&acc, &vs, &args.model)?;
     let params: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
     let load_peak = rss().1 - baseline;
     let report = |train_peak: Option<f64>, step_s: Option<f64>| {
@@ -213,29 +210,7 @@ fn main() -> Result<()> {
         .map(|t| t.elapsed().as_secs_f64() / (args.steps - 1) as f64);
     report(Some(rss().1 - baseline), step_s);
     let out = args.out.as_ref().expect("clap requires --out with --data");
-    acc.save_model(&vs, out, args.max_shard_size)?;
-    if acc.is_main_process() {
-        // The same configuration, its dtype saying what the saved tensors are (the weights
-        // are kept and written in fp32 whatever the checkpoint held).
-        let source = args.model.join("config.json");
-        let text = std::fs::read_to_string(&source)
-            .with_context(|| format!("reading {}", source.display()))?;
-        let mut json: serde_json::Value = serde_json::from_str(&text)?;
-        let saved = vs.variables().values().next().map(|t| t.kind()).unwrap_or(tch::Kind::Float);
-        let dtype = match saved {
-            tch::Kind::BFloat16 => "bfloat16",
-            tch::Kind::Half => "float16",
-            _ => "float32",
-        };
-        if let Some(map) = json.as_object_mut() {
-            map.insert("dtype".into(), dtype.into());
-            if map.contains_key("torch_dtype") {
-                map.insert("torch_dtype".into(), dtype.into());
-            }
-        }
-        std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&json)? + "\n")
-            .with_context(|| format!("writing config.json into {}", out.display()))?;
-    }
+    model.save_pretrained(&acc, &vs, out, args.max_shard_size)?;
     acc.end_training()?;
     Ok(())
 }

@@ -272,6 +272,8 @@ pub struct LlamaConfig {
     pub initializer_range: f64,
     /// Dropout on the attention weights in training (refused by the trainer when above 0).
     pub attention_dropout: f64,
+    /// The config.json it was read from, written back by [`Llama::save_pretrained`].
+    raw: serde_json::Value,
 }
 
 type Json = serde_json::Map<String, serde_json::Value>;
@@ -445,6 +447,7 @@ impl LlamaConfig {
             pad_token_id: get_i64(map, "pad_token_id")?,
             initializer_range: get_f64(map, "initializer_range")?.unwrap_or(0.02),
             attention_dropout: get_f64(map, "attention_dropout")?.unwrap_or(0.0),
+            raw: value.clone(),
         })
     }
 
@@ -953,6 +956,71 @@ impl Llama {
         self.lm_head.as_ref().unwrap_or(&self.embed).run(|w| x.linear::<Tensor>(w, None))
     }
 
+    /// The model of Hugging Face folder `dir` (config.json, `model.safetensors` or an index
+    /// and its shards), its variables in `vs`, prepared by `acc` for training: under zero3
+    /// each process reads only its shards' bytes. The family comes from config.json; what
+    /// the model does not compute exactly is refused ([`LlamaConfig::parse`],
+    /// [`Llama::check_checkpoint`]). Every process calls it.
+    pub fn from_pretrained(
+        acc: &accel_core::Accelerator,
+        vs: &tch::nn::VarStore,
+        dir: impl AsRef<Path>,
+    ) -> Result<Self> {
+        let dir = dir.as_ref();
+        let model = Self::new(&vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
+        model.check_checkpoint(vs, dir)?;
+        acc.prepare_model_from_checkpoint(vs, dir)?;
+        Ok(model)
+    }
+
+    /// [`Llama::from_pretrained`] without preparing: each process holds the whole model
+    /// (evaluation).
+    pub fn load_pretrained(
+        acc: &accel_core::Accelerator,
+        vs: &tch::nn::VarStore,
+        dir: impl AsRef<Path>,
+    ) -> Result<Self> {
+        let dir = dir.as_ref();
+        let model = Self::new(&vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
+        model.check_checkpoint(vs, dir)?;
+        acc.load_checkpoint_in_model(vs, dir)?;
+        Ok(model)
+    }
+
+    /// Writes the model in `vs` as a folder transformers' `from_pretrained` loads: the
+    /// weights by their names (in files of at most `max_shard_size` bytes, with an index
+    /// beyond one), and the config.json it came from, its `dtype` saying what the files
+    /// hold. Every process calls it; the main process writes.
+    pub fn save_pretrained(
+        &self,
+        acc: &accel_core::Accelerator,
+        vs: &tch::nn::VarStore,
+        out: impl AsRef<Path>,
+        max_shard_size: u64,
+    ) -> Result<()> {
+        let out = out.as_ref();
+        acc.save_model(vs, out, max_shard_size)?;
+        if acc.is_main_process() {
+            let saved = vs.variables().values().next().map_or(Kind::Float, |t| t.kind());
+            let dtype = match saved {
+                Kind::BFloat16 => "bfloat16",
+                Kind::Half => "float16",
+                _ => "float32",
+            };
+            let mut json = self.config.raw.clone();
+            if let Some(map) = json.as_object_mut() {
+                map.insert("dtype".into(), dtype.into());
+                if map.contains_key("torch_dtype") {
+                    map.insert("torch_dtype".into(), dtype.into());
+                }
+            }
+            let path = out.join("config.json");
+            std::fs::write(&path, serde_json::to_string_pretty(&json)? + "\n")
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+
     /// Refuses a checkpoint folder whose tensors are not exactly this model's: every tensor
     /// of the folder must be a variable of `vs` (built by [`Llama::new`], before preparing)
     /// and every variable must be in the folder — named as transformers' load report names
@@ -1043,4 +1111,112 @@ fn group_layers(names: &[String]) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// meta-llama/Llama-3.1-8B's config.json as published (transformers 4 keys).
+    const LLAMA_3_1_8B: &str = r#"{
+      "architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+      "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+      "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+      "mlp_bias": false, "model_type": "llama", "num_attention_heads": 32,
+      "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+      "rms_norm_eps": 1e-05,
+      "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+      "rope_theta": 500000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+      "transformers_version": "4.43.0.dev0", "use_cache": true, "vocab_size": 128256}"#;
+
+    /// Qwen/Qwen2.5-0.5B's config.json as published.
+    const QWEN2_5_0_5B: &str = r#"{
+      "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+      "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896,
+      "initializer_range": 0.02, "intermediate_size": 4864, "max_position_embeddings": 32768,
+      "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 14,
+      "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+      "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": true,
+      "torch_dtype": "bfloat16", "transformers_version": "4.40.1", "use_cache": true,
+      "use_sliding_window": false, "vocab_size": 151936}"#;
+
+    #[test]
+    fn published_configs_read_as_transformers_reads_them() {
+        let c = LlamaConfig::parse(LLAMA_3_1_8B).unwrap();
+        assert_eq!(
+            (c.family, c.head_dim, c.num_key_value_heads, c.rope_theta),
+            (Family::Llama, 128, 8, 5e5)
+        );
+        assert_eq!(
+            c.rope,
+            Rope::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original: 8192.0
+            }
+        );
+        assert!(!c.qkv_bias && c.windows.iter().all(Option::is_none));
+        let c = LlamaConfig::parse(QWEN2_5_0_5B).unwrap();
+        assert_eq!((c.family, c.head_dim, c.num_key_value_heads), (Family::Qwen2, 64, 2));
+        // use_sliding_window false: no layer slides, whatever sliding_window says.
+        assert!(c.qkv_bias && !c.o_bias && c.tie_word_embeddings);
+        assert!(c.windows.iter().all(Option::is_none));
+    }
+
+    #[test]
+    fn absent_keys_take_each_familys_defaults() {
+        let base = |t: &str| {
+            format!(
+                r#"{{"model_type": "{t}", "hidden_size": 64, "num_attention_heads": 32,
+                "num_hidden_layers": 2, "vocab_size": 10, "intermediate_size": 8}}"#
+            )
+        };
+        let c = LlamaConfig::parse(&base("llama")).unwrap();
+        assert_eq!((c.num_key_value_heads, c.head_dim, c.max_position_embeddings), (32, 2, 2048));
+        let c = LlamaConfig::parse(&base("mistral")).unwrap();
+        assert_eq!((c.num_key_value_heads, c.windows[0]), (8, Some(4096)));
+        let c = LlamaConfig::parse(&base("qwen3")).unwrap();
+        assert_eq!((c.num_key_value_heads, c.head_dim, c.qk_norm), (32, 128, true));
+    }
+
+    #[test]
+    fn what_the_model_does_not_compute_is_refused_by_name() {
+        let refused = |edit: &str| {
+            let text = LLAMA_3_1_8B.replacen('{', &format!("{{{edit},"), 1);
+            format!("{:#}", LlamaConfig::parse(&text).unwrap_err())
+        };
+        assert!(refused(r#""logits_scaling": 8"#).contains("`logits_scaling` is not a key"));
+        let e = format!(
+            "{:#}",
+            LlamaConfig::parse(&LLAMA_3_1_8B.replace("\"llama\"", "\"gemma\"")).unwrap_err()
+        );
+        assert!(e.contains("model_type \"gemma\" is not a family"), "{e}");
+        let e = format!(
+            "{:#}",
+            LlamaConfig::parse(
+                &LLAMA_3_1_8B.replace("\"rope_type\": \"llama3\"", "\"rope_type\": \"longrope\"")
+            )
+            .unwrap_err()
+        );
+        assert!(e.contains("\"longrope\" is not implemented"), "{e}");
+        let e = format!(
+            "{:#}",
+            LlamaConfig::parse(
+                &LLAMA_3_1_8B.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 5")
+            )
+            .unwrap_err()
+        );
+        assert!(e.contains("not a multiple of num_key_value_heads = 5"), "{e}");
+        assert!(refused(r#""partial_rotary_factor": 0.5"#).contains("partial_rotary_factor = 0.5"));
+    }
+
+    #[test]
+    fn load_report_names_merge_layer_indices() {
+        let names: Vec<String> = ["model.layers.0.a.bias", "model.layers.1.a.bias", "model.extra"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(group_layers(&names), "model.layers.{0, 1}.a.bias, model.extra");
+    }
 }
