@@ -26,6 +26,7 @@ use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW};
 use accel_core::{Accelerator, Precision, Strategy};
 use accel_models::llama::{Llama, LlamaConfig};
+use accel_models::lora::{self, LoraConfig, LoraInit};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use tch::Tensor;
@@ -75,6 +76,24 @@ struct Args {
     /// Recompute each decoder layer in backward instead of keeping its activations.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// LoRA: train fresh adapters of this rank on the base frozen (PEFT's initialisation);
+    /// `--out` then gets PEFT's adapter folder.
+    #[arg(long, conflicts_with = "lora_adapter")]
+    lora_r: Option<i64>,
+    /// LoRA's alpha (scale alpha / r).
+    #[arg(long, default_value_t = 16.0)]
+    lora_alpha: f64,
+    /// The projections LoRA adapts, comma separated.
+    #[arg(long, default_value = "q_proj,v_proj")]
+    lora_target: String,
+    /// A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) on top of the
+    /// model: evaluated with it, fine-tuned from it, or merged by `--merge-out`.
+    #[arg(long)]
+    lora_adapter: Option<PathBuf>,
+    /// Fold `--lora-adapter` into the base weights and write the plain model here (PEFT's
+    /// `merge_and_unload`), for `from_pretrained`.
+    #[arg(long, requires = "lora_adapter")]
+    merge_out: Option<PathBuf>,
 }
 
 fn input_ids(path: &PathBuf) -> Result<Tensor> {
@@ -115,7 +134,20 @@ fn main() -> Result<()> {
     }
     let acc = builder.build()?;
     let (baseline, _) = rss();
-    let vs = tch::nn::VarStore::new(acc.device());
+    let mut vs = tch::nn::VarStore::new(acc.device());
+    let lora = match (&args.lora_adapter, args.lora_r) {
+        (Some(dir), _) => Some((LoraConfig::read(dir)?, LoraInit::Uninit)),
+        (None, Some(r)) => {
+            let targets = args.lora_target.split(',').map(|t| t.trim().to_owned()).collect();
+            let config =
+                LoraConfig { r, alpha: args.lora_alpha, targets, rslora: false, dropout: 0.0 };
+            Some((config, LoraInit::Fresh))
+        }
+        (None, None) => None,
+    };
+    if let Some((lora_config, lora_init)) = lora {
+        return with_lora(&args, &acc, &mut vs, &config, &lora_config, lora_init, baseline);
+    }
 
     if let (Some(eval), Some(out)) = (&args.eval, &args.logits_out) {
         let model = Llama::load_pretrained(&acc, &vs, &args.model)?;
@@ -211,6 +243,96 @@ fn main() -> Result<()> {
     report(Some(rss().1 - baseline), step_s);
     let out = args.out.as_ref().expect("clap requires --out with --data");
     model.save_pretrained(&acc, &vs, out, args.max_shard_size)?;
+    acc.end_training()?;
+    Ok(())
+}
+
+/// The base frozen and whole on every process, the adapters the only trained variables:
+/// evaluation with an adapter, a merge, or a LoRA fine-tune whose `--out` is PEFT's folder.
+fn with_lora(
+    args: &Args,
+    acc: &Accelerator,
+    vs: &mut tch::nn::VarStore,
+    config: &LlamaConfig,
+    lora_config: &LoraConfig,
+    init: LoraInit,
+    baseline: f64,
+) -> Result<()> {
+    let configured = acc.config().strategy;
+    if !matches!(configured, Strategy::Single | Strategy::Ddp) {
+        bail!(
+            "LoRA runs under ddp (or one process) here; strategy {configured} would shard the \
+             base, which this LoRA does not do yet: use --strategy ddp"
+        );
+    }
+    let model = Llama::load_pretrained(acc, vs, &args.model)?;
+    vs.freeze();
+    let adapters = tch::nn::VarStore::new(acc.device());
+    model.attach_lora(&adapters, lora_config, init)?;
+    if let Some(dir) = &args.lora_adapter {
+        lora::load_adapter(&adapters, dir)?;
+    }
+    if let Some(out) = &args.merge_out {
+        model.merge_lora()?;
+        model.save_pretrained(acc, vs, out, args.max_shard_size)?;
+        return Ok(());
+    }
+    if let (Some(eval), Some(out)) = (&args.eval, &args.logits_out) {
+        let ids = input_ids(eval)?;
+        config.check_ids(&ids).with_context(|| format!("{}", eval.display()))?;
+        let logits = tch::no_grad(|| model.forward(&ids.to_device(acc.device())));
+        if acc.is_main_process() {
+            Tensor::write_safetensors(&[("logits", &logits.to_kind(tch::Kind::Float))], out)?;
+        }
+        return Ok(());
+    }
+    let Some(data) = &args.data else { bail!("give --eval, --merge-out or --data") };
+    if lora_config.dropout != 0.0 {
+        bail!("lora_dropout is {}; this trainer implements none", lora_config.dropout);
+    }
+    acc.prepare_model(&adapters)?;
+    let adamw = AdamConfig {
+        lr: args.lr,
+        weight_decay: args.weight_decay,
+        eps: 1e-8,
+        ..AdamConfig::adamw()
+    };
+    let mut opt = acc.prepare_optimizer(AdamW::new(acc.params(&adapters), adamw)?);
+    let ids = input_ids(data)?;
+    config.check_ids(&ids).with_context(|| format!("{}", data.display()))?;
+    let options = LoaderOptions { batch_size: args.batch_size, ..Default::default() };
+    let mut loader =
+        acc.prepare_loader(DataLoader::new(TensorDataset::new(vec![ids])?, options)?)?;
+    let mut log = match (&args.losses, acc.is_main_process()) {
+        (Some(path), true) => Some(std::fs::File::create(path)?),
+        _ => None,
+    };
+    let mut step = 0;
+    'training: loop {
+        for batch in loader.iter() {
+            let batch = batch?;
+            let logits = acc.forward(|| model.forward(&batch[0]))?;
+            let loss = Llama::loss(&logits, &batch[0]);
+            acc.backward(&loss)?;
+            opt.step()?;
+            opt.zero_grad()?;
+            if let Some(log) = &mut log {
+                writeln!(
+                    log,
+                    "{}",
+                    serde_json::json!({ "step": step, "loss": loss.double_value(&[]) })
+                )?;
+            }
+            step += 1;
+            if step == args.steps {
+                break 'training;
+            }
+        }
+    }
+    acc.wait_for_everyone()?;
+    let _ = baseline;
+    let out = args.out.as_ref().expect("clap requires --out with --data");
+    lora::save_adapter(acc, &adapters, lora_config, &args.model.display().to_string(), out)?;
     acc.end_training()?;
     Ok(())
 }

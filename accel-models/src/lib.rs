@@ -25,5 +25,7 @@
 //! transformers.
 
 pub mod llama;
+pub mod lora;
 
 pub use llama::{Family, Init, Llama, LlamaConfig, Rope};
+pub use lora::{LoraConfig, LoraInit};

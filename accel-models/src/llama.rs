@@ -745,22 +745,54 @@ fn filled(p: &VarPath, name: &str, dims: &[i64], init: Init, value: f64) -> Tens
     }
 }
 
-/// `y = x Wᵀ + b`.
+/// `y = x Wᵀ + b`, plus `(x Aᵀ Bᵀ) · scale` once a LoRA adapter is attached.
 #[derive(Debug)]
-struct Linear {
+pub(crate) struct Linear {
     w: Tensor,
     b: Option<Tensor>,
+    /// A [r, in], B [out, r] and the scale (crate::lora).
+    lora: std::sync::Mutex<Option<(Tensor, Tensor, f64)>>,
 }
 
 impl Linear {
     fn new(p: VarPath, n_in: i64, n_out: i64, bias: bool, init: Init, std: f64) -> Self {
         let w = weight(&p, "weight", &[n_out, n_in], init, std);
         let b = bias.then(|| filled(&p, "bias", &[n_out], init, 0.0));
-        Self { w, b }
+        Self { w, b, lora: Default::default() }
     }
 
     fn forward(&self, x: &Tensor) -> Tensor {
-        x.linear(&self.w, self.b.as_ref())
+        let y = x.linear(&self.w, self.b.as_ref());
+        match &*self.lora.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some((a, b, scale)) => {
+                y + x.linear::<Tensor>(a, None).linear::<Tensor>(b, None) * *scale
+            }
+            None => y,
+        }
+    }
+
+    /// (out, in).
+    pub(crate) fn shape(&self) -> (i64, i64) {
+        let size = self.w.size();
+        (size[0], size[1])
+    }
+
+    pub(crate) fn attach(&self, a: Tensor, b: Tensor, scale: f64) -> Result<()> {
+        let mut lora = self.lora.lock().unwrap_or_else(|e| e.into_inner());
+        if lora.is_some() {
+            bail!("this projection already has an adapter");
+        }
+        *lora = Some((a, b, scale));
+        Ok(())
+    }
+
+    /// `W ← W + scale · B A`; the adapter is detached.
+    pub(crate) fn merge(&self) -> Result<()> {
+        if let Some((a, b, scale)) = self.lora.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let delta = b.to_kind(self.w.kind()).matmul(&a.to_kind(self.w.kind())) * scale;
+            let _ = self.w.shallow_clone().f_add_(&delta)?;
+        }
+        Ok(())
     }
 }
 
@@ -1019,6 +1051,27 @@ impl Llama {
                 .with_context(|| format!("writing {}", path.display()))?;
         }
         Ok(())
+    }
+
+    /// Every projection by its module name (`model.layers.0.self_attn.q_proj`), in order.
+    pub(crate) fn projections(&self) -> Vec<(String, &Linear)> {
+        let mut all = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let l = layer.inner();
+            let attn = format!("model.layers.{i}.self_attn");
+            let mlp = format!("model.layers.{i}.mlp");
+            for (name, linear) in
+                [("q_proj", &l.q), ("k_proj", &l.k), ("v_proj", &l.v), ("o_proj", &l.o)]
+            {
+                all.push((format!("{attn}.{name}"), linear));
+            }
+            for (name, linear) in
+                [("gate_proj", &l.gate), ("up_proj", &l.up), ("down_proj", &l.down)]
+            {
+                all.push((format!("{mlp}.{name}"), linear));
+            }
+        }
+        all
     }
 
     /// Refuses a checkpoint folder whose tensors are not exactly this model's: every tensor

@@ -1460,7 +1460,7 @@ fn every_family_gives_transformers_logits_and_what_is_not_understood_is_refused(
     }
 }
 
-/// A 2-process zero3 fine-tune with activation checkpointing of Qwen2 (sliding layers),
+/// A 2-process zero3 fine-tune with activation checkpointing of Qwen2 (sliding layers; tied),
 /// Qwen3, Mistral (windowed) and a Llama 3.1-style RoPE equals transformers + Accelerate DDP
 /// (losses 1e-5, weights 1e-4), and the folder it writes loads with `from_pretrained` with
 /// nothing missing, unexpected or mismatched, its config's dtype saying float32.
@@ -1479,7 +1479,7 @@ fn families_fine_tune_under_zero3_as_transformers_and_accelerate_do() {
         "--seq",
         "12",
     ]);
-    for variant in ["qwen2-sliding", "qwen3", "mistral", "llama3"] {
+    for variant in ["qwen2-sliding", "qwen2-tied", "qwen3", "mistral", "llama3"] {
         let model = dir.join(variant);
         hf_families(&["make", "--variant", variant, "--out", model.to_str().unwrap()]);
         let common = |out: &Path, losses: &Path| -> Vec<String> {
@@ -1568,4 +1568,184 @@ fn families_fine_tune_under_zero3_as_transformers_and_accelerate_do() {
         );
         eprintln!("{variant}: fine-tune equals Accelerate's and loads back");
     }
+}
+
+/// LoRA as PEFT writes it: an adapter peft made gives peft's logits; a 2-process DDP
+/// fine-tune of it (base frozen) equals transformers + peft + Accelerate DDP (losses 1e-5,
+/// adapters 1e-4) and is saved as PEFT's folder, which peft loads to our logits; fresh
+/// adapters (`--lora-r`) load in peft too; `--merge-out` folds the adapter into a plain
+/// checkpoint that `from_pretrained` loads (nothing missing or unexpected) to the adapter's
+/// logits; zero3 with LoRA is refused.
+#[test]
+fn lora_adapters_load_train_save_and_merge_as_peft_does() {
+    let dir = scratch("lora");
+    let (model, tokens, adapter) =
+        (dir.join("base"), dir.join("tokens.safetensors"), dir.join("adapter"));
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    hf_families(&["make", "--variant", "llama", "--out", &s(&model)]);
+    hf_families(&[
+        "tokens",
+        "--out",
+        &s(&tokens),
+        "--vocab",
+        "128",
+        "--batch",
+        "12",
+        "--seq",
+        "12",
+    ]);
+    hf_families(&[
+        "adapter",
+        "--model",
+        &s(&model),
+        "--out",
+        &s(&adapter),
+        "--r",
+        "4",
+        "--alpha",
+        "8",
+    ]);
+    let ours = |adapter: &Path, out: &Path| {
+        let output = Command::new(example("llama"))
+            .args(["--model", &s(&model), "--lora-adapter", &s(adapter), "--eval", &s(&tokens)])
+            .args(["--logits-out", &s(out)])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        read_tensor(out, "logits")
+    };
+    let peft = |adapter: &Path, out: &Path| {
+        hf_families(&[
+            "logits",
+            "--model",
+            &s(&model),
+            "--adapter",
+            &s(adapter),
+            "--tokens",
+            &s(&tokens),
+            "--out",
+            &s(out),
+        ]);
+        read_tensor(out, "logits")
+    };
+    let diff = max_abs_difference(
+        &peft(&adapter, &dir.join("a-py.safetensors")),
+        &ours(&adapter, &dir.join("a-rs.safetensors")),
+    );
+    assert!(diff <= 1e-4, "peft's adapter: logits differ from peft's by {diff}");
+
+    // Fine-tune the adapter on 2 processes, both sides.
+    let common = |out: &Path, losses: &Path| -> Vec<String> {
+        ["--model", &s(&model), "--data", &s(&tokens), "--lora-adapter", &s(&adapter)]
+            .iter()
+            .map(|a| a.to_string())
+            .chain(
+                ["--steps", "4", "--batch-size", "2", "--lr", "1e-2", "--weight-decay", "0.01"]
+                    .map(String::from),
+            )
+            .chain(["--out".into(), s(out), "--losses".into(), s(losses)])
+            .collect()
+    };
+    let (py_out, py_losses) = (dir.join("py-out"), dir.join("py.jsonl"));
+    let port = accel_core::comm::free_port("127.0.0.1").unwrap();
+    let output = Command::new(root().join(".venv/bin/torchrun"))
+        .args(["--nproc-per-node=2".to_string(), format!("--master-port={port}")])
+        .arg(root().join("python/reference/llama_reference.py"))
+        .arg("train")
+        .args(common(&py_out, &py_losses))
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "peft + Accelerate: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let (rs_out, rs_losses) = (dir.join("rs-out"), dir.join("rs.jsonl"));
+    let mut program = vec![example("llama")];
+    program.extend(common(&rs_out, &rs_losses));
+    program.extend(["--strategy", "ddp"].map(String::from));
+    launch(2, program);
+    let (reference, mine) = (read_losses(&py_losses), read_losses(&rs_losses));
+    assert_eq!(reference.len(), 4);
+    for (step, (a, b)) in reference.iter().zip(&mine).enumerate() {
+        assert!((a - b).abs() <= 1e-5, "step {step}: peft + Accelerate's loss {a}, accel's {b}");
+    }
+    let read = |d: &Path| -> BTreeMap<String, tch::Tensor> {
+        tch::Tensor::read_safetensors(d.join("adapter_model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .collect()
+    };
+    let (theirs, trained) = (read(&py_out), read(&rs_out));
+    assert_eq!(
+        theirs.keys().collect::<Vec<_>>(),
+        trained.keys().collect::<Vec<_>>(),
+        "adapter names"
+    );
+    for (name, t) in &theirs {
+        let diff = max_abs_difference(t, &trained[name]);
+        assert!(diff <= 1e-4, "{name} differs from peft + Accelerate's by {diff}");
+    }
+    assert!(
+        max_abs_difference(
+            &read(&adapter)[theirs.keys().next().unwrap()],
+            &trained[theirs.keys().next().unwrap()]
+        ) > 1e-4,
+        "nothing trained"
+    );
+    let diff = max_abs_difference(
+        &peft(&rs_out, &dir.join("t-py.safetensors")),
+        &ours(&rs_out, &dir.join("t-rs.safetensors")),
+    );
+    assert!(diff <= 1e-4, "peft loads accel's adapter to other logits ({diff})");
+
+    // Fresh adapters: PEFT's initialisation (B = 0), saved in PEFT's format.
+    let fresh = dir.join("fresh");
+    let mut program = vec![example("llama")];
+    program.extend(
+        ["--model", &s(&model), "--data", &s(&tokens), "--lora-r", "8", "--lora-alpha", "16"]
+            .map(String::from),
+    );
+    program.extend(
+        ["--lora-target", "q_proj,k_proj,v_proj,o_proj", "--steps", "2", "--out", &s(&fresh)]
+            .map(String::from),
+    );
+    launch(2, program);
+    let diff = max_abs_difference(
+        &peft(&fresh, &dir.join("f-py.safetensors")),
+        &ours(&fresh, &dir.join("f-rs.safetensors")),
+    );
+    assert!(diff <= 1e-4, "peft loads accel's fresh adapter to other logits ({diff})");
+
+    // Merged: a plain checkpoint.
+    let merged = dir.join("merged");
+    let output = Command::new(example("llama"))
+        .args(["--model", &s(&model), "--lora-adapter", &s(&rs_out), "--merge-out", &s(&merged)])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let loaded = dir.join("merged-py.safetensors");
+    llama_reference(&[
+        "load",
+        "--model",
+        &s(&merged),
+        "--eval",
+        &s(&tokens),
+        "--logits-out",
+        &s(&loaded),
+    ]);
+    let diff = max_abs_difference(
+        &read_tensor(&loaded, "logits"),
+        &read_tensor(&dir.join("t-rs.safetensors"), "logits"),
+    );
+    assert!(diff <= 1e-4, "the merged checkpoint gives other logits than its adapter ({diff})");
+
+    // Sharding the base with LoRA is not done yet: said, not attempted.
+    let output = Command::new(example("llama"))
+        .args(["--model", &s(&model), "--lora-adapter", &s(&adapter), "--data", &s(&tokens)])
+        .args(["--out", &s(&dir.join("never")), "--strategy", "zero3"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && said.contains("LoRA runs under ddp"), "{said}");
 }

@@ -5,6 +5,7 @@
     logits --model DIR --eval T.safetensors --logits-out OUT.safetensors   eager attention, fp32
     train  --model DIR --data T.safetensors --steps K --batch-size B --lr LR --weight-decay WD \
            --out DIR2 --losses L.jsonl        (under torchrun: Accelerate DDP)
+           [--lora-adapter ADIR]   peft: the adapter trained on the frozen base, saved as PEFT does
     load   --model DIR2 --eval T.safetensors --logits-out OUT.safetensors   from_pretrained works
            (any family AutoModelForCausalLM loads; a load report with anything missing,
            unexpected or mismatched is an error)
@@ -86,6 +87,10 @@ def train(args):
 
     acc = Accelerator(cpu=True)
     model = load(args.model)
+    if args.lora_adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, args.lora_adapter, is_trainable=True)
     ids = load_file(args.data)["input_ids"]
     opt = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=args.weight_decay
@@ -188,6 +193,7 @@ p.add_argument("--batch-size", type=int, default=2)
 p.add_argument("--lr", type=float, default=1e-3)
 p.add_argument("--weight-decay", type=float, default=0.0)
 p.add_argument("--losses")
+p.add_argument("--lora-adapter", help="train: a PEFT adapter folder trained on the frozen base")
 args = p.parse_args()
 modes = {"make": make, "tokens": tokens, "logits": logits, "train": train, "load": logits, "memory": memory}
 modes[args.mode](args)
