@@ -132,6 +132,12 @@ impl Mailbox {
                 std::thread::sleep(Duration::from_micros(200));
             }
             if spins % 64 == 0 {
+                // A peer that signalled this round, left the collective and then sent the
+                // next one's header over TCP (or exited) is not at fault: look at the slot
+                // again once the link stirs. It wrote the slot before it sent or closed.
+                if stirring(peer, watch) && slot.round.load(Ordering::Acquire) >= round {
+                    continue;
+                }
                 if let Some(fault) = check(peer, watch, tag) {
                     return Err(fault);
                 }
@@ -146,6 +152,15 @@ impl Mailbox {
         }
         check_header(peer, &theirs, tag, "signalled")
     }
+}
+
+/// Whether `peer`'s TCP link has something to say (data, or its end), without reading it.
+fn stirring(peer: usize, watch: &[Option<std::net::TcpStream>]) -> bool {
+    let Some(Some(stream)) = watch.get(peer) else { return false };
+    let events = libc::POLLIN | libc::POLLRDHUP;
+    let mut fd = libc::pollfd { fd: stream.as_raw_fd(), events, revents: 0 };
+    // SAFETY: one valid pollfd, no waiting.
+    unsafe { libc::poll(&mut fd, 1, 0) > 0 }
 }
 
 /// A fault if `peer` is no longer where this rank waits for it: its TCP link closed (it
