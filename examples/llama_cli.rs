@@ -259,10 +259,12 @@ fn with_lora(
     baseline: f64,
 ) -> Result<()> {
     let configured = acc.config().strategy;
-    if !matches!(configured, Strategy::Single | Strategy::Ddp) {
+    // The base is frozen and whole in every process; ddp replicates the adapters, zero3
+    // (and fsdp's full shard) shards them and their optimizer state.
+    if !matches!(configured, Strategy::Single | Strategy::Ddp | Strategy::Zero3 | Strategy::Fsdp) {
         bail!(
-            "LoRA runs under ddp (or one process) here; strategy {configured} would shard the \
-             base, which this LoRA does not do yet: use --strategy ddp"
+            "LoRA runs under single, ddp, zero3 or fsdp here, not {configured}: the frozen base \
+             stays whole in every process, and only those strategies are tested with it"
         );
     }
     let model = Llama::load_pretrained(acc, vs, &args.model)?;
