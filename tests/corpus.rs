@@ -261,7 +261,7 @@ fn check_resume(dir: (&Path, &Path)) -> Result<(), String> {
     let _ = std::fs::remove_dir_all(&checkpoint);
     let batch = ("BATCH_SIZE", "32".to_string());
     let ckpt = ("CHECKPOINT", checkpoint.display().to_string());
-    let (whole, ok, said) = run(dir, "resume_mid_epoch", "whole", 2, &[batch.clone()]);
+    let (whole, ok, said) = run(dir, "resume_mid_epoch", "whole", 2, std::slice::from_ref(&batch));
     if !ok {
         return Err(format!("uninterrupted run failed:\n{said}"));
     }

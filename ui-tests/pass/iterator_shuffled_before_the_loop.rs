@@ -8,6 +8,8 @@ use tch::{Device, Tensor};
 
 use crate::common::{Data, mlp, weights};
 
+// The shape under test: tch's own examples write this loop (clippy would have `for`).
+#[allow(clippy::while_let_on_iterator)]
 #[accel_core::accelerate(strategy = "ddp", cpu = true)]
 fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let vs = nn::VarStore::new(Device::Cpu);

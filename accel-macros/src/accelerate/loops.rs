@@ -535,7 +535,7 @@ impl Rewriter<'_> {
             fn leaves(&self, label: Option<&syn::Lifetime>) -> bool {
                 match label {
                     None => self.inner.is_empty(),
-                    Some(l) => !self.inner.iter().flatten().any(|i| *i == l.ident.to_string()),
+                    Some(l) => !self.inner.iter().flatten().any(|i| l.ident == i),
                 }
             }
             fn nested(&mut self, label: Option<&syn::Label>, f: impl FnOnce(&mut Self)) {
