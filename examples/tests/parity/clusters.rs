@@ -357,6 +357,46 @@ fn srun_across_two_hosts_trains_as_four_processes_on_one() {
     assert!(!output.status.success(), "the batch script ran as task 0 of 4");
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(said.contains("the batch script of a job of 4 tasks"), "{said}");
+
+    // A partition: h2's link goes down mid-run. h1's ranks stop within the timeout, naming
+    // the ranks on h2 they wait for; nothing hangs.
+    let program: Vec<String> = [example("train"), "--epochs".into(), "400".into(), "--out".into()]
+        .into_iter()
+        .chain([dir.join("partitioned").display().to_string()])
+        .collect();
+    // Cut once training has begun (rank 0 has written its first metrics).
+    let metrics = dir.join("partitioned").join("metrics.jsonl");
+    let cut = std::thread::spawn(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(90);
+        while !metrics.exists() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_secs(1));
+        let down = Command::new("ip").args(["link", "set", "veth-h2", "down"]).status();
+        down.is_ok_and(|s| s.success())
+    });
+    let started = std::time::Instant::now();
+    let mut cmd = Command::new("srun");
+    cmd.env("SLURM_CONF", &cluster.conf)
+        .env("ACCEL_TIMEOUT_SECS", "10")
+        .env("RUST_BACKTRACE", "0")
+        .args(["--time=5", "--kill-on-bad-exit=1", "-N", "2", "-n", "4", "--ntasks-per-node", "2"])
+        .args(&program);
+    let output = run_for(cmd, 150, "train across a partition");
+    let took = started.elapsed();
+    assert!(cut.join().unwrap(), "could not take h2's link down");
+    let _ = Command::new("ip").args(["link", "set", "veth-h2", "up"]).status();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!output.status.success(), "a run across a partition succeeded:\n{said}");
+    assert!(
+        said.contains("timed out after 10 s waiting for rank") && said.contains("on h2"),
+        "the partition was not reported naming h2:\n{said}"
+    );
+    eprintln!("partition: h1's ranks stopped naming h2; srun ended after {took:?}");
     drop(cluster);
 }
 
