@@ -145,7 +145,17 @@ $(for i in $(seq 1 "$n"); do echo "NodeName=h$i NodeAddr=$NET.$((10 + i)) CPUs=$
 PartitionName=debug Nodes=h[1-$n] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 
-    pgrep -x munged >/dev/null || { mkdir -p /run/munge; chown munge:munge /run/munge 2>/dev/null || true; su -s /bin/sh munge -c munged 2>/dev/null || munged --force; }
+    # munged, unless one already answers (Debian's postinst may have started it).
+    if [ ! -f /etc/munge/munge.key ]; then
+        mungekey --create 2>/dev/null || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 2>/dev/null
+        chown munge:munge /etc/munge/munge.key && chmod 400 /etc/munge/munge.key
+    fi
+    if ! munge -n </dev/null >/dev/null 2>&1; then
+        mkdir -p /run/munge && chown munge:munge /run/munge 2>/dev/null || true
+        su -s /bin/sh munge -c munged 2>/dev/null || munged --force
+        for _ in $(seq 1 50); do munge -n </dev/null >/dev/null 2>&1 && break; sleep 0.1; done
+        munge -n </dev/null >/dev/null 2>&1 || die "munged did not start (/var/log/munge/munged.log)"
+    fi
     export SLURM_CONF=$dir/slurm.conf
     slurmctld -f "$dir/slurm.conf" -i
     for i in $(seq 1 "$n"); do
