@@ -5,6 +5,7 @@ use tch::data::Iter2;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Tensor};
 use crate::common::{Data, mlp, weights};
+#[allow(clippy::while_let_on_iterator)]
 fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
