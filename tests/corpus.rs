@@ -62,6 +62,7 @@ const PROGRAMS: &[(&str, Outcome)] = &[
     ("nanogpt", Draws),
     ("nanogpt_while", Draws),
     ("gan_latent", Draws),
+    ("while_let_drawn", Draws),
     ("full_batch", FailsOnTwo { says: "computed the same loss", line: None }),
     ("seeded_rng_batches", FailsOnTwo { says: "computed the same loss", line: None }),
     ("break_on_own_loss", FailsOnTwo { says: "parted ways", line: Some(22) }),

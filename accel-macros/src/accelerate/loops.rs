@@ -147,6 +147,9 @@ fn data_of(expr: &Expr, mode: Mode) -> Data {
         },
         Expr::While(w) => match next_receiver(Some(&w.cond), &w.body) {
             Some(it) => Data::Next(it),
+            // Batches from a source the attribute cannot see: each process draws its own
+            // when the attribute says so, else the user is asked.
+            None if matches!(&*w.cond, Expr::Let(_)) && mode == Mode::Drawn => Data::Counting,
             None if matches!(&*w.cond, Expr::Let(_)) => {
                 Data::Unseen { span: span_of(&w.while_token) }
             }
@@ -156,7 +159,8 @@ fn data_of(expr: &Expr, mode: Mode) -> Data {
             Some(it) => Data::Next(it),
             // `loop { let Some(b) = source() else { break }; .. }`: batches from somewhere
             // the attribute cannot see, as with `while let`.
-            None if matches!(l.body.stmts.first(), Some(Stmt::Local(local))
+            None if mode != Mode::Drawn
+                && matches!(l.body.stmts.first(), Some(Stmt::Local(local))
                 if local.init.as_ref().is_some_and(|i| i.diverge.is_some())) =>
             {
                 Data::Unseen { span: span_of(&l.loop_token) }
