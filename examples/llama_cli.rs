@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW};
 use accel_core::{Accelerator, Precision, Strategy};
-use accel_models::llama::{Llama, LlamaConfig};
+use accel_models::llama::Llama;
 use accel_models::lora::{self, LoraConfig, LoraInit};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -123,7 +123,6 @@ fn rss() -> (f64, f64) {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let config = LlamaConfig::read(&args.model)?;
     let mut builder =
         Accelerator::builder().activation_checkpointing(args.activation_checkpointing);
     if let Some(strategy) = args.strategy {
@@ -146,29 +145,14 @@ fn main() -> Result<()> {
         (None, None) => None,
     };
     if let Some((lora_config, lora_init)) = lora {
-        return with_lora(&args, &acc, &mut vs, &config, &lora_config, lora_init, baseline);
+        return with_lora(&args, &acc, &mut vs, &lora_config, lora_init);
     }
 
     if let (Some(eval), Some(out)) = (&args.eval, &args.logits_out) {
         let model = Llama::load_pretrained(&acc, &vs, &args.model)?;
-        let ids = input_ids(eval)?;
-        config.check_ids(&ids).with_context(|| format!("{}", eval.display()))?;
-        let ids = ids.to_device(acc.device());
-        let logits = tch::no_grad(|| model.forward(&ids)).to_kind(tch::Kind::Float);
-        if acc.is_main_process() {
-            Tensor::write_safetensors(&[("logits", &logits)], out)?;
-        }
-        return Ok(());
+        return evaluate(&acc, &model, eval, out);
     }
     let Some(data) = &args.data else { bail!("give --eval (with --logits-out) or --data") };
-    if config.attention_dropout != 0.0 {
-        bail!(
-            "{}: attention_dropout is {}; this trainer implements none (set it to 0.0 to \
-             fine-tune without it)",
-            args.model.join("config.json").display(),
-            config.attention_dropout
-        );
-    }
 
     let model = Llama::from_pretrained(&acc, &vs, &args.model)?;
     let params: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
@@ -191,15 +175,56 @@ fn main() -> Result<()> {
         report(None, None);
         return Ok(());
     }
+    let started = fine_tune(&args, &acc, &model, &vs, data)?;
+    let step_s = started
+        .filter(|_| args.steps > 1)
+        .map(|t| t.elapsed().as_secs_f64() / (args.steps - 1) as f64);
+    report(Some(rss().1 - baseline), step_s);
+    let out = args.out.as_ref().expect("clap requires --out with --data");
+    model.save_pretrained(&acc, &vs, out, args.max_shard_size)?;
+    acc.end_training()?;
+    Ok(())
+}
+
+/// Writes the logits of `--eval`'s ids to `out` (the main process).
+fn evaluate(acc: &Accelerator, model: &Llama, eval: &PathBuf, out: &PathBuf) -> Result<()> {
+    let ids = input_ids(eval)?;
+    model.config.check_ids(&ids).with_context(|| format!("{}", eval.display()))?;
+    let logits = tch::no_grad(|| model.forward(&ids.to_device(acc.device())));
+    if acc.is_main_process() {
+        Tensor::write_safetensors(&[("logits", &logits.to_kind(tch::Kind::Float))], out)?;
+    }
+    Ok(())
+}
+
+/// `--steps` AdamW steps on the variables of `trainable` (prepared), the rows of `data` dealt
+/// in order, epochs repeating; rank 0's loss of every step to `--losses`. Returns when the
+/// steps after the first began (the first makes the optimizer state; memory peaks are
+/// measured after it).
+fn fine_tune(
+    args: &Args,
+    acc: &Accelerator,
+    model: &Llama,
+    trainable: &tch::nn::VarStore,
+    data: &PathBuf,
+) -> Result<Option<std::time::Instant>> {
+    if model.config.attention_dropout != 0.0 {
+        bail!(
+            "{}: attention_dropout is {}; this trainer implements none (set it to 0.0 to \
+             fine-tune without it)",
+            args.model.join("config.json").display(),
+            model.config.attention_dropout
+        );
+    }
     let adamw = AdamConfig {
         lr: args.lr,
         weight_decay: args.weight_decay,
         eps: 1e-8,
         ..AdamConfig::adamw()
     };
-    let mut opt = acc.prepare_optimizer(AdamW::new(acc.params(&vs), adamw)?);
+    let mut opt = acc.prepare_optimizer(AdamW::new(acc.params(trainable), adamw)?);
     let ids = input_ids(data)?;
-    config.check_ids(&ids).with_context(|| format!("{}", data.display()))?;
+    model.config.check_ids(&ids).with_context(|| format!("{}", data.display()))?;
     let options = LoaderOptions { batch_size: args.batch_size, ..Default::default() };
     let mut loader =
         acc.prepare_loader(DataLoader::new(TensorDataset::new(vec![ids])?, options)?)?;
@@ -226,7 +251,6 @@ fn main() -> Result<()> {
             }
             step += 1;
             if step == 1 {
-                // The first step makes the optimizer state; the peak is measured after it.
                 acc.wait_for_everyone()?;
                 let _ = std::fs::write("/proc/self/clear_refs", "5");
                 started = Some(std::time::Instant::now());
@@ -237,14 +261,7 @@ fn main() -> Result<()> {
         }
     }
     acc.wait_for_everyone()?;
-    let step_s = started
-        .filter(|_| args.steps > 1)
-        .map(|t| t.elapsed().as_secs_f64() / (args.steps - 1) as f64);
-    report(Some(rss().1 - baseline), step_s);
-    let out = args.out.as_ref().expect("clap requires --out with --data");
-    model.save_pretrained(&acc, &vs, out, args.max_shard_size)?;
-    acc.end_training()?;
-    Ok(())
+    Ok(started)
 }
 
 /// The base frozen and whole on every process, the adapters the only trained variables:
@@ -253,10 +270,8 @@ fn with_lora(
     args: &Args,
     acc: &Accelerator,
     vs: &mut tch::nn::VarStore,
-    config: &LlamaConfig,
     lora_config: &LoraConfig,
     init: LoraInit,
-    baseline: f64,
 ) -> Result<()> {
     let configured = acc.config().strategy;
     // The base is frozen and whole in every process; ddp replicates the adapters, zero3
@@ -280,59 +295,14 @@ fn with_lora(
         return Ok(());
     }
     if let (Some(eval), Some(out)) = (&args.eval, &args.logits_out) {
-        let ids = input_ids(eval)?;
-        config.check_ids(&ids).with_context(|| format!("{}", eval.display()))?;
-        let logits = tch::no_grad(|| model.forward(&ids.to_device(acc.device())));
-        if acc.is_main_process() {
-            Tensor::write_safetensors(&[("logits", &logits.to_kind(tch::Kind::Float))], out)?;
-        }
-        return Ok(());
+        return evaluate(acc, &model, eval, out);
     }
     let Some(data) = &args.data else { bail!("give --eval, --merge-out or --data") };
     if lora_config.dropout != 0.0 {
         bail!("lora_dropout is {}; this trainer implements none", lora_config.dropout);
     }
     acc.prepare_model(&adapters)?;
-    let adamw = AdamConfig {
-        lr: args.lr,
-        weight_decay: args.weight_decay,
-        eps: 1e-8,
-        ..AdamConfig::adamw()
-    };
-    let mut opt = acc.prepare_optimizer(AdamW::new(acc.params(&adapters), adamw)?);
-    let ids = input_ids(data)?;
-    config.check_ids(&ids).with_context(|| format!("{}", data.display()))?;
-    let options = LoaderOptions { batch_size: args.batch_size, ..Default::default() };
-    let mut loader =
-        acc.prepare_loader(DataLoader::new(TensorDataset::new(vec![ids])?, options)?)?;
-    let mut log = match (&args.losses, acc.is_main_process()) {
-        (Some(path), true) => Some(std::fs::File::create(path)?),
-        _ => None,
-    };
-    let mut step = 0;
-    'training: loop {
-        for batch in loader.iter() {
-            let batch = batch?;
-            let logits = acc.forward(|| model.forward(&batch[0]))?;
-            let loss = Llama::loss(&logits, &batch[0]);
-            acc.backward(&loss)?;
-            opt.step()?;
-            opt.zero_grad()?;
-            if let Some(log) = &mut log {
-                writeln!(
-                    log,
-                    "{}",
-                    serde_json::json!({ "step": step, "loss": loss.double_value(&[]) })
-                )?;
-            }
-            step += 1;
-            if step == args.steps {
-                break 'training;
-            }
-        }
-    }
-    acc.wait_for_everyone()?;
-    let _ = baseline;
+    fine_tune(args, acc, &model, &adapters, data)?;
     let out = args.out.as_ref().expect("clap requires --out with --data");
     lora::save_adapter(acc, &adapters, lora_config, &args.model.display().to_string(), out)?;
     acc.end_training()?;

@@ -257,37 +257,9 @@ impl Topology {
         })?;
         let addr = match get("MASTER_ADDR") {
             Some(addr) => addr,
-            None => {
-                let (name, list) = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
-                    .into_iter()
-                    .find_map(|k| get(k).map(|v| (k, v)))
-                    .ok_or_else(|| {
-                        Error::Config(format!(
-                            "{s}: neither MASTER_ADDR nor SLURM_STEP_NODELIST is set, so rank 0's \
-                             host is unknown: set MASTER_ADDR"
-                        ))
-                    })?;
-                expand_hostlist(&list)
-                    .map_err(|why| {
-                        Error::Config(format!(
-                            "{s}: {name}={list:?} is not a Slurm host list ({why}): set \
-                             MASTER_ADDR to rank 0's host"
-                        ))
-                    })?
-                    .swap_remove(0)
-            }
+            None => slurm_first_host(get)?,
         };
-        let port = match port {
-            Some(p) => p,
-            None => {
-                let job = get("SLURM_JOB_ID").or_else(|| get("SLURM_JOBID"));
-                let step = get("SLURM_STEP_ID").or_else(|| get("SLURM_STEPID"));
-                match job.and_then(|j| j.trim().parse::<u64>().ok()) {
-                    Some(job) => slurm_port(job, step.and_then(|s| s.trim().parse().ok())),
-                    None => DEFAULT_PORT,
-                }
-            }
-        };
+        let port = port.unwrap_or_else(|| slurm_job_port(get));
         Ok(Self::at(s, [rank, world, local_rank, local_world], addr, port))
     }
 
@@ -398,23 +370,43 @@ impl SlurmMachines {
                  --ntasks-per-node=1 accel launch --num-processes K ..."
             )));
         }
-        let list = get("SLURM_STEP_NODELIST").ok_or_else(|| {
-            Error::Config("Slurm: SLURM_STEP_NODELIST is not set though SLURM_STEP_ID is".into())
-        })?;
-        let first = expand_hostlist(&list)
-            .map_err(|why| {
-                Error::Config(format!(
-                    "Slurm: SLURM_STEP_NODELIST={list:?} is not a host list ({why})"
-                ))
-            })?
-            .swap_remove(0);
-        let job = num("SLURM_JOB_ID")? as u64;
         Ok(Some(Self {
             num_machines: nodes,
             machine_rank: num("SLURM_NODEID")?,
-            main_process_ip: first,
-            main_process_port: slurm_port(job, Some(num("SLURM_STEP_ID")? as u64)),
+            main_process_ip: slurm_first_host(&get)?,
+            main_process_port: slurm_job_port(&get),
         }))
+    }
+}
+
+/// Rank 0's host under Slurm: the first of the step's (else the job's) host list.
+fn slurm_first_host(get: &impl Fn(&str) -> Option<String>) -> Result<String> {
+    let (name, list) = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+        .into_iter()
+        .find_map(|k| get(k).map(|v| (k, v)))
+        .ok_or_else(|| {
+            Error::Config(
+                "Slurm: neither MASTER_ADDR nor SLURM_STEP_NODELIST is set, so rank 0's host is \
+                 unknown: set MASTER_ADDR"
+                    .into(),
+            )
+        })?;
+    let mut hosts = expand_hostlist(&list).map_err(|why| {
+        Error::Config(format!(
+            "Slurm: {name}={list:?} is not a Slurm host list ({why}): set MASTER_ADDR to rank \
+             0's host"
+        ))
+    })?;
+    Ok(hosts.swap_remove(0))
+}
+
+/// The store's port from the job and step ids ([`slurm_port`]); torch's default outside a
+/// job.
+fn slurm_job_port(get: &impl Fn(&str) -> Option<String>) -> u16 {
+    let id = |a: &str, b: &str| get(a).or_else(|| get(b)).and_then(|v| v.trim().parse().ok());
+    match id("SLURM_JOB_ID", "SLURM_JOBID") {
+        Some(job) => slurm_port(job, id("SLURM_STEP_ID", "SLURM_STEPID")),
+        None => DEFAULT_PORT,
     }
 }
 

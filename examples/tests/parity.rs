@@ -1133,6 +1133,37 @@ fn read_hf_folder(dir: &Path) -> BTreeMap<String, tch::Tensor> {
     names.into_iter().map(|n| (n.clone(), checkpoint.read(&n).unwrap())).collect()
 }
 
+/// The `llama` example's logits of `tokens` under the model folder `model` (with `extra`
+/// flags), written to `out`.
+fn llama_eval(model: &Path, tokens: &Path, out: &Path, extra: &[&str]) -> std::process::Output {
+    Command::new(example("llama"))
+        .args(["--model", model.to_str().unwrap(), "--eval", tokens.to_str().unwrap()])
+        .args(["--logits-out", out.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+/// How far the logits of transformers' `from_pretrained` of `folder` (whose load report
+/// must have nothing missing, unexpected or mismatched) are from the `llama` example's of
+/// the same folder; the logits files go in `dir` under `tag`.
+fn from_pretrained_logits_diff(dir: &Path, folder: &Path, tokens: &Path, tag: &str) -> f64 {
+    let (py_logits, rs_logits) =
+        (dir.join(format!("{tag}-load.safetensors")), dir.join(format!("{tag}-ours.safetensors")));
+    llama_reference(&[
+        "load",
+        "--model",
+        folder.to_str().unwrap(),
+        "--eval",
+        tokens.to_str().unwrap(),
+        "--logits-out",
+        py_logits.to_str().unwrap(),
+    ]);
+    let output = llama_eval(folder, tokens, &rs_logits, &[]);
+    assert!(output.status.success(), "{tag}: {}", String::from_utf8_lossy(&output.stderr));
+    max_abs_difference(&read_tensor(&py_logits, "logits"), &read_tensor(&rs_logits, "logits"))
+}
+
 /// Llama's logits equal transformers' (eager attention, fp32) on a random model saved by
 /// `save_pretrained` in several shards, untied and tied.
 #[test]
@@ -1161,11 +1192,7 @@ fn llama_logits_equal_transformers_on_a_sharded_checkpoint() {
             "--logits-out",
             py.to_str().unwrap(),
         ]);
-        let output = Command::new(example("llama"))
-            .args(["--model", model.to_str().unwrap(), "--eval", tokens.to_str().unwrap()])
-            .args(["--logits-out", rs.to_str().unwrap()])
-            .output()
-            .unwrap();
+        let output = llama_eval(&model, &tokens, &rs, &[]);
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
         let diff = max_abs_difference(&read_tensor(&py, "logits"), &read_tensor(&rs, "logits"));
         assert!(diff <= 1e-4, "tied {tied}: logits differ from transformers' by {diff}");
@@ -1241,25 +1268,7 @@ fn llama_fine_tune_under_zero3_with_activation_checkpointing_equals_transformers
     let before = &read_hf_folder(&model)["model.norm.weight"];
     assert!(max_abs_difference(before, &ours["model.norm.weight"]) > 1e-4, "nothing trained");
     assert!(runs[0].0.join("model.safetensors.index.json").exists(), "not sharded");
-    let (py_logits, rs_logits) =
-        (dir.join("from-pretrained.safetensors"), dir.join("ours.safetensors"));
-    llama_reference(&[
-        "load",
-        "--model",
-        runs[0].0.to_str().unwrap(),
-        "--eval",
-        tokens.to_str().unwrap(),
-        "--logits-out",
-        py_logits.to_str().unwrap(),
-    ]);
-    let output = Command::new(example("llama"))
-        .args(["--model", runs[0].0.to_str().unwrap(), "--eval", tokens.to_str().unwrap()])
-        .args(["--logits-out", rs_logits.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-    let diff =
-        max_abs_difference(&read_tensor(&py_logits, "logits"), &read_tensor(&rs_logits, "logits"));
+    let diff = from_pretrained_logits_diff(&dir, &runs[0].0, &tokens, "from-pretrained");
     assert!(diff <= 1e-4, "from_pretrained of accel's folder gives other logits (by {diff})");
 }
 
@@ -1327,13 +1336,7 @@ fn every_family_gives_transformers_logits_and_what_is_not_understood_is_refused(
     let tokens = dir.join("tokens.safetensors");
     let t = tokens.to_str().unwrap();
     hf_families(&["tokens", "--out", t, "--vocab", "128", "--batch", "2", "--seq", "24"]);
-    let llama = |model: &Path, ids: &Path, out: &Path| {
-        Command::new(example("llama"))
-            .args(["--model", model.to_str().unwrap(), "--eval", ids.to_str().unwrap()])
-            .args(["--logits-out", out.to_str().unwrap()])
-            .output()
-            .unwrap()
-    };
+    let llama = |model: &Path, ids: &Path, out: &Path| llama_eval(model, ids, out, &[]);
     for variant in [
         "llama",
         "llama-linear",
@@ -1539,29 +1542,7 @@ fn families_fine_tune_under_zero3_as_transformers_and_accelerate_do() {
         assert_eq!(config["dtype"], "float32", "{variant}");
         // from_pretrained of accel's folder: nothing missing or unexpected (the reference
         // refuses otherwise), and the logits of the weights it holds.
-        let (py_logits, rs_logits) = (
-            dir.join(format!("{variant}-load.safetensors")),
-            dir.join(format!("{variant}-ours.safetensors")),
-        );
-        llama_reference(&[
-            "load",
-            "--model",
-            rs_out.to_str().unwrap(),
-            "--eval",
-            tokens.to_str().unwrap(),
-            "--logits-out",
-            py_logits.to_str().unwrap(),
-        ]);
-        let output = Command::new(example("llama"))
-            .args(["--model", rs_out.to_str().unwrap(), "--eval", tokens.to_str().unwrap()])
-            .args(["--logits-out", rs_logits.to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert!(output.status.success(), "{variant}: {}", String::from_utf8_lossy(&output.stderr));
-        let diff = max_abs_difference(
-            &read_tensor(&py_logits, "logits"),
-            &read_tensor(&rs_logits, "logits"),
-        );
+        let diff = from_pretrained_logits_diff(&dir, &rs_out, &tokens, variant);
         assert!(
             diff <= 1e-4,
             "{variant}: from_pretrained of accel's folder gives other logits ({diff})"
@@ -1606,11 +1587,7 @@ fn lora_adapters_load_train_save_and_merge_as_peft_does() {
         "8",
     ]);
     let ours = |adapter: &Path, out: &Path| {
-        let output = Command::new(example("llama"))
-            .args(["--model", &s(&model), "--lora-adapter", &s(adapter), "--eval", &s(&tokens)])
-            .args(["--logits-out", &s(out)])
-            .output()
-            .unwrap();
+        let output = llama_eval(&model, &tokens, out, &["--lora-adapter", &s(adapter)]);
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
         read_tensor(out, "logits")
     };

@@ -206,20 +206,18 @@ impl Accelerator {
                 return Ok(());
             }
         }
-        let token = format!("{:016x}", rand_token());
-        let probe = dir.join(format!(".accel-shared-{token}"));
-        let made = if group.rank() == 0 {
+        // Rank 0's probe holds a fresh token (so that another run's leftover does not count);
+        // its outcome and the token reach every rank in one broadcast.
+        let made = (group.rank() == 0).then(|| {
+            let token = crate::comm::auth::Token::generate().map_err(|e| e.to_string())?;
             std::fs::create_dir_all(dir)
-                .and_then(|_| std::fs::write(&probe, &token))
-                .map_err(|e| io_error(dir, e).to_string())
-        } else {
-            Ok(())
-        };
-        let made: std::result::Result<(), String> =
-            group.broadcast_object((group.rank() == 0).then_some(&made), 0)?;
-        made.map_err(|e| bad(dir, format!("the main process cannot write the {what}: {e}")))?;
-        // Rank 0's token, so that another run's leftover probe does not count.
-        let token: String = group.broadcast_object((group.rank() == 0).then_some(&token), 0)?;
+                .and_then(|_| std::fs::write(dir.join(format!(".accel-shared-{token}")), &token))
+                .map_err(|e| io_error(dir, e).to_string())?;
+            Ok(token)
+        });
+        let made: std::result::Result<String, String> = group.broadcast_object(made.as_ref(), 0)?;
+        let token =
+            made.map_err(|e| bad(dir, format!("the main process cannot write the {what}: {e}")))?;
         let probe = dir.join(format!(".accel-shared-{token}"));
         let seen = std::fs::read_to_string(&probe).is_ok_and(|t| t == token);
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -700,18 +698,4 @@ impl Accelerator {
             None => Ok(None),
         }
     }
-}
-
-/// A number no other run picks (time and process id, mixed).
-fn rand_token() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
 }

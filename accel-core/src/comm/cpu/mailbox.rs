@@ -132,13 +132,8 @@ impl Mailbox {
                 std::thread::sleep(Duration::from_micros(200));
             }
             if spins % 64 == 0 {
-                // A peer that signalled this round, left the collective and then sent the
-                // next one's header over TCP (or exited) is not at fault: look at the slot
-                // again once the link stirs. It wrote the slot before it sent or closed.
-                if stirring(peer, watch) && slot.round.load(Ordering::Acquire) >= round {
-                    continue;
-                }
-                if let Some(fault) = check(peer, watch, tag) {
+                let signalled = || slot.round.load(Ordering::Acquire) >= round;
+                if let Some(fault) = check(peer, watch, tag, signalled) {
                     return Err(fault);
                 }
                 if waited > timeout {
@@ -154,24 +149,24 @@ impl Mailbox {
     }
 }
 
-/// Whether `peer`'s TCP link has something to say (data, or its end), without reading it.
-fn stirring(peer: usize, watch: &[Option<std::net::TcpStream>]) -> bool {
-    let Some(Some(stream)) = watch.get(peer) else { return false };
-    let events = libc::POLLIN | libc::POLLRDHUP;
-    let mut fd = libc::pollfd { fd: stream.as_raw_fd(), events, revents: 0 };
-    // SAFETY: one valid pollfd, no waiting.
-    unsafe { libc::poll(&mut fd, 1, 0) > 0 }
-}
-
 /// A fault if `peer` is no longer where this rank waits for it: its TCP link closed (it
 /// died, or this group was aborted), or it sent something over TCP, which it only does in
 /// another collective (every earlier transfer was read in full).
-fn check(peer: usize, watch: &[Option<std::net::TcpStream>], tag: Tag) -> Option<Fault> {
+///
+/// A peer that signalled this round, left the collective and then sent the next one's header
+/// over TCP (or exited) is not at fault: it wrote its slot before it sent or closed, so once
+/// the link stirs, `signalled` (a look at the slot) tells the two apart.
+fn check(
+    peer: usize,
+    watch: &[Option<std::net::TcpStream>],
+    tag: Tag,
+    signalled: impl Fn() -> bool,
+) -> Option<Fault> {
     let stream = watch.get(peer)?.as_ref()?;
     let events = libc::POLLIN | libc::POLLRDHUP;
     let mut fd = libc::pollfd { fd: stream.as_raw_fd(), events, revents: 0 };
     // SAFETY: one valid pollfd, no waiting.
-    if unsafe { libc::poll(&mut fd, 1, 0) } <= 0 {
+    if unsafe { libc::poll(&mut fd, 1, 0) } <= 0 || signalled() {
         return None;
     }
     let lost = |detail: String| Some(Fault::Lost { peer, detail });
