@@ -159,10 +159,11 @@ fn main() -> Result<()> {
     }
     let acc = builder.build()?;
     acc.print(format!(
-        "parity: {} on {} process(es), collectives over {:?}",
+        "parity: {} on {} process(es), collectives over {:?}{}",
         acc.strategy().name(),
         acc.num_processes(),
-        acc.mesh().everyone().backend()
+        acc.mesh().everyone().backend(),
+        acc.process_group().map(|g| format!(" by {}", g.transport())).unwrap_or_default()
     ));
 
     let init: Vec<(String, Tensor)> = Tensor::read_safetensors(&args.init)

@@ -83,6 +83,18 @@ fn allow_siblings_to_read() {
     }
 }
 
+/// The members (ranks) by machine, machines in order of their lowest rank.
+fn by_machine<'a>(machine_of_rank: impl Iterator<Item = &'a str>) -> Vec<Vec<usize>> {
+    let mut machines: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (rank, machine) in machine_of_rank.enumerate() {
+        match machines.iter_mut().find(|(m, _)| *m == machine) {
+            Some((_, members)) => members.push(rank),
+            None => machines.push((machine, vec![rank])),
+        }
+    }
+    machines.into_iter().map(|(_, members)| members).collect()
+}
+
 /// Identifies this machine (boot id and host name): members with equal ids share memory.
 fn host_id() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
@@ -161,7 +173,8 @@ impl ProcessGroup {
             })?;
             let addr = listener.local_addr().map_err(|e| Error::Rendezvous(e.to_string()))?;
             store.set(&format!("{prefix}/addr/{rank}"), addr.to_string().as_bytes())?;
-            let host = format!("{}|{}|{}", host_id(), std::process::id(), direct::probe_address());
+            let machine = options.machine.clone().unwrap_or_else(host_id);
+            let host = format!("{machine}|{}|{}", std::process::id(), direct::probe_address());
             store.set(&format!("{prefix}/host/{rank}"), host.as_bytes())?;
             store.wait_all(&format!("{prefix}/addr"), world, options.timeout).map_err(
                 |e| match e {
@@ -185,7 +198,7 @@ impl ProcessGroup {
         };
         let mut links =
             Links::connect(rank, world, id, &listener, &addrs, options.timeout, &options.token)?;
-        // Everyone on this machine: peers read each other's memory directly.
+        // Members of one machine read each other's memory directly.
         let parsed: Vec<(String, i32, u64)> = hosts
             .iter()
             .map(|h| {
@@ -196,18 +209,24 @@ impl ProcessGroup {
                 (host, pid, probe)
             })
             .collect();
-        let same_host = parsed.iter().all(|(h, _, _)| *h == parsed[0].0);
+        let machines = by_machine(parsed.iter().map(|(h, _, _)| h.as_str()));
+        let sizes: Vec<usize> = machines.iter().map(Vec::len).collect();
         let pids = if world == 1 {
             Err("one process".to_string())
-        } else if !same_host {
-            Err("the members are on several machines".to_string())
         } else if !options.direct_copy {
             Err("direct copies are off: ACCEL_DISABLE_CMA is set".to_string())
+        } else if sizes.iter().all(|&n| n == 1) {
+            Err(format!("one member on each of {} machines", machines.len()))
+        } else if sizes.iter().any(|&n| n != sizes[0]) {
+            Err(format!(
+                "the machines hold unequal numbers of members ({sizes:?}), so every byte goes \
+                 through TCP"
+            ))
         } else {
             Ok(parsed.iter().map(|(_, p, _)| *p).collect())
         };
         let probes: Vec<u64> = parsed.iter().map(|(_, _, a)| *a).collect();
-        let transport = links.enable_direct(pids, &probes)?;
+        let transport = links.enable_direct(pids, &probes, machines)?;
         let direct = transport == Transport::Direct;
         let sockets = Arc::new(links.shutdown_handles());
         // host_id() is "boot id/host name".

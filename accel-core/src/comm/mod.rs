@@ -44,12 +44,16 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 pub struct GroupOptions {
     /// Bound on every wait: rendezvous and each collective.
     pub timeout: Duration,
-    /// When every member is on this machine, copy data straight between processes
-    /// (`process_vm_readv`) instead of through TCP. On by default; `ACCEL_DISABLE_CMA=1`
+    /// Copy data straight between the processes of each machine (`process_vm_readv`)
+    /// instead of through TCP. On by default; `ACCEL_DISABLE_CMA=1`
     /// turns it off. Falls back to TCP by itself where the kernel forbids it.
     pub direct_copy: bool,
     /// The run's shared secret, proven on every store and mesh connection.
     pub token: auth::Token,
+    /// Stands in for this machine's identity (boot id and host name), so that threads of one
+    /// process can play ranks on several machines in tests.
+    #[doc(hidden)]
+    pub machine: Option<String>,
 }
 
 impl Default for GroupOptions {
@@ -59,6 +63,7 @@ impl Default for GroupOptions {
             timeout: DEFAULT_TIMEOUT,
             direct_copy: std::env::var_os("ACCEL_DISABLE_CMA").is_none(),
             token: auth::Token::none(),
+            machine: None,
         }
     }
 }

@@ -49,6 +49,27 @@ fn on_ranks_with<T: Send + 'static>(
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// Like [`on_ranks_with`], with rank `r` on the machine named `machines[r]`.
+fn on_machines<T: Send + 'static>(
+    machines: &[&str],
+    body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let (world, port) = (machines.len(), free_port("127.0.0.1").unwrap());
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let body = body.clone();
+            let machine = Some(machines[rank].to_owned());
+            let options =
+                GroupOptions { timeout: SECOND, direct_copy: true, machine, ..Default::default() };
+            std::thread::spawn(move || {
+                let group = ProcessGroup::new(&topology(rank, world, port), options).unwrap();
+                body(group)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 fn values(rank: usize, n: i64, kind: Kind) -> Tensor {
     (Tensor::arange(n, (Kind::Double, Device::Cpu)) * (rank as f64 + 1.0) - 3.0 * rank as f64)
         .to_kind(kind)
@@ -109,6 +130,85 @@ fn all_reduce_every_op_and_dtype_on_2_3_and_4_ranks_by_direct_copy_and_by_tcp() 
                 failures.is_empty(),
                 "world {world} direct {direct_copy} rank {rank}: {failures:?}"
             );
+        }
+    }
+}
+
+/// Ranks on several machines (interleaved, as a launcher may number them) copy directly
+/// within each machine and go over TCP between them: all-reduce (every op), reduce-scatter
+/// and all-gather give what the collectives mean, the same bits on every rank; machines with
+/// unequal numbers of ranks go all over TCP, and say why.
+#[test]
+fn across_machines_ranks_copy_directly_within_each_and_over_tcp_between() {
+    for machines in [&["a", "b", "a", "b"][..], &["a", "a", "b", "b", "c", "c"], &["a", "a", "b"]] {
+        let world = machines.len();
+        let count = {
+            let mut m = machines.to_vec();
+            m.sort();
+            m.dedup();
+            m.len()
+        };
+        let results = on_machines(machines, move |g| {
+            let transport = g.transport().clone();
+            let mut reduced = Vec::new();
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max] {
+                for n in [1001, 5] {
+                    let t = values(g.rank(), n, Kind::Float);
+                    g.all_reduce(&t, op).unwrap();
+                    reduced.push(t);
+                }
+            }
+            let input = Tensor::arange(4 * world as i64, (Kind::Double, Device::Cpu))
+                * (g.rank() as f64 + 1.0);
+            let scattered = g.reduce_scatter(&input, ReduceOp::Avg).unwrap();
+            let gathered = g.all_gather(&Tensor::from_slice(&[g.rank() as i64; 3])).unwrap();
+            (transport, reduced, scattered, gathered)
+        });
+        let expected_transport = if count == 2 && world == 3 {
+            None
+        } else {
+            Some(Transport::Mixed { machines: count })
+        };
+        for (rank, (transport, reduced, scattered, gathered)) in results.iter().enumerate() {
+            match &expected_transport {
+                Some(t) => assert_eq!(transport, t, "{machines:?}"),
+                None => assert!(
+                    matches!(transport, Transport::Tcp(why) if why.contains("unequal numbers")),
+                    "{machines:?}: {transport}"
+                ),
+            }
+            let mut i = 0;
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max] {
+                for n in [1001, 5] {
+                    let all: Vec<Tensor> = (0..world).map(|r| values(r, n, Kind::Double)).collect();
+                    let stacked = Tensor::stack(&all, 0);
+                    let dim = [0i64];
+                    let expected = match op {
+                        ReduceOp::Sum => {
+                            stacked.sum_dim_intlist(dim.as_slice(), false, Kind::Double)
+                        }
+                        ReduceOp::Avg => stacked.mean_dim(dim.as_slice(), false, Kind::Double),
+                        ReduceOp::Min => stacked.amin(dim.as_slice(), false),
+                        ReduceOp::Max => stacked.amax(dim.as_slice(), false),
+                    };
+                    let got = &reduced[i];
+                    let diff = (got.to_kind(Kind::Double) - expected).abs().max().double_value(&[]);
+                    assert!(diff < 1e-3, "{machines:?} rank {rank} {op:?} n={n}: off by {diff}");
+                    // Every rank holds the same bits.
+                    assert!(got.equal(&results[0].1[i]), "{machines:?} rank {rank} {op:?}");
+                    i += 1;
+                }
+            }
+            // mean over ranks of (r + 1) · i for i in this rank's 4 elements
+            let mean_factor = (world as f64 + 1.0) / 2.0;
+            let expected: Vec<f64> =
+                (4 * rank..4 * rank + 4).map(|i| i as f64 * mean_factor).collect();
+            let scattered = Vec::<f64>::try_from(scattered).unwrap();
+            for (got, want) in scattered.iter().zip(&expected) {
+                assert!((got - want).abs() < 1e-9, "{machines:?} rank {rank}: {scattered:?}");
+            }
+            let expected: Vec<i64> = (0..world as i64).flat_map(|r| [r; 3]).collect();
+            assert_eq!(Vec::<i64>::try_from(gathered).unwrap(), expected, "{machines:?}");
         }
     }
 }
@@ -409,7 +509,7 @@ fn a_rank_that_never_starts_is_named_at_rendezvous() {
 #[test]
 fn a_run_with_a_token_forms_its_mesh_and_subgroups_and_reduces() {
     let token = auth::Token::from_bytes(b"0123456789abcdef0123").unwrap();
-    let options = GroupOptions { timeout: SECOND, direct_copy: false, token };
+    let options = GroupOptions { timeout: SECOND, direct_copy: false, token, machine: None };
     let sums = on_ranks_with(3, options, |g| {
         let t = Tensor::from_slice(&[g.rank() as f64 + 1.0]);
         g.all_reduce(&t, ReduceOp::Sum).unwrap();

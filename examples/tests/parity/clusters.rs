@@ -277,6 +277,8 @@ fn srun_across_two_hosts_trains_as_four_processes_on_one() {
         String::from_utf8_lossy(&output.stderr)
     );
     assert!(said.contains("4 processes"), "{said}");
+    // Within each host the two processes read each other's memory; TCP between the hosts.
+    assert!(said.contains("direct copies within each machine"), "{said}");
     equal_to(&reference, &out, what);
 
     // srun accel launch: one launcher per host, each starting its host's 2 processes.

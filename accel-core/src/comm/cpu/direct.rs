@@ -1,8 +1,10 @@
 //! The single-copy path between processes of one machine: each rank reads its peers'
 //! buffers straight from their memory (`process_vm_readv`), with a signal or two per
 //! collective to exchange addresses and keep anyone from overwriting a chunk still being
-//! read (through the mailboxes of mailbox.rs; TCP messages where those are off). Used when
-//! every member is on this machine and the kernel lets them read and write each other.
+//! read (through the mailboxes of mailbox.rs; TCP messages where those are off). Used among
+//! the members of each machine where the kernel lets them read and write each other: for
+//! the whole collective when every member is on one machine, for its part within each
+//! machine when the group spans several (ring.rs joins the machines over TCP).
 
 use std::ops::Range;
 use std::sync::atomic::AtomicU64;
@@ -58,6 +60,12 @@ fn read_peer(pid: i32, remote: u64, local: &mut [u8]) -> std::io::Result<()> {
 pub enum Transport {
     /// Reading each other's memory (`process_vm_readv`): one copy, no sockets for the data.
     Direct,
+    /// Direct copies within each of `machines` machines (equal numbers of members on each),
+    /// TCP between them.
+    Mixed {
+        /// How many machines the members are on.
+        machines: usize,
+    },
     /// TCP between every pair, and why not directly.
     Tcp(String),
 }
@@ -68,6 +76,11 @@ impl std::fmt::Display for Transport {
             Transport::Direct => {
                 write!(f, "direct copies between the processes' memory (process_vm_readv)")
             }
+            Transport::Mixed { machines } => write!(
+                f,
+                "direct copies within each machine (process_vm_readv), TCP between the \
+                 {machines} machines"
+            ),
             Transport::Tcp(why) => write!(f, "TCP ({why})"),
         }
     }
@@ -77,17 +90,21 @@ impl std::fmt::Display for Transport {
 const SMALL: u64 = 64;
 
 impl Links {
-    /// Turns on the single-copy path if every member is on this machine (`pids`: their
-    /// process ids, or why the path cannot be used) and this process can read every peer's
-    /// probe (`probes`); all ranks agree on the outcome.
+    /// Turns on the single-copy path among the members of each machine (`machines`: the
+    /// members by machine; `pids`: every member's process id, or why the path cannot be
+    /// used) if this process can read the probe (`probes`) of every peer on its machine; all
+    /// ranks agree on the outcome.
     pub fn enable_direct(
         &mut self,
         pids: std::result::Result<Vec<i32>, String>,
         probes: &[u64],
+        machines: Vec<Vec<usize>>,
     ) -> Result<Transport> {
         let mut why = pids.as_ref().err().cloned();
+        let machine = machines.iter().position(|m| m.contains(&self.rank)).expect("a machine");
         if let Ok(pids) = &pids {
-            for (peer, (&pid, &address)) in pids.iter().zip(probes).enumerate() {
+            for &peer in &machines[machine] {
+                let (pid, address) = (pids[peer], probes[peer]);
                 if peer == self.rank || why.is_some() {
                     continue;
                 }
@@ -111,15 +128,23 @@ impl Links {
         })?;
         if why.is_none() && votes.iter().all(|v| v.first() == Some(&1)) {
             self.pids = pids.ok();
+            let count = machines.len();
+            (self.machines, self.machine) = (machines, machine);
             if cfg!(target_arch = "x86_64") {
                 let tag = Tag { seq: 0, op: Op::Objects, kind: WireKind::Bytes, numel: 1 };
                 let mut mailbox = Mailbox::new(self.world);
-                mailbox.connect(self.exchange_words(tag, mailbox.address()).map_err(|_| {
+                let everyone: Vec<usize> = (0..self.world).collect();
+                let addresses = self.exchange_words(&everyone, tag, mailbox.address());
+                mailbox.connect(addresses.map_err(|_| {
                     Error::Rendezvous("the members could not exchange their mailboxes".into())
                 })?);
                 self.mailbox = Some(mailbox);
             }
-            return Ok(Transport::Direct);
+            return Ok(if count == 1 {
+                Transport::Direct
+            } else {
+                Transport::Mixed { machines: count }
+            });
         }
         self.pids = None;
         let Ok(_) = pids else {
@@ -142,37 +167,38 @@ impl Links {
         Ok(Transport::Tcp(why))
     }
 
-    /// Addresses of every member's buffer (for reading it), exchanged through the mailboxes
-    /// (over TCP where they are off).
+    /// Addresses of the buffers of this machine's members (for reading them), by rank,
+    /// exchanged through the mailboxes (over TCP where they are off).
     pub fn addresses(&self, buf: &Buffer, tag: Tag) -> FaultResult<Vec<u64>> {
         match &self.mailbox {
             Some(mailbox) => self.signal(mailbox, tag, buf.address()),
-            None => self.exchange_words(tag, buf.address()),
+            None => self.exchange_words(self.local(), tag, buf.address()),
         }
     }
 
-    /// Every member's `word`, by rank, over TCP.
-    fn exchange_words(&self, tag: Tag, word: u64) -> FaultResult<Vec<u64>> {
+    /// The `word` of every rank of `members`, by rank, over TCP.
+    fn exchange_words(&self, members: &[usize], tag: Tag, word: u64) -> FaultResult<Vec<u64>> {
         Ok(self
-            .all_to_all(tag, &word.to_le_bytes(), SMALL)?
+            .all_to_all_among(members, tag, &word.to_le_bytes(), SMALL)?
             .iter()
             .map(|b| b.as_slice().try_into().map(u64::from_le_bytes).unwrap_or(0))
             .collect())
     }
 
-    /// Every member reaches this point (phase `phase` of a collective) before anyone goes on:
-    /// a round of the mailboxes, or a message to and from every peer over TCP.
+    /// Every member of this machine reaches this point (phase `phase` of a collective)
+    /// before any goes on: a round of the mailboxes, or a message to and from each over TCP.
     pub fn barrier(&self, tag: Tag, phase: u8) -> FaultResult<()> {
         match &self.mailbox {
             Some(mailbox) => self.signal(mailbox, tag, u64::from(phase)).map(|_| ()),
-            None => self.all_to_all(tag, &[phase], SMALL).map(|_| ()),
+            None => self.all_to_all_among(self.local(), tag, &[phase], SMALL).map(|_| ()),
         }
     }
 
-    /// One round of the mailboxes: every member says `word` and hears everyone's.
+    /// One round of the mailboxes: every member of this machine says `word` and hears
+    /// the others'.
     fn signal(&self, mailbox: &Mailbox, tag: Tag, word: u64) -> FaultResult<Vec<u64>> {
         let pids = self.pids.as_ref().expect("the direct path is on");
-        mailbox.round(self.rank, pids, tag, word, self.readers(), self.timeout)
+        mailbox.round(self.rank, self.local(), pids, tag, word, self.readers(), self.timeout)
     }
 
     fn read(&self, peer: usize, remote: u64, local: &mut [u8]) -> FaultResult<()> {
@@ -181,49 +207,59 @@ impl Links {
             .map_err(|e| Fault::Lost { peer, detail: format!("reading its memory: {e}") })
     }
 
-    /// Reduce-scatter by reading each peer's chunk `rank` straight from its memory.
+    /// Reduce-scatter among this machine's members by reading, from each, this rank's
+    /// `regions[me]` (`me`: this rank's place on its machine) straight from its memory.
     pub fn direct_reduce_scatter(
         &self,
         buf: &mut Buffer,
-        chunks: &[Range<usize>],
+        regions: &[Vec<Range<usize>>],
         addrs: &[u64],
         op: ReduceOp,
     ) -> FaultResult<()> {
-        let mine = chunks[self.rank].clone();
+        let (local, me) = (self.local(), self.place());
         let kind = buf.kind();
         let mut scratch = vec![0u64; (256 << 10) / 8];
         // SAFETY: a u64 buffer viewed as bytes (for alignment).
         let scratch = unsafe {
             std::slice::from_raw_parts_mut(scratch.as_mut_ptr().cast::<u8>(), scratch.len() * 8)
         };
-        for step in 1..self.world {
-            let peer = (self.rank + step) % self.world;
-            let mut offset = mine.start;
-            while offset < mine.end {
-                let n = scratch.len().min(mine.end - offset);
-                self.read(peer, addrs[peer] + offset as u64, &mut scratch[..n])?;
-                reduce_into(buf.bytes_mut(offset..offset + n), &scratch[..n], kind, op)?;
-                offset += n;
+        for step in 1..local.len() {
+            let peer = local[(me + step) % local.len()];
+            for mine in &regions[me] {
+                let mut offset = mine.start;
+                while offset < mine.end {
+                    let n = scratch.len().min(mine.end - offset);
+                    self.read(peer, addrs[peer] + offset as u64, &mut scratch[..n])?;
+                    reduce_into(buf.bytes_mut(offset..offset + n), &scratch[..n], kind, op)?;
+                    offset += n;
+                }
             }
         }
         Ok(())
     }
 
-    /// All-gather by reading each peer's chunk `peer` straight into ours.
+    /// All-gather among this machine's members by reading each one's `regions[place]`
+    /// straight into ours.
     pub fn direct_all_gather(
         &self,
         buf: &mut Buffer,
-        chunks: &[Range<usize>],
+        regions: &[Vec<Range<usize>>],
         addrs: &[u64],
     ) -> FaultResult<()> {
-        for step in 1..self.world {
-            let peer = (self.rank + step) % self.world;
-            let range = chunks[peer].clone();
-            if !range.is_empty() {
+        let (local, me) = (self.local(), self.place());
+        for step in 1..local.len() {
+            let place = (me + step) % local.len();
+            let peer = local[place];
+            for range in regions[place].iter().filter(|r| !r.is_empty()) {
                 let start = range.start as u64;
-                self.read(peer, addrs[peer] + start, buf.bytes_mut(range))?;
+                self.read(peer, addrs[peer] + start, buf.bytes_mut(range.clone()))?;
             }
         }
         Ok(())
+    }
+
+    /// This rank's place among its machine's members.
+    pub fn place(&self) -> usize {
+        self.local().iter().position(|&r| r == self.rank).expect("a member of its machine")
     }
 }

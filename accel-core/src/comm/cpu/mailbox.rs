@@ -78,12 +78,15 @@ impl Mailbox {
         self.peers = peers;
     }
 
-    /// Tells every peer that this rank reached the next round of `tag` (with `word` for
-    /// them: a buffer's address), then waits until every peer has said the same; returns
-    /// what each said (our own `word` at our rank).
+    /// Tells every other rank of `members` (this machine's) that this rank reached the next
+    /// round of `tag` (with `word` for them: a buffer's address), then waits until each has
+    /// said the same; returns what each said, by rank (our own `word` at our rank, 0 for
+    /// those not in `members`). The same members take part in every round of a mailbox.
+    #[allow(clippy::too_many_arguments)]
     pub fn round(
         &self,
         rank: usize,
+        members: &[usize],
         pids: &[i32],
         tag: Tag,
         word: u64,
@@ -93,7 +96,8 @@ impl Mailbox {
         let round = self.round.fetch_add(1, Ordering::Relaxed) + 1;
         let parity = (round % 2) as usize;
         let header = encode(tag, word);
-        for (peer, &pid) in pids.iter().enumerate().filter(|&(p, _)| p != rank) {
+        for &peer in members.iter().filter(|&&p| p != rank) {
+            let pid = pids[peer];
             let slot = self.peers[peer] + ((2 * rank + parity) * size_of::<Slot>()) as u64;
             // The header first, then the round: a peer that sees the round sees the header.
             write_peer(pid, slot, &header)
@@ -101,8 +105,15 @@ impl Mailbox {
                 .map_err(|e| Fault::Lost { peer, detail: format!("signalling it: {e}") })?;
         }
         let started = Instant::now();
-        let wait = |peer| self.wait_for(peer, round, tag, started, watch, timeout);
-        (0..pids.len()).map(|peer| if peer == rank { Ok(word) } else { wait(peer) }).collect()
+        let mut said = vec![0; pids.len()];
+        for &peer in members {
+            said[peer] = if peer == rank {
+                word
+            } else {
+                self.wait_for(peer, round, tag, started, watch, timeout)?
+            };
+        }
+        Ok(said)
     }
 
     /// Waits until `peer` has signalled `round` (started at `started`); returns its word.

@@ -52,9 +52,13 @@ pub(crate) struct Links {
     pub world: usize,
     readers: Vec<Option<TcpStream>>,
     writers: Vec<Option<TcpStream>>,
-    /// Process ids of the members when all share this machine and may read each other's
+    /// Process ids of the members, by rank, when those on each machine may read each other's
     /// memory (`process_vm_readv`): the single-copy path of direct.rs.
     pub pids: Option<Vec<i32>>,
+    /// The members by machine (ranks in order, machines in order of their lowest rank), and
+    /// this rank's machine: the direct path runs within a machine, TCP between them.
+    pub machines: Vec<Vec<usize>>,
+    pub machine: usize,
     /// The direct path's signals (mailbox.rs), where it has them.
     pub mailbox: Option<Mailbox>,
     pub timeout: Duration,
@@ -220,7 +224,18 @@ impl Links {
             .map(|r| r.as_ref().map(TcpStream::try_clone).transpose())
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| fail(e.to_string()))?;
-        Ok(Self { rank, world, readers, writers, pids: None, mailbox: None, timeout })
+        let machines = vec![(0..world).collect()];
+        Ok(Self {
+            rank,
+            world,
+            readers,
+            writers,
+            pids: None,
+            machines,
+            machine: 0,
+            mailbox: None,
+            timeout,
+        })
     }
 
     /// Clones of the sockets, so that another thread can shut them down (abort).
@@ -325,26 +340,60 @@ impl Links {
 
     /// Sends `data` to every peer and returns what each sent (own entry: `data`).
     pub fn all_to_all(&self, tag: Tag, data: &[u8], limit: u64) -> FaultResult<Vec<Vec<u8>>> {
-        for peer in (0..self.world).filter(|&p| p != self.rank) {
+        let everyone: Vec<usize> = (0..self.world).collect();
+        self.all_to_all_among(&everyone, tag, data, limit)
+    }
+
+    /// Sends `data` to every other rank of `members` and returns, by rank, what each sent
+    /// (own entry: `data`; empty for those not in `members`).
+    pub fn all_to_all_among(
+        &self,
+        members: &[usize],
+        tag: Tag,
+        data: &[u8],
+        limit: u64,
+    ) -> FaultResult<Vec<Vec<u8>>> {
+        for &peer in members.iter().filter(|&&p| p != self.rank) {
             self.send(peer, tag, data)?;
         }
-        (0..self.world)
-            .map(|peer| {
-                if peer == self.rank {
-                    Ok(data.to_vec())
-                } else {
-                    self.recv_bytes(peer, tag, limit)
-                }
-            })
-            .collect()
+        let mut out = vec![Vec::new(); self.world];
+        for &peer in members {
+            out[peer] =
+                if peer == self.rank { data.to_vec() } else { self.recv_bytes(peer, tag, limit)? };
+        }
+        Ok(out)
+    }
+
+    /// The members of this rank's machine.
+    pub fn local(&self) -> &[usize] {
+        &self.machines[self.machine]
+    }
+
+    /// The ranks at position `index` of every machine, in machine order (a ring across them).
+    pub fn across(&self, index: usize) -> Vec<usize> {
+        self.machines.iter().map(|m| m[index]).collect()
+    }
+}
+
+/// A ring through some of a group's ranks (`members`, in ring order), where this rank is at
+/// `me`.
+#[derive(Clone, Copy)]
+pub(crate) struct Ring<'a> {
+    pub members: &'a [usize],
+    pub me: usize,
+}
+
+impl Ring<'_> {
+    pub fn len(&self) -> usize {
+        self.members.len()
     }
 
     pub fn next(&self) -> usize {
-        (self.rank + 1) % self.world
+        self.members[(self.me + 1) % self.len()]
     }
 
     pub fn prev(&self) -> usize {
-        (self.rank + self.world - 1) % self.world
+        self.members[(self.me + self.len() - 1) % self.len()]
     }
 }
 
