@@ -188,6 +188,8 @@ choices!(
     "jsonl" => Jsonl,
     /// An MLflow tracking server, over its REST API (`MLFLOW_TRACKING_URI`).
     "mlflow" => MlFlow,
+    /// Weights & Biases, as an offline run (`wandb/offline-run-*`) for `wandb sync`.
+    "wandb" => Wandb,
     /// Every one of them.
     "all" => All,
 );

@@ -660,8 +660,9 @@ mod tests {
             env("ACCEL_LOG_WITH", "mlflow,jsonl").unwrap().log_with,
             Some(vec![LogWith::MlFlow, LogWith::Jsonl])
         );
-        let err = env("ACCEL_LOG_WITH", "wandb").unwrap_err().to_string();
-        assert!(err.contains("ACCEL_LOG_WITH: unknown tracker `wandb`"), "{err}");
+        assert_eq!(env("ACCEL_LOG_WITH", "wandb").unwrap().log_with, Some(vec![LogWith::Wandb]));
+        let err = env("ACCEL_LOG_WITH", "comet_ml").unwrap_err().to_string();
+        assert!(err.contains("ACCEL_LOG_WITH: unknown tracker `comet_ml`"), "{err}");
         // A file takes a list or one comma-separated string, and writes the latter.
         for text in ["log_with: [tensorboard, mlflow]\n", "log_with: tensorboard,mlflow\n"] {
             let file: PartialConfig = serde_yaml_ng::from_str(text).unwrap();

@@ -43,7 +43,8 @@ pub use accelerator::helpers::{
 pub use accelerator::{
     AcceleratedOptimizer, Accelerator, AcceleratorBuilder, AdoptOptimizer, DataPosition, DrawnLoop,
     DriveOptimizer, Driven, ExitGuard, ForwardGuard, IntoAccelOptimizer, Lent, PreparedBatches,
-    PreparedIter, PreparedLoader, StepCounters, StepGuard, Steps, current, split_between,
+    PreparedIter, PreparedLoader, StepCounters, StepGuard, Steps, TrackerRef, current,
+    split_between,
 };
 pub use checkpoint::{HfCheckpoint, merge_weights};
 pub use config::{Config, DataSharding, Fp8Recipe, LogWith, Precision, Strategy};

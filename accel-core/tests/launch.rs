@@ -562,7 +562,7 @@ fn log_dir_gpu_ids_threads_per_process_and_trackers_reach_every_rank() {
         let sees = format!("rank {rank} sees 0,1 3 mlflow,tensorboard");
         assert!(log.contains(&sees) && log.contains("oops"), "{log}");
     }
-    let output = accel().args(["launch", "--log-with", "wandb", "true"]).output().unwrap();
+    let output = accel().args(["launch", "--log-with", "comet_ml", "true"]).output().unwrap();
     let out = text(&output);
-    assert!(!output.status.success() && out.contains("unknown tracker `wandb`"), "{out}");
+    assert!(!output.status.success() && out.contains("unknown tracker `comet_ml`"), "{out}");
 }

@@ -12,6 +12,10 @@ fn example(name: &str) -> String {
     path.display().to_string()
 }
 
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
 fn launch(processes: usize, program: Vec<String>, env: &[(&str, &Path)]) {
     let mut plan = LaunchPlan { rank0_only: true, ..LaunchPlan::local(processes, program) };
     plan.env.extend(env.iter().map(|(k, v)| (k.to_string(), v.display().to_string())));
@@ -561,6 +565,211 @@ fn the_mlflow_tracker_writes_runs_a_real_mlflow_server_reads_back() {
         if !failing {
             let expected: Vec<(u64, f64)> = (1..).zip(losses.iter().copied()).collect();
             assert_eq!(points, expected);
+        }
+    }
+}
+
+/// Trains 6 steps with plain SGD under the attribute, tracking to W&B (offline, under
+/// `root`) by hand-made settings (the process's environment is shared by the tests), and
+/// fails at the end if asked: the run's end decides the W&B run's exit code.
+#[accel_core::accelerate(cpu = true, seed = 3)]
+fn tracked_wandb(root: &Path, run_id: &str, fail: bool) -> anyhow::Result<Vec<f64>> {
+    use tch::nn::{Module, OptimizerConfig};
+    let settings = accel_core::tracking::WandbSettings {
+        mode: accel_core::tracking::WandbMode::Offline,
+        project: "attribute".into(),
+        entity: String::new(),
+        name: if fail { "failing".into() } else { "succeeding".into() },
+        run_id: run_id.into(),
+        tags: vec![],
+        root: root.to_owned(),
+    };
+    let main = accelerator.is_main_process();
+    accelerator.add_tracker(Box::new(accel_core::tracking::Wandb::start(&settings, main)?));
+    accelerator.init_trackers("attribute", &serde_json::json!({ "lr": 0.1, "fail": fail }))?;
+    let run_dir = accelerator
+        .get_tracker::<accel_core::tracking::Wandb>("wandb")?
+        .map(|w| w.run_dir().to_owned())
+        .unwrap();
+    assert!(run_dir.starts_with(root.join("wandb")), "{}", run_dir.display());
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let net = tch::nn::linear(vs.root() / "lin", 3, 1, Default::default());
+    let mut opt = tch::nn::Sgd::default().build(&vs, 0.1)?;
+    let mut losses = Vec::new();
+    let data: Vec<tch::Tensor> = (0..6)
+        .map(|i| {
+            tch::Tensor::arange(12, (tch::Kind::Float, tch::Device::Cpu)).view([4, 3])
+                / (i + 4) as f64
+        })
+        .collect();
+    for x in data {
+        let loss = (net.forward(&x) - 1.0).square().mean(tch::Kind::Float);
+        opt.zero_grad();
+        loss.backward();
+        opt.step();
+        losses.push(loss.double_value(&[]));
+        accelerator.log(losses.len() as u64, &[("loss", losses[losses.len() - 1])])?;
+    }
+    if fail {
+        anyhow::bail!("injected failure after training");
+    }
+    Ok(losses)
+}
+
+/// W&B's offline run files (`wandb/offline-run-*/run-*.wandb`), read back by the wandb
+/// package's own reader: the main job on 2 processes with `--log-with wandb,jsonl` writes
+/// one run (the main process's) whose configuration, history rows and summary equal what it
+/// wrote to its JSONL file, with W&B's variables applied (project, name, id, tags), exit code
+/// 0; the wandb client itself, offline, logging the same values writes the same rows,
+/// configuration and summary; under the attribute, success gives exit code 0 and failure 1.
+#[test]
+fn the_wandb_tracker_writes_offline_runs_that_wandbs_own_reader_reads_as_the_clients() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("wandb");
+    let _ = std::fs::remove_dir_all(&dir);
+    let python = root().join(".venv/bin/python");
+    let read = |run_dir: &Path| -> serde_json::Value {
+        let output = std::process::Command::new(&python)
+            .arg(root().join("python/reference/read_wandb.py"))
+            .arg(run_dir)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        serde_json::from_slice(&output.stdout).unwrap()
+    };
+    let only_run = |root: &Path| -> PathBuf {
+        let runs: Vec<PathBuf> = std::fs::read_dir(root.join("wandb"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("offline-run-"))
+            .collect();
+        assert_eq!(runs.len(), 1, "one run, written by the main process only: {runs:?}");
+        runs[0].clone()
+    };
+
+    // The main job on 2 processes.
+    let (ours_root, out) = (dir.join("accel"), dir.join("out"));
+    let epochs = 3;
+    let mut program = vec![example("train")];
+    let args = ["--cpu", "--epochs", &epochs.to_string(), "--target", "0.5"];
+    program.extend(args.iter().map(|s| s.to_string()));
+    program.extend(["--out".into(), out.display().to_string()]);
+    program.extend(["--log-with".into(), "wandb,jsonl".into()]);
+    let vars = [
+        ("WANDB_DIR", ours_root.clone()),
+        ("WANDB_PROJECT", PathBuf::from("digits")),
+        ("WANDB_NAME", PathBuf::from("two processes")),
+        ("WANDB_RUN_ID", PathBuf::from("accel2p")),
+        ("WANDB_TAGS", PathBuf::from("cpu,tiny mlp")),
+    ];
+    let env: Vec<(&str, &Path)> = vars.iter().map(|(k, v)| (*k, v.as_path())).collect();
+    launch(2, program, &env);
+    let run_dir = only_run(&ours_root);
+    assert!(run_dir.to_string_lossy().ends_with("-accel2p"), "{}", run_dir.display());
+    let latest = std::fs::read_link(ours_root.join("wandb/latest-run")).unwrap();
+    assert_eq!(latest, PathBuf::from(run_dir.file_name().unwrap()));
+    let ours = read(&run_dir);
+    let kinds: Vec<&str> =
+        ours["kinds"].as_array().unwrap().iter().map(|k| k.as_str().unwrap()).collect();
+    assert_eq!(&kinds[..2], ["header", "run"], "{ours}");
+    assert_eq!(&kinds[kinds.len() - 2..], ["exit", "final"], "{ours}");
+    let nums: Vec<u64> =
+        ours["nums"].as_array().unwrap().iter().map(|n| n.as_u64().unwrap()).collect();
+    assert_eq!(nums, (1..=kinds.len() as u64).collect::<Vec<_>>());
+    assert_eq!(ours["exit_code"], 0);
+    let run = &ours["run"];
+    assert_eq!(run["run_id"], "accel2p");
+    assert_eq!(run["project"], "digits");
+    assert_eq!(run["display_name"], "two processes");
+    assert_eq!(run["tags"], serde_json::json!(["cpu", "tiny mlp"]));
+    assert_eq!(run["config"]["lr"], 0.003, "{run}");
+    assert_eq!(run["config"]["processes"], 2);
+    assert_eq!(run["config"]["_wandb"], serde_json::json!({}));
+    let jsonl = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let records: Vec<serde_json::Value> =
+        jsonl.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let history = ours["history"].as_array().unwrap();
+    assert_eq!(history.len(), epochs);
+    for (row, record) in history.iter().zip(&records) {
+        assert_eq!(row["_step"], record["step"], "{row}");
+        assert_eq!(row["_history_step"], record["step"]);
+        for key in ["loss", "test_accuracy", "lr"] {
+            assert_eq!(row[key], record[key], "{key}: W&B's row against metrics.jsonl");
+        }
+        assert!(row["_runtime"].as_f64().is_some() && row["_timestamp"].as_f64().is_some());
+    }
+    let last = records.last().unwrap();
+    for key in ["loss", "test_accuracy", "lr"] {
+        assert_eq!(ours["summary"][key], last[key], "summary {key}");
+    }
+    assert_eq!(ours["summary"]["_step"], last["step"]);
+
+    // The wandb client itself, offline, logging the same configuration and rows.
+    let client_root = dir.join("client");
+    std::fs::create_dir_all(&client_root).unwrap();
+    let config = dir.join("config.json");
+    let mut written_config = run["config"].clone();
+    written_config.as_object_mut().unwrap().remove("_wandb");
+    std::fs::write(&config, written_config.to_string()).unwrap();
+    let output = std::process::Command::new(&python)
+        .arg(root().join("python/reference/wandb_offline.py"))
+        .args(["digits".as_ref(), config.as_os_str(), out.join("metrics.jsonl").as_os_str()])
+        .env("WANDB_MODE", "offline")
+        .env("WANDB_DIR", &client_root)
+        .env("WANDB_SILENT", "true")
+        .current_dir(&client_root)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let theirs = read(&only_run(&client_root));
+    assert_eq!(theirs["exit_code"], 0);
+    assert_eq!(
+        theirs["run"]["config"], run["config"],
+        "the configuration, as the client writes it"
+    );
+    let without_times = |rows: &serde_json::Value| -> Vec<serde_json::Value> {
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                let mut r = r.clone();
+                for key in ["_runtime", "_timestamp"] {
+                    r.as_object_mut().unwrap().remove(key);
+                }
+                // As numbers: the client keeps metrics.jsonl's `0` an integer, accel logs f64.
+                for v in r.as_object_mut().unwrap().values_mut() {
+                    *v = serde_json::json!(v.as_f64().unwrap());
+                }
+                r
+            })
+            .collect()
+    };
+    assert_eq!(without_times(&ours["history"]), without_times(&theirs["history"]));
+    for key in ["loss", "test_accuracy", "lr", "_step"] {
+        let (a, b) = (ours["summary"][key].as_f64(), theirs["summary"][key].as_f64());
+        assert!(a.is_some() && a == b, "summary {key}: {a:?} against the client's {b:?}");
+    }
+
+    // Under the attribute: the run's end decides the exit code.
+    let attribute_root = dir.join("attribute");
+    let losses = tracked_wandb(&attribute_root.join("ok"), "ok", false).unwrap();
+    let err = tracked_wandb(&attribute_root.join("failed"), "failed", true).unwrap_err();
+    assert!(err.to_string().contains("injected failure"), "{err}");
+    for (name, exit_code) in [("ok", 0), ("failed", 1)] {
+        let run = read(&only_run(&attribute_root.join(name)));
+        assert_eq!(run["exit_code"], exit_code, "{name}: {run}");
+        assert_eq!(
+            run["run"]["display_name"],
+            if exit_code == 0 { "succeeding" } else { "failing" }
+        );
+        let logged: Vec<f64> = run["history"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["loss"].as_f64().unwrap())
+            .collect();
+        assert_eq!(logged.len(), 6, "{run}");
+        if exit_code == 0 {
+            assert_eq!(logged, losses);
         }
     }
 }

@@ -41,6 +41,7 @@ pub use drawn::{DrawnLoop, Steps};
 pub use driven::{DriveOptimizer, Driven, Lent};
 pub use optimizer::AcceleratedOptimizer;
 pub use step::{ForwardGuard, StepGuard};
+pub use tracking::TrackerRef;
 
 /// The accelerator most recently built, held weakly: when the program drops its last handle
 /// (the end of an `#[accelerate]` function, of `main`), the accelerator goes, and with it its
@@ -48,8 +49,26 @@ pub use step::{ForwardGuard, StepGuard};
 /// living on in a static until the process exits.
 static CURRENT: OnceLock<Mutex<std::sync::Weak<Inner>>> = OnceLock::new();
 
-/// The accelerator most recently built in this process, while the program holds it (what
-/// `#[accelerate]` code reaches from helper functions).
+/// The accelerator most recently built in this process, while the program holds it: what a
+/// helper function reaches without being passed it, as Accelerate's code reaches its shared
+/// `PartialState()` (one accelerator per process is the rule there too). Once the program
+/// drops its last handle, `None`.
+///
+/// ```
+/// use accel_core::{Accelerator, current};
+///
+/// /// Deep in a helper that was not given the accelerator.
+/// fn should_print() -> bool {
+///     current().is_none_or(|accelerator| accelerator.is_main_process())
+/// }
+///
+/// let accelerator = Accelerator::builder().cpu(true).build()?;
+/// assert!(should_print());
+/// assert_eq!(current().map(|a| a.num_processes()), Some(1));
+/// drop(accelerator);
+/// assert!(current().is_none(), "gone with the program's last handle");
+/// # Ok::<(), accel_core::Error>(())
+/// ```
 pub fn current() -> Option<Accelerator> {
     let current = CURRENT.get()?.lock().unwrap_or_else(|e| e.into_inner()).upgrade()?;
     Some(Accelerator { inner: current })

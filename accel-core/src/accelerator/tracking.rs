@@ -8,7 +8,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::Accelerator;
 use crate::config::LogWith;
 use crate::error::{Error, Result};
-use crate::tracking::{MetricsFiles, MlFlow, MlFlowSettings, TensorBoard, Tracker, Trackers};
+use crate::tracking::{
+    MetricsFiles, MlFlow, MlFlowSettings, TensorBoard, Tracker, Trackers, Wandb, WandbMode,
+    WandbSettings,
+};
 
 impl Accelerator {
     /// Starts the trackers `log_with` named (the builder's `.log_with`, else
@@ -17,8 +20,9 @@ impl Accelerator {
     /// hyperparameters) in each. Files go to `project_dir/project_name` (the builder's
     /// `.project_dir`, else `runs`); a run resumed from a checkpoint before this call adds
     /// to its `metrics.jsonl` instead of starting it over. MLflow's run goes to the
-    /// experiment `MLFLOW_EXPERIMENT_NAME`, else `project_name`. Only the main process
-    /// writes; call it on every process.
+    /// experiment `MLFLOW_EXPERIMENT_NAME`, else `project_name`; W&B's to
+    /// `$WANDB_DIR/wandb/offline-run-*` in project `WANDB_PROJECT`, else `project_name`. Only
+    /// the main process writes; call it on every process.
     pub fn init_trackers(&self, project_name: &str, config: &serde_json::Value) -> Result<()> {
         let resumed = self.counters().micro_steps_total > 0;
         let mut trackers = self.trackers();
@@ -46,6 +50,22 @@ impl Accelerator {
             let settings = MlFlowSettings::from_env(project_name)?;
             if main {
                 started.push(Box::new(MlFlow::start(&settings)?));
+            }
+        }
+        // W&B under `all` where the run names it (a W&B variable set), as MLflow's server.
+        let wandb = trackers.log_with.contains(&LogWith::Wandb)
+            || (wanted(LogWith::All)
+                && ["WANDB_MODE", "WANDB_PROJECT", "WANDB_DIR"]
+                    .iter()
+                    .any(|v| std::env::var_os(v).is_some()));
+        if wandb {
+            let settings = WandbSettings::from_env(project_name)?;
+            if settings.mode == WandbMode::Disabled {
+                if main {
+                    eprintln!("accel: WANDB_MODE=disabled: nothing is written for W&B");
+                }
+            } else {
+                started.push(Box::new(Wandb::start(&settings, main)?));
             }
         }
         started.append(&mut trackers.pending);
@@ -101,6 +121,43 @@ impl Accelerator {
         first_error.map_or(Ok(()), Err)
     }
 
+    /// The started tracker called `name` (`"tensorboard"`, `"jsonl"`, `"mlflow"`, `"wandb"`,
+    /// or a tracker of one's own), as the type it is: what accel does not wrap, reached
+    /// directly (Accelerate's `get_tracker(name, unwrap=True)`). `None` on processes other
+    /// than the main one, which hold no trackers; an error when the main process has no
+    /// tracker of that name, or it is not a `T` (both said).
+    ///
+    /// ```no_run
+    /// # fn main() -> accel_core::Result<()> {
+    /// # let accelerator = accel_core::Accelerator::builder().build()?;
+    /// use accel_core::tracking::MlFlow;
+    /// if let Some(mlflow) = accelerator.get_tracker::<MlFlow>("mlflow")? {
+    ///     println!("MLflow run {}", mlflow.run_id());
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn get_tracker<T: Tracker>(&self, name: &str) -> Result<Option<TrackerRef<'_, T>>> {
+        if !self.is_main_process() {
+            return Ok(None);
+        }
+        let trackers = self.trackers();
+        let names: Vec<String> = trackers.started.iter().map(|t| t.name().to_owned()).collect();
+        let Some(index) = names.iter().position(|n| n == name) else {
+            return Err(Error::Config(format!(
+                "no tracker `{name}` was started (started: {}); name it in log_with and call                  init_trackers first",
+                if names.is_empty() { "none".to_owned() } else { names.join(", ") }
+            )));
+        };
+        if !trackers.started[index].as_any().is::<T>() {
+            return Err(Error::Config(format!(
+                "the tracker `{name}` is not a {}",
+                std::any::type_name::<T>()
+            )));
+        }
+        Ok(Some(TrackerRef { trackers, index, _type: std::marker::PhantomData }))
+    }
+
     fn trackers(&self) -> std::sync::MutexGuard<'_, Trackers> {
         self.inner.trackers.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -123,5 +180,26 @@ impl Accelerator {
             return bar;
         }
         crate::tracking::plain_progress(len)
+    }
+}
+
+/// A started tracker, as its own type, from [`Accelerator::get_tracker`]; the trackers stay
+/// locked while it is held (drop it before logging).
+pub struct TrackerRef<'a, T> {
+    trackers: std::sync::MutexGuard<'a, Trackers>,
+    index: usize,
+    _type: std::marker::PhantomData<T>,
+}
+
+impl<T: 'static> std::ops::Deref for TrackerRef<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.trackers.started[self.index].as_any().downcast_ref().expect("checked when made")
+    }
+}
+
+impl<T: 'static> std::ops::DerefMut for TrackerRef<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.trackers.started[self.index].as_any_mut().downcast_mut().expect("checked when made")
     }
 }

@@ -22,8 +22,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::cpu::diagnosis::progress_key;
-use super::cpu::worker::parse_progress;
+use super::progress::{parse_progress, progress_key};
 use super::store::StoreClient;
 use super::{Communicator, Op};
 use crate::error::{Error, Result};

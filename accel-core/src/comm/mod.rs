@@ -20,6 +20,7 @@ mod cpu;
 mod group;
 pub mod ledger;
 pub mod nccl;
+pub(crate) mod progress;
 pub mod store;
 pub(crate) mod world;
 

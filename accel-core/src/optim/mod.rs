@@ -171,14 +171,15 @@ pub trait Preparer {
     ) -> Result<Self::Prepared>;
 }
 
-/// The rank and size of the multi-process run this process belongs to (0, 0 until an
-/// accelerator of a launched run is built): what the check below needs to know. Like
-/// torch's default process group, it is a fact about the process, set once.
-static RUN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// The rank and size of the multi-process run this process belongs to, as the first
+/// accelerator of a launched run found them: what the check below needs to know. Like
+/// torch's default process group, a fact about the process, set once (a one-shot cache;
+/// later accelerators of the same run find the same).
+static RUN: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
 
 /// Records that this process is rank `rank` of `world` (called when an accelerator is built).
 pub(crate) fn note_run(rank: usize, world: usize) {
-    RUN.store(((rank as u64) << 32) | world as u64, std::sync::atomic::Ordering::SeqCst);
+    let _ = RUN.set((rank, world));
 }
 
 /// The safety net under forgetting `prepare_optimizer`, in [`Optimizer::step`] of accel's
@@ -187,8 +188,7 @@ pub(crate) fn note_run(rank: usize, world: usize) {
 /// accumulation and loss scaling, and let the replicas drift apart without a word. That
 /// is an error instead.
 pub(crate) fn guard_unprepared_step(name: &str) -> Result<()> {
-    let run = RUN.load(std::sync::atomic::Ordering::SeqCst);
-    let (rank, world) = (run >> 32, run & 0xffff_ffff);
+    let (rank, world) = RUN.get().copied().unwrap_or((0, 0));
     match world {
         world if world > 1 => Err(Error::Training(format!(
             "{name}.step() was called directly on rank {} of {}: this optimizer was not prepared \

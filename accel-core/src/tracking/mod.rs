@@ -4,14 +4,17 @@
 //! [`end_training`](crate::Accelerator::end_training) closes them (those methods are in
 //! `accelerator/tracking.rs`; this module knows nothing of the accelerator). Only the main
 //! process writes. Built in: TensorBoard event files ([`TensorBoard`]), JSONL + CSV files
-//! ([`MetricsFiles`]) and an MLflow server ([`MlFlow`]); a [`Tracker`] of one's own is
-//! added with [`add_tracker`](crate::Accelerator::add_tracker). Also here: plots of the
+//! ([`MetricsFiles`]), an MLflow server ([`MlFlow`]) and Weights & Biases offline runs
+//! ([`Wandb`]); a [`Tracker`] of one's own is added with
+//! [`add_tracker`](crate::Accelerator::add_tracker), and any of them reached with
+//! [`get_tracker`](crate::Accelerator::get_tracker). Also here: plots of the
 //! metrics ([`plot`]) and the progress bar.
 
 mod files;
 mod mlflow;
 pub mod plot;
 mod tensorboard;
+mod wandb;
 
 use std::path::PathBuf;
 
@@ -21,12 +24,13 @@ pub use crate::config::LogWith;
 pub use files::MetricsFiles;
 pub use mlflow::{MlFlow, MlFlowSettings};
 pub use tensorboard::TensorBoard;
+pub use wandb::{Wandb, WandbMode, WandbSettings};
 
 use crate::error::Result;
 
 /// Where a run's values go (Accelerate's `GeneralTracker`). Trackers live on the main
 /// process only; every method may assume it.
-pub trait Tracker: Send {
+pub trait Tracker: Send + AsAny {
     /// Its name (`log_with`'s spelling for the built-in ones).
     fn name(&self) -> &str;
     /// Records the run's hyperparameters, once, when the trackers start.
@@ -44,6 +48,25 @@ pub trait Tracker: Send {
     /// fails); a tracker with a run status records it as failed.
     fn fail(&mut self) -> Result<()> {
         self.finish()
+    }
+}
+
+/// A tracker as [`std::any::Any`], so that
+/// [`get_tracker`](crate::Accelerator::get_tracker) can hand out the type it is (every
+/// `'static` type has it).
+pub trait AsAny: std::any::Any {
+    /// `self`, to downcast.
+    fn as_any(&self) -> &dyn std::any::Any;
+    /// `self`, to downcast mutably.
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+}
+
+impl<T: std::any::Any> AsAny for T {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
     }
 }
 

@@ -5,8 +5,8 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use super::worker::parse_progress;
 use crate::comm::Op;
+use crate::comm::progress::{parse_progress, progress_key};
 use crate::comm::store::StoreClient;
 use crate::error::Error;
 
@@ -50,12 +50,6 @@ pub(crate) struct Scene<'a> {
     /// Host names of the members, by group rank; empty where unknown. Named in reports
     /// only when the members are on several hosts.
     pub hosts: &'a [String],
-}
-
-/// The store key where group rank `rank` of the group with store prefix `scope` posts the
-/// last collective it entered.
-pub(crate) fn progress_key(scope: &str, rank: usize) -> String {
-    format!("{scope}/progress/{rank}")
 }
 
 impl Scene<'_> {

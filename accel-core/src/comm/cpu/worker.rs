@@ -8,11 +8,12 @@ use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::diagnosis::{FaultResult, Scene, progress_key};
+use super::diagnosis::{FaultResult, Scene};
 use super::tcp::Links;
 use super::wire::Tag;
 use crate::comm::Work;
 use crate::comm::ledger::site_of;
+use crate::comm::progress::{progress_key, progress_value};
 use crate::comm::store::StoreClient;
 use crate::error::{Error, Result};
 
@@ -26,23 +27,6 @@ struct Queued {
     what: String,
     job: Job,
     done: Sender<Result<()>>,
-}
-
-/// A progress post: the collective's sequence number and its epoch (8 bytes each,
-/// little-endian; see `ledger::Ledger::record`), then what it is and where it was called,
-/// as text.
-pub(crate) fn progress_value(seq: u64, epoch: u64, described: &str) -> Vec<u8> {
-    let mut value = seq.to_le_bytes().to_vec();
-    value.extend_from_slice(&epoch.to_le_bytes());
-    value.extend_from_slice(described.as_bytes());
-    value
-}
-
-/// The sequence number, epoch and text of a [`progress_value`].
-pub(crate) fn parse_progress(bytes: &[u8]) -> Option<(u64, u64, String)> {
-    let seq = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
-    let epoch = u64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
-    Some((seq, epoch, String::from_utf8_lossy(&bytes[16..]).into_owned()))
 }
 
 /// Who the worker works for: the group's id, this rank, the members' global ranks.
