@@ -18,7 +18,7 @@ use accel_core::comm::ReduceOp;
 use accel_core::data::{DataLoader, LoaderOptions, Sampler, TensorDataset};
 use accel_core::mesh::Dim;
 use accel_core::optim::{AdamConfig, AdamW, Schedule};
-use accel_core::tracking::plot;
+use accel_core::tracking::{Value, plot};
 use accel_core::{Accelerator, LogWith, Precision};
 use accel_examples::Digits;
 use anyhow::{Result, bail};
@@ -106,6 +106,40 @@ fn accuracy(
         seen += hits.size()[0];
     }
     Ok((correct / seen.max(1) as f64, seen))
+}
+
+/// The test digits the model gets wrong (every process's, gathered), up to 16: one image (a
+/// row of the 8x8 digits, each scaled to its own range and enlarged 4 times, a gap between)
+/// and a table of their labels and the model's guesses.
+fn misclassified(
+    acc: &Accelerator,
+    net: &impl Module,
+    test: &mut accel_core::PreparedLoader<TensorDataset>,
+) -> Result<Option<(Tensor, Vec<Vec<serde_json::Value>>)>> {
+    let (mut images, mut rows) = (Vec::new(), Vec::new());
+    for batch in test.iter() {
+        let batch = batch?;
+        let logits = tch::no_grad(|| acc.forward(|| net.forward(&batch[0])))?;
+        let guess = acc.gather_for_metrics(&logits.argmax(-1, false))?;
+        let label = acc.gather_for_metrics(&batch[1])?;
+        let pixels = acc.gather_for_metrics(&batch[0])?;
+        for i in Vec::<i64>::try_from(guess.ne_tensor(&label).nonzero().view([-1]))? {
+            if images.len() < 16 {
+                let digit = pixels.get(i).view([8, 8]);
+                let (low, high) = (digit.min(), digit.max());
+                let scaled = (&digit - &low) / (high - &low).clamp_min(1e-6);
+                let big = scaled
+                    .repeat_interleave_self_int(4, 0, None)
+                    .repeat_interleave_self_int(4, 1, None);
+                images.push(big.constant_pad_nd([0, 2]));
+                rows.push(vec![label.int64_value(&[i]).into(), guess.int64_value(&[i]).into()]);
+            }
+        }
+    }
+    if images.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some((Tensor::cat(&images, 1).unsqueeze(0), rows)))
 }
 
 fn main() -> Result<()> {
@@ -253,6 +287,16 @@ fn main() -> Result<()> {
     bar.finish_and_clear();
     let checkpoint = acc.save_checkpoint()?;
     let (final_accuracy, scored) = accuracy(&acc, &net, &mut test)?;
+    // What the model still gets wrong, in every tracker that keeps images and tables.
+    if let Some((grid, rows)) = misclassified(&acc, &net, &mut test)? {
+        acc.log(
+            args.epochs,
+            &[
+                ("misclassified", Value::image(&grid)?),
+                ("misclassified_digits", Value::table(["label", "guess"], rows)?),
+            ],
+        )?;
+    }
     // The trackers finish here (MLflow's run FINISHED); a failure before leaves it FAILED.
     acc.end_training()?;
     let curve = args.out.join("loss_curve.png");

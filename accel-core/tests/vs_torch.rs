@@ -329,6 +329,16 @@ fn tensorboard_reads_the_scalars_and_hyperparameters_accel_logged() {
         let loss = 1.0 / step as f64;
         acc.log(step * 10, &[("loss", loss), ("accuracy", 1.0 - loss / 2.0)]).unwrap();
     }
+    // Media: an RGB image from a [C, H, W] tensor, text, and a table (as Markdown text).
+    use accel_core::tracking::Value;
+    let rgb = Tensor::arange(3 * 4 * 5, (Kind::Float, Device::Cpu)).view([3, 4, 5]) / 59.0;
+    let table = Value::table(["digit", "guess"], vec![vec![3.into(), 8.into()]]).unwrap();
+    let media = [
+        ("samples", Value::image(&rgb).unwrap()),
+        ("notes", Value::text("**bold** start")),
+        ("wrong", table),
+    ];
+    acc.log(50, &media).unwrap();
     acc.end_training().unwrap();
 
     let python = std::env::var_os("ACCEL_PYTHON")
@@ -357,9 +367,29 @@ fn tensorboard_reads_the_scalars_and_hyperparameters_accel_logged() {
     assert_eq!(hparams["fused"].as_bool(), Some(true));
     assert_eq!(read["metrics"], serde_json::json!(["accuracy", "loss"]));
     assert_eq!(read["ended"], true);
+    let image = &read["images"]["samples"][0];
+    assert_eq!(
+        (image[0].as_u64(), image[1].as_u64(), image[2].as_u64()),
+        (Some(50), Some(5), Some(4))
+    );
+    let Value::Image(expected) = &media[0].1 else { unreachable!() };
+    let hex: String = expected.png().unwrap().iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(image[3].as_str(), Some(hex.as_str()), "the PNG TensorBoard reads back");
+    assert_eq!(read["text"]["notes"], serde_json::json!([[50, "**bold** start"]]));
+    assert_eq!(read["text"]["wrong"][0][1], "| digit | guess |\n| --- | --- |\n| 3 | 8 |\n");
 
     let jsonl = std::fs::read_to_string(dir.join("digits/metrics.jsonl")).unwrap();
-    assert_eq!(jsonl.lines().count(), 5);
+    assert_eq!(jsonl.lines().filter(|l| l.contains("\"loss\"")).count(), 5);
+    // The media beside it, pointed at by a record each.
+    assert!(
+        jsonl.contains(r#"{"samples":{"_type":"image","path":"media/samples_50.png"},"step":50}"#),
+        "{jsonl}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("digits/media/notes_50.txt")).unwrap(),
+        "**bold** start"
+    );
+    assert!(dir.join("digits/media/wrong_50.json").exists());
     let csv = std::fs::read_to_string(dir.join("digits/metrics.csv")).unwrap();
     assert!(csv.starts_with("step,loss,accuracy\n10,1,0.5\n"), "{csv}");
     let saved: serde_json::Value =

@@ -350,7 +350,9 @@ impl MlflowServer {
             .args(["server", "--host", "127.0.0.1", "--port", &port.to_string(), "--workers", "1"])
             .arg("--backend-store-uri")
             .arg(format!("sqlite:///{}", dir.join("mlflow.db").display()))
-            .arg("--default-artifact-root")
+            // Artifacts behind the server's proxy (`mlflow-artifacts:`), as a shared server
+            // keeps them.
+            .arg("--artifacts-destination")
             .arg(dir.join("artifacts"))
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -413,6 +415,15 @@ impl MlflowServer {
         let runs =
             self.call("runs/search", &[], Some(serde_json::json!({ "experiment_ids": [id] })));
         runs["runs"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// The bytes of artifact `path` of run `run_id`, through the server.
+    fn artifact(&self, run_id: &str, path: &str) -> Vec<u8> {
+        let url = format!("{}/get-artifact", self.uri);
+        let mut response =
+            self.agent.get(&url).query("path", path).query("run_uuid", run_id).call().unwrap();
+        assert_eq!(response.status(), 200, "{path}");
+        response.body_mut().read_to_vec().unwrap()
     }
 
     /// A metric's points, as (step, value).
@@ -536,9 +547,26 @@ fn the_mlflow_tracker_writes_runs_a_real_mlflow_server_reads_back() {
         assert!(tag(run, "mlflow.source.name").is_some_and(|s| s.ends_with("train")), "{run}");
         let run_id = run["info"]["run_id"].as_str().unwrap();
         let jsonl = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-        let records: Vec<serde_json::Value> =
-            jsonl.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        let records: Vec<serde_json::Value> = jsonl
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|r| r.get("loss").is_some())
+            .collect();
         assert_eq!(records.len(), epochs);
+        // The misclassified digits: an image and a table, as MLflow's log_image/log_table.
+        let png = server.artifact(run_id, &format!("media/misclassified_{epochs}.png"));
+        assert_eq!(
+            png,
+            std::fs::read(out.join(format!("media/misclassified_{epochs}.png"))).unwrap()
+        );
+        let table: serde_json::Value = serde_json::from_slice(
+            &server.artifact(run_id, &format!("media/misclassified_digits_{epochs}.json")),
+        )
+        .unwrap();
+        assert_eq!(table["columns"], serde_json::json!(["label", "guess"]), "{table}");
+        assert!(!table["data"].as_array().unwrap().is_empty());
+        let logged = tag(run, "mlflow.loggedArtifacts").unwrap();
+        assert!(logged.contains("misclassified_digits") && logged.contains("table"), "{logged}");
         for key in ["loss", "test_accuracy", "lr"] {
             let points = server.history(run_id, key);
             let written: Vec<(u64, f64)> = records
@@ -685,8 +713,11 @@ fn the_wandb_tracker_writes_offline_runs_that_wandbs_own_reader_reads_as_the_cli
     assert_eq!(run["config"]["processes"], 2);
     assert_eq!(run["config"]["_wandb"], serde_json::json!({}));
     let jsonl = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    let records: Vec<serde_json::Value> =
-        jsonl.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let records: Vec<serde_json::Value> = jsonl
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r.get("loss").is_some())
+        .collect();
     let history = ours["history"].as_array().unwrap();
     assert_eq!(history.len(), epochs);
     for (row, record) in history.iter().zip(&records) {
@@ -702,6 +733,25 @@ fn the_wandb_tracker_writes_offline_runs_that_wandbs_own_reader_reads_as_the_cli
         assert_eq!(ours["summary"][key], last[key], "summary {key}");
     }
     assert_eq!(ours["summary"]["_step"], last["step"]);
+    // The misclassified digits in the last row, as the client logs a wandb.Image and a
+    // wandb.Table: files under files/media, named and checked by their SHA-256.
+    let row = history.last().unwrap();
+    let image = &row["misclassified"];
+    assert_eq!(image["_type"], "image-file", "{row}");
+    assert_eq!(image["format"], "png");
+    let png = std::fs::read(run_dir.join("files").join(image["path"].as_str().unwrap())).unwrap();
+    assert_eq!(image["size"].as_u64(), Some(png.len() as u64));
+    assert_eq!(png, std::fs::read(out.join(format!("media/misclassified_{epochs}.png"))).unwrap());
+    let sha = image["sha256"].as_str().unwrap();
+    assert!(image["path"].as_str().unwrap().contains(&sha[..20]), "{image}");
+    let table = &row["misclassified_digits"];
+    assert_eq!(table["_type"], "table-file", "{row}");
+    assert_eq!(table["ncols"], 2);
+    let file = std::fs::read(run_dir.join("files").join(table["path"].as_str().unwrap())).unwrap();
+    let file: serde_json::Value = serde_json::from_slice(&file).unwrap();
+    assert_eq!(file["columns"], serde_json::json!(["label", "guess"]));
+    assert_eq!(Some(file["data"].as_array().unwrap().len() as u64), table["nrows"].as_u64());
+    assert!(kinds.contains(&"files"), "the media are listed for sync: {kinds:?}");
 
     // The wandb client itself, offline, logging the same configuration and rows.
     let client_root = dir.join("client");
@@ -732,9 +782,10 @@ fn the_wandb_tracker_writes_offline_runs_that_wandbs_own_reader_reads_as_the_cli
             .iter()
             .map(|r| {
                 let mut r = r.clone();
-                for key in ["_runtime", "_timestamp"] {
-                    r.as_object_mut().unwrap().remove(key);
-                }
+                // Times, and the media the client was not given.
+                r.as_object_mut().unwrap().retain(|k, v| {
+                    !["_runtime", "_timestamp"].contains(&k.as_str()) && v.is_number()
+                });
                 // As numbers: the client keeps metrics.jsonl's `0` an integer, accel logs f64.
                 for v in r.as_object_mut().unwrap().values_mut() {
                     *v = serde_json::json!(v.as_f64().unwrap());

@@ -18,6 +18,9 @@ with open(metrics_path) as f:
     for line in f:
         record = json.loads(line)
         step = record.pop("step")
-        run.log(record, step=step)
+        # Numbers only (metrics.jsonl points at media files with objects).
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+        if numbers:
+            run.log(numbers, step=step)
 run.finish()
 print(run.dir)

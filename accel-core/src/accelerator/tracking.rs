@@ -86,13 +86,44 @@ impl Accelerator {
         }
     }
 
-    /// Records `values` at `step` in every tracker (main process only; elsewhere nothing).
-    pub fn log(&self, step: u64, values: &[(&str, f64)]) -> Result<()> {
+    /// Records `values` at `step` in every tracker (main process only; elsewhere nothing):
+    /// numbers (`&[("loss", loss)]`), or [`Value`](crate::tracking::Value)s that may also be
+    /// images (a tensor `[C, H, W]` or `[H, W]`), text and tables, each written as its tracker
+    /// stores such things (TensorBoard's image and text summaries, MLflow artifacts, W&B
+    /// media, files beside `metrics.jsonl`).
+    ///
+    /// ```no_run
+    /// # fn main() -> accel_core::Result<()> {
+    /// # let accelerator = accel_core::Accelerator::builder().build()?;
+    /// # let grid = tch::Tensor::zeros([1, 8, 8], (tch::Kind::Float, tch::Device::Cpu));
+    /// use accel_core::tracking::Value;
+    /// accelerator.log(10, &[("loss", 0.25), ("accuracy", 0.9)])?;
+    /// accelerator.log(10, &[("loss", Value::from(0.25)), ("wrong", Value::image(&grid)?)])?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn log<V: Clone + Into<crate::tracking::Value>>(
+        &self,
+        step: u64,
+        values: &[(&str, V)],
+    ) -> Result<()> {
+        use crate::tracking::Value;
         if !self.is_main_process() {
             return Ok(());
         }
+        let values: Vec<(&str, Value)> =
+            values.iter().map(|(k, v)| (*k, v.clone().into())).collect();
+        let scalars: Vec<(&str, f64)> = values
+            .iter()
+            .filter_map(|(k, v)| if let Value::Scalar(x) = v { Some((*k, *x)) } else { None })
+            .collect();
         for tracker in &mut self.trackers().started {
-            tracker.log(step, values)?;
+            if !scalars.is_empty() {
+                tracker.log(step, &scalars)?;
+            }
+            for (key, value) in values.iter().filter(|(_, v)| !matches!(v, Value::Scalar(_))) {
+                tracker.log_media(step, key, value)?;
+            }
         }
         Ok(())
     }

@@ -5,7 +5,8 @@ use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use super::Tracker;
+use super::media::file_stem;
+use super::{Tracker, Value};
 use crate::error::{Error, Result};
 
 /// Appends one record per [`log`](Self::log) call to `metrics.jsonl` and `metrics.csv` in
@@ -99,6 +100,33 @@ impl Tracker for MetricsFiles {
 
     fn log(&mut self, step: u64, values: &[(&str, f64)]) -> Result<()> {
         MetricsFiles::log(self, step, values)
+    }
+
+    /// The image (PNG), text or table (JSON: columns and data) in `media/<key>_<step>.*`
+    /// beside the metrics, and a JSONL record pointing at it: `{"step": 10, "wrong":
+    /// {"_type": "image", "path": "media/wrong_10.png"}}` (the CSV keeps numbers only).
+    fn log_media(&mut self, step: u64, key: &str, value: &Value) -> Result<()> {
+        let Some((jsonl, _)) = &mut self.files else { return Ok(()) };
+        let (bytes, extension) = match value {
+            Value::Scalar(_) => return Ok(()),
+            Value::Image(image) => (image.png()?, "png"),
+            Value::Text(text) => (text.clone().into_bytes(), "txt"),
+            Value::Table(table) => (table.json().to_string().into_bytes(), "json"),
+        };
+        let relative = format!("media/{}_{step}.{extension}", file_stem(key));
+        let path = self.dir.join(&relative);
+        let io = |path: &std::path::Path| {
+            let path = path.to_path_buf();
+            move |source| Error::Io { path, source }
+        };
+        std::fs::create_dir_all(self.dir.join("media")).map_err(io(&self.dir.join("media")))?;
+        std::fs::write(&path, bytes).map_err(io(&path))?;
+        let record = serde_json::json!({
+            "step": step,
+            key: { "_type": value.kind(), "path": relative },
+        });
+        writeln!(jsonl, "{record}").map_err(io(&self.dir))?;
+        jsonl.flush().map_err(io(&self.dir))
     }
 
     fn store_init_configuration(&mut self, config: &serde_json::Value) -> Result<()> {

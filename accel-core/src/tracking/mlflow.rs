@@ -22,7 +22,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use base64::Engine;
 use serde_json::{Value, json};
 
-use super::Tracker;
+use std::path::Path;
+
+use super::{Tracker, Value as Logged};
 use crate::error::{Error, Result};
 
 /// MLflow's limits on one `runs/log-batch` request and on a param's value.
@@ -283,6 +285,27 @@ impl Client {
         }
     }
 
+    /// Uploads `bytes` to the artifact proxy (`mlflow server --serve-artifacts`, the default)
+    /// at `path` (the run's `mlflow-artifacts:` location without the scheme, then the
+    /// artifact's path), as MLflow's client does for such runs.
+    fn put_artifact(&self, path: &str, bytes: &[u8]) -> Result<()> {
+        let url = format!("{}/api/2.0/mlflow-artifacts/artifacts/{path}", self.base);
+        let mut request = self.agent.put(&url);
+        if let Some(auth) = &self.authorization {
+            request = request.header("Authorization", auth);
+        }
+        match request.send(bytes) {
+            Ok(response) if (200..300).contains(&response.status().as_u16()) => Ok(()),
+            Ok(mut response) => {
+                let status = response.status().as_u16();
+                let text = response.body_mut().read_to_string().unwrap_or_default();
+                let said: String = text.chars().take(300).collect();
+                Err(self.error("mlflow-artifacts", format!("answered {status}: {said}")))
+            }
+            Err(e) => Err(self.error("mlflow-artifacts", e.to_string())),
+        }
+    }
+
     fn post(&self, endpoint: &str, body: Value) -> Result<Value> {
         self.call(endpoint, &[], Some(&body))?
             .ok_or_else(|| self.error(endpoint, "answered 404 (no such resource)".into()))
@@ -300,6 +323,10 @@ pub struct MlFlow {
     client: Client,
     run_id: String,
     experiment_id: String,
+    /// Where the run's artifacts go (`mlflow-artifacts:/...` or a folder).
+    artifact_uri: String,
+    /// The tables logged so far (the `mlflow.loggedArtifacts` tag lists them).
+    tables: Vec<String>,
     /// Metric points not sent yet.
     pending: Vec<Value>,
     last_sent: Instant,
@@ -344,14 +371,18 @@ impl MlFlow {
             }
         }
         let tags: Vec<Value> = tags.iter().map(|(k, v)| json!({ "key": k, "value": v })).collect();
-        let run_id = match &settings.run_id {
+        let (run_id, artifact_uri) = match &settings.run_id {
             Some(run_id) => {
                 // As `mlflow.start_run(run_id=..)`: the run is RUNNING again, end time unset.
                 client.post("runs/update", json!({ "run_id": run_id, "status": "RUNNING" }))?;
                 for chunk in tags.chunks(MAX_PARAMS_PER_BATCH) {
                     client.post("runs/log-batch", json!({ "run_id": run_id, "tags": chunk }))?;
                 }
-                run_id.clone()
+                let found = client
+                    .call("runs/get", &[("run_id", run_id)], None)?
+                    .ok_or_else(|| client.error("runs/get", format!("has no run {run_id}")))?;
+                let uri = found["run"]["info"]["artifact_uri"].as_str().unwrap_or_default();
+                (run_id.clone(), uri.to_owned())
             }
             None => {
                 let mut body = json!({
@@ -364,16 +395,20 @@ impl MlFlow {
                     body["run_name"] = json!(run_name);
                 }
                 let created = client.post("runs/create", body)?;
-                created["run"]["info"]["run_id"]
+                let run_id = created["run"]["info"]["run_id"]
                     .as_str()
                     .map(str::to_owned)
-                    .ok_or_else(|| client.error("runs/create", "gave no run id".into()))?
+                    .ok_or_else(|| client.error("runs/create", "gave no run id".into()))?;
+                let uri = created["run"]["info"]["artifact_uri"].as_str().unwrap_or_default();
+                (run_id, uri.to_owned())
             }
         };
         Ok(Self {
             client,
             run_id,
             experiment_id,
+            artifact_uri,
+            tables: Vec::new(),
             pending: Vec::new(),
             last_sent: Instant::now(),
             ended: false,
@@ -388,6 +423,41 @@ impl MlFlow {
     /// The experiment's id.
     pub fn experiment_id(&self) -> &str {
         &self.experiment_id
+    }
+
+    /// Where the run's artifacts are kept (`mlflow-artifacts:/...` behind the server's
+    /// proxy, or a folder).
+    pub fn artifact_uri(&self) -> &str {
+        &self.artifact_uri
+    }
+
+    /// Stores `bytes` as the run's artifact `path` (`media/loss.png`): through the server's
+    /// artifact proxy, or into the run's artifact folder when the server keeps them in a
+    /// folder of this machine (as MLflow's client writes them there). Other stores (S3,
+    /// ...) are refused: serve them through the server (`mlflow server --serve-artifacts`).
+    pub fn log_artifact(&self, path: &str, bytes: &[u8]) -> Result<()> {
+        let uri = self.artifact_uri.as_str();
+        if let Some(location) = uri.strip_prefix("mlflow-artifacts:") {
+            // `mlflow-artifacts:/1/abc/artifacts` or `mlflow-artifacts://host:port/1/...`.
+            let location = match location.strip_prefix("//") {
+                Some(rest) => rest.split_once('/').map_or("", |(_, p)| p),
+                None => location.trim_start_matches('/'),
+            };
+            return self.client.put_artifact(&format!("{location}/{path}"), bytes);
+        }
+        let folder = uri.strip_prefix("file://").unwrap_or(uri);
+        if folder.starts_with('/') {
+            let file = Path::new(folder).join(path);
+            let io = |source| Error::Io { path: file.clone(), source };
+            std::fs::create_dir_all(file.parent().expect("in the run's folder")).map_err(io)?;
+            return std::fs::write(&file, bytes).map_err(io);
+        }
+        Err(Error::Tracker(format!(
+            "MLflow run {} keeps its artifacts at {uri}, which accel does not write to: serve \
+             them through the tracking server (`mlflow server --serve-artifacts \
+             --artifacts-destination {uri}`)",
+            self.run_id
+        )))
     }
 
     /// Sends the metric points not sent yet.
@@ -453,6 +523,29 @@ impl Tracker for MlFlow {
             self.flush()?;
         }
         Ok(())
+    }
+
+    /// As MLflow's `log_image`, `log_text` and `log_table`: the artifact
+    /// `media/<key>_<step>.png`, `.txt`, or `.json` (`{"columns": [...], "data": [...]}`, the
+    /// table listed in the run's `mlflow.loggedArtifacts` tag, as `log_table` does).
+    fn log_media(&mut self, step: u64, key: &str, value: &Logged) -> Result<()> {
+        let stem = format!("media/{}_{step}", super::media::file_stem(key));
+        match value {
+            Logged::Scalar(_) => Ok(()),
+            Logged::Image(image) => self.log_artifact(&format!("{stem}.png"), &image.png()?),
+            Logged::Text(text) => self.log_artifact(&format!("{stem}.txt"), text.as_bytes()),
+            Logged::Table(table) => {
+                let path = format!("{stem}.json");
+                self.log_artifact(&path, table.json().to_string().as_bytes())?;
+                self.tables.push(path);
+                let listed: Vec<Value> =
+                    self.tables.iter().map(|p| json!({ "path": p, "type": "table" })).collect();
+                let tag = json!({ "key": "mlflow.loggedArtifacts", "value": Value::from(listed).to_string() });
+                self.client
+                    .post("runs/log-batch", json!({ "run_id": self.run_id, "tags": [tag] }))?;
+                Ok(())
+            }
+        }
     }
 
     fn finish(&mut self) -> Result<()> {

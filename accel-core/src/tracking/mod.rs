@@ -11,6 +11,7 @@
 //! metrics ([`plot`]) and the progress bar.
 
 mod files;
+mod media;
 mod mlflow;
 pub mod plot;
 mod tensorboard;
@@ -22,6 +23,7 @@ use indicatif::ProgressBar;
 
 pub use crate::config::LogWith;
 pub use files::MetricsFiles;
+pub use media::{Image, Table, Value};
 pub use mlflow::{MlFlow, MlFlowSettings};
 pub use tensorboard::TensorBoard;
 pub use wandb::{Wandb, WandbMode, WandbSettings};
@@ -40,6 +42,13 @@ pub trait Tracker: Send + AsAny {
     }
     /// Records `values` at `step`.
     fn log(&mut self, step: u64, values: &[(&str, f64)]) -> Result<()>;
+    /// Records `value` (an image, text or a table; never a [`Value::Scalar`], which goes to
+    /// [`log`](Self::log)) under `key` at `step`. A tracker that keeps numbers only leaves it
+    /// as it is: nothing is written.
+    fn log_media(&mut self, step: u64, key: &str, value: &Value) -> Result<()> {
+        let _ = (step, key, value);
+        Ok(())
+    }
     /// Flushes and closes, at the end of training.
     fn finish(&mut self) -> Result<()> {
         Ok(())

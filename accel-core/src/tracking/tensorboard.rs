@@ -13,7 +13,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 
-use super::Tracker;
+use super::{Tracker, Value};
 use crate::error::{Error, Result};
 
 /// `tensorflow.Event`.
@@ -49,9 +49,43 @@ struct SummaryValue {
     tag: String,
     #[prost(float, optional, tag = "2")]
     simple_value: Option<f32>,
+    #[prost(message, optional, tag = "4")]
+    image: Option<SummaryImage>,
+    #[prost(message, optional, tag = "8")]
+    tensor: Option<TensorProto>,
     #[prost(message, optional, tag = "9")]
     metadata: Option<SummaryMetadata>,
 }
+
+/// `tensorflow.Summary.Image`: an encoded (PNG) image.
+#[derive(Clone, PartialEq, prost::Message)]
+struct SummaryImage {
+    #[prost(int32, tag = "1")]
+    height: i32,
+    #[prost(int32, tag = "2")]
+    width: i32,
+    /// 1 grey, 3 RGB.
+    #[prost(int32, tag = "3")]
+    colorspace: i32,
+    #[prost(bytes = "vec", tag = "4")]
+    encoded_image_string: Vec<u8>,
+}
+
+/// `tensorflow.TensorProto`, as the text plugin reads it: a string scalar.
+#[derive(Clone, PartialEq, prost::Message)]
+struct TensorProto {
+    /// `DataType`: 7 is `DT_STRING`.
+    #[prost(int32, tag = "1")]
+    dtype: i32,
+    #[prost(message, optional, tag = "2")]
+    tensor_shape: Option<TensorShape>,
+    #[prost(bytes = "vec", repeated, tag = "8")]
+    string_val: Vec<Vec<u8>>,
+}
+
+/// `tensorflow.TensorShapeProto` (no dimensions: a scalar).
+#[derive(Clone, PartialEq, prost::Message)]
+struct TensorShape {}
 
 /// `tensorflow.SummaryMetadata`.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -234,7 +268,8 @@ impl TensorBoard {
         let metadata = SummaryMetadata {
             plugin_data: Some(PluginData { plugin_name: "hparams".into(), content }),
         };
-        let value = SummaryValue { tag: tag.into(), simple_value: None, metadata: Some(metadata) };
+        let value =
+            SummaryValue { tag: tag.into(), metadata: Some(metadata), ..Default::default() };
         self.write(&Event {
             wall_time: now(),
             step: 0,
@@ -260,13 +295,54 @@ impl Tracker for TensorBoard {
             .map(|(tag, v)| SummaryValue {
                 tag: (*tag).to_owned(),
                 simple_value: Some(*v as f32),
-                metadata: None,
+                ..Default::default()
             })
             .collect();
         self.write(&Event {
             wall_time: now(),
             step: step as i64,
             what: Some(What::Summary(Summary { value })),
+        })
+    }
+
+    /// Images as image summaries (PNG), text and tables (as Markdown) as the text plugin's
+    /// string tensors: TensorBoard's IMAGES and TEXT tabs.
+    fn log_media(&mut self, step: u64, key: &str, value: &Value) -> Result<()> {
+        let value = match value {
+            Value::Scalar(_) => return Ok(()),
+            Value::Image(image) => SummaryValue {
+                tag: key.to_owned(),
+                image: Some(SummaryImage {
+                    height: image.height as i32,
+                    width: image.width as i32,
+                    colorspace: i32::from(image.channels),
+                    encoded_image_string: image.png()?,
+                }),
+                ..Default::default()
+            },
+            Value::Text(_) | Value::Table(_) => {
+                let text = match value {
+                    Value::Table(table) => table.markdown(),
+                    Value::Text(text) => text.clone(),
+                    _ => unreachable!("matched above"),
+                };
+                let plugin = PluginData { plugin_name: "text".into(), content: Vec::new() };
+                SummaryValue {
+                    tag: key.to_owned(),
+                    tensor: Some(TensorProto {
+                        dtype: 7,
+                        tensor_shape: Some(TensorShape {}),
+                        string_val: vec![text.into_bytes()],
+                    }),
+                    metadata: Some(SummaryMetadata { plugin_data: Some(plugin) }),
+                    ..Default::default()
+                }
+            }
+        };
+        self.write(&Event {
+            wall_time: now(),
+            step: step as i64,
+            what: Some(What::Summary(Summary { value: vec![value] })),
         })
     }
 

@@ -26,7 +26,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 
-use super::Tracker;
+use super::media::{file_stem, sha256_hex};
+use super::{Tracker, Value};
 use crate::error::{Error, Result};
 
 /// `wandb_internal.Record` (the kinds accel writes).
@@ -34,7 +35,7 @@ use crate::error::{Error, Result};
 struct Record {
     #[prost(int64, tag = "1")]
     num: i64,
-    #[prost(oneof = "Kind", tags = "2, 3, 5, 17, 18, 20, 21")]
+    #[prost(oneof = "Kind", tags = "2, 3, 5, 6, 17, 18, 20, 21")]
     kind: Option<Kind>,
 }
 
@@ -46,6 +47,8 @@ enum Kind {
     Summary(SummaryRecord),
     #[prost(message, tag = "5")]
     Config(ConfigRecord),
+    #[prost(message, tag = "6")]
+    Files(FilesRecord),
     #[prost(message, tag = "17")]
     Run(RunRecord),
     #[prost(message, tag = "18")]
@@ -140,6 +143,25 @@ struct HistoryRecord {
 struct HistoryStep {
     #[prost(int64, tag = "1")]
     num: i64,
+}
+
+/// `wandb_internal.FilesRecord`: files under the run's `files/` for sync to upload.
+#[derive(Clone, PartialEq, prost::Message)]
+struct FilesRecord {
+    #[prost(message, repeated, tag = "1")]
+    files: Vec<FilesItem>,
+}
+
+/// `wandb_internal.FilesItem` (policy 0 is `NOW`; type 0 `OTHER`, which the uploader takes
+/// for media under `media/`).
+#[derive(Clone, PartialEq, prost::Message)]
+struct FilesItem {
+    #[prost(string, tag = "1")]
+    path: String,
+    #[prost(int32, tag = "2")]
+    policy: i32,
+    #[prost(int32, tag = "3")]
+    r#type: i32,
 }
 
 /// `wandb_internal.RunExitRecord`.
@@ -384,7 +406,7 @@ pub struct Wandb {
     start_unix: f64,
     /// The row being filled: its step and values (a step is written when a later one
     /// starts, or at the end, as the client does with `log(step=...)`).
-    pending: Option<(u64, BTreeMap<String, f64>)>,
+    pending: Option<(u64, BTreeMap<String, String>)>,
     /// The last step written, and whether a step below it was dropped (said once).
     last_step: Option<u64>,
     warned_backwards: bool,
@@ -502,7 +524,7 @@ impl Wandb {
         let timestamp = self.start_unix + runtime;
         let Some(log) = &mut self.log else { return Ok(()) };
         let mut items: Vec<Item> =
-            values.iter().map(|(k, v)| item(&[k.as_str()], json_number(*v))).collect();
+            values.into_iter().map(|(k, v)| item(&[k.as_str()], v)).collect();
         items.push(item(&["_step"], step.to_string()));
         items.push(item(&["_runtime"], json_number(runtime)));
         items.push(item(&["_timestamp"], json_number(timestamp)));
@@ -511,6 +533,55 @@ impl Wandb {
         log.append(Kind::History(history))?;
         self.last_step = Some(step);
         Ok(())
+    }
+
+    /// The row of `step`, started if need be (the row before it written first); `None` where
+    /// nothing is written, or for a step below one already written (dropped with a warning,
+    /// as the client does: W&B's steps only go forward).
+    fn row(&mut self, step: u64) -> Result<Option<&mut BTreeMap<String, String>>> {
+        if self.log.is_none() {
+            return Ok(None);
+        }
+        if self.last_step.is_some_and(|last| step <= last)
+            || self.pending.as_ref().is_some_and(|(pending, _)| step < *pending)
+        {
+            if !self.warned_backwards {
+                eprintln!(
+                    "accel: W&B: step {step} comes after a later step was logged; W&B's steps \
+                     only go forward, so it is dropped (as the wandb client does; said once)"
+                );
+                self.warned_backwards = true;
+            }
+            return Ok(None);
+        }
+        if self.pending.as_ref().is_some_and(|(pending, _)| step > *pending) {
+            self.flush_row()?;
+        }
+        Ok(Some(&mut self.pending.get_or_insert_with(|| (step, BTreeMap::new())).1))
+    }
+
+    /// Writes a media file under the run's `files/media/<kind>/` and lists it for sync;
+    /// returns its path relative to `files/` and its SHA-256.
+    fn media_file(
+        &mut self,
+        key: &str,
+        step: u64,
+        kind: &str,
+        extension: &str,
+        bytes: &[u8],
+    ) -> Result<(String, String)> {
+        self.write_run(None)?;
+        let sha256 = sha256_hex(bytes);
+        let path = format!("media/{kind}/{}_{step}_{}.{extension}", file_stem(key), &sha256[..20]);
+        let file = self.run_dir.join("files").join(&path);
+        let io = |source| Error::Io { path: file.clone(), source };
+        std::fs::create_dir_all(file.parent().expect("under files/")).map_err(io)?;
+        std::fs::write(&file, bytes).map_err(io)?;
+        if let Some(log) = &mut self.log {
+            let listed = FilesItem { path: path.clone(), policy: 0, r#type: 0 };
+            log.append(Kind::Files(FilesRecord { files: vec![listed] }))?;
+        }
+        Ok((path, sha256))
     }
 
     fn end(&mut self, exit_code: i32) -> Result<()> {
@@ -580,27 +651,46 @@ impl Tracker for Wandb {
     /// `log(values, step=step)`); a step below the last written is dropped with a warning,
     /// as the client does (W&B's steps only go forward).
     fn log(&mut self, step: u64, values: &[(&str, f64)]) -> Result<()> {
-        if self.log.is_none() {
-            return Ok(());
-        }
-        if self.last_step.is_some_and(|last| step <= last)
-            || self.pending.as_ref().is_some_and(|(pending, _)| step < *pending)
-        {
-            if !self.warned_backwards {
-                eprintln!(
-                    "accel: W&B: step {step} comes after a later step was logged; W&B's steps \
-                     only go forward, so it is dropped (as the wandb client does; said once)"
-                );
-                self.warned_backwards = true;
-            }
-            return Ok(());
-        }
-        if self.pending.as_ref().is_some_and(|(pending, _)| step > *pending) {
-            self.flush_row()?;
-        }
-        let row = &mut self.pending.get_or_insert_with(|| (step, BTreeMap::new())).1;
+        let Some(row) = self.row(step)? else { return Ok(()) };
         for (key, value) in values {
-            row.insert((*key).to_owned(), *value);
+            row.insert((*key).to_owned(), json_number(*value));
+        }
+        Ok(())
+    }
+
+    /// Images as `files/media/images/<key>_<step>_<sha256>.png` and tables as
+    /// `files/media/table/<key>_<step>_<sha256>.table.json`, each listed in a files record
+    /// for sync and referred to from the row as the client refers to them (`image-file`,
+    /// `table-file`); text as a string in the row, as the client logs a `str`.
+    fn log_media(&mut self, step: u64, key: &str, value: &Value) -> Result<()> {
+        if self.row(step)?.is_none() {
+            return Ok(());
+        }
+        let value_json = match value {
+            Value::Scalar(v) => json_number(*v),
+            Value::Text(text) => serde_json::Value::from(text.as_str()).to_string(),
+            Value::Image(image) => {
+                let png = image.png()?;
+                let (path, sha256) = self.media_file(key, step, "images", "png", &png)?;
+                serde_json::json!({
+                    "_type": "image-file", "sha256": sha256, "size": png.len(), "path": path,
+                    "format": "png", "width": image.width, "height": image.height,
+                })
+                .to_string()
+            }
+            Value::Table(table) => {
+                let json = table.json().to_string().into_bytes();
+                let (path, sha256) = self.media_file(key, step, "table", "table.json", &json)?;
+                serde_json::json!({
+                    "_type": "table-file", "sha256": sha256, "size": json.len(), "path": path,
+                    "ncols": table.columns.len(), "nrows": table.rows.len(),
+                    "log_mode": "IMMUTABLE",
+                })
+                .to_string()
+            }
+        };
+        if let Some(row) = self.row(step)? {
+            row.insert(key.to_owned(), value_json);
         }
         Ok(())
     }
