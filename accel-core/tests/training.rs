@@ -358,6 +358,61 @@ fn fp16_skips_a_step_with_inf_gradients_halves_the_scale_then_steps() {
     assert_eq!(acc.counters().optimizer_steps, 1);
 }
 
+/// A driven optimizer (tch's own, kept by the program: what `self.opt.step()` becomes under
+/// the attribute) goes through the step sequence of prepared optimizers: fp16 gradients
+/// unscaled once even when clipped before the step, a step with inf gradients skipped with
+/// the scale halved, the configured norm clipping, the steps counted; on an accumulation
+/// step nothing happens.
+#[test]
+fn a_driven_optimizer_follows_the_prepared_step_sequence() {
+    let _serial = serial();
+    let acc = Accelerator::builder()
+        .precision(Precision::Fp16)
+        .clip_grad_norm(0.5)
+        .accumulate(2)
+        .cpu(true)
+        .build()
+        .unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let lin = nn::linear(vs.root() / "lin", 4, 1, Default::default());
+    acc.prepare_model(&vs).unwrap();
+    let mut opt = nn::Sgd::default().build(&vs, 0.1).unwrap();
+    let x = Tensor::ones([2, 4], (Kind::Float, Device::Cpu));
+    let weight = vs.variables()["lin.weight"].shallow_clone();
+    let micro_step = |acc: &Accelerator| {
+        let out = acc.forward(|| lin.forward(&x)).unwrap();
+        acc.backward(&out.mean(Kind::Float)).unwrap();
+    };
+
+    // Accumulation step: no step, no clipping, no unscale.
+    micro_step(&acc);
+    let before = weight.copy();
+    acc.drive(&mut opt).step().unwrap();
+    assert_eq!(max_abs_diff(&before, &weight), 0.0, "an accumulation step moved the weights");
+    // Sync step with an inf gradient: skipped, the scale halved.
+    micro_step(&acc);
+    let _ = weight.grad().fill_(f64::INFINITY);
+    acc.drive(&mut opt).step().unwrap();
+    assert_eq!(max_abs_diff(&before, &weight), 0.0, "a skipped step moved the weights");
+    assert_eq!(acc.loss_scale(), Some(32768.0));
+    acc.drive(&mut opt).zero_grad().unwrap();
+
+    // Two micro-steps, a norm clip asked for before the step: the gradient (d(mean)/dw = 1
+    // per input, summed over 2 micro-steps and divided by them: 1, the bias 1) is unscaled
+    // once, its norm (sqrt(5)) reported, clipped to 0.5 by the configured clipping.
+    micro_step(&acc);
+    acc.drive(&mut opt).step().unwrap();
+    micro_step(&acc);
+    let norm = acc.drive(&mut opt).clip_grad_norm(10.0).unwrap();
+    assert!((norm - 5f64.sqrt()).abs() < 1e-3, "the norm of unscaled gradients, got {norm}");
+    acc.drive(&mut opt).step().unwrap();
+    let moved = (&weight - &before).abs().max().double_value(&[]);
+    let clipped = 0.1 * 0.5 / 5f64.sqrt();
+    assert!((moved - clipped).abs() < 1e-4, "lr x the clipped gradient: {clipped}, got {moved}");
+    assert_eq!(acc.counters().skipped_steps, 1);
+    assert_eq!(acc.counters().optimizer_steps, 1);
+}
+
 #[test]
 fn bf16_runs_matmuls_in_bf16_and_returns_fp32() {
     let _serial = serial();

@@ -443,7 +443,7 @@ impl AcceleratorBuilder {
                     project_dir: self.project_dir,
                     ..Default::default()
                 }),
-                driven_unscaled: Mutex::new(Default::default()),
+                prepared_gradients: Mutex::new(Default::default()),
                 data: self.data,
                 sync_batchnorm: self.sync_batchnorm,
                 warned_autocast: Default::default(),

@@ -6,9 +6,10 @@
 
 use tch::Tensor;
 
+use super::step::StepTarget;
 use super::{AcceleratedOptimizer, Accelerator};
 use crate::error::{Error, Result};
-use crate::optim::{Optimizer, clip_grad_norm, clip_grad_value};
+use crate::optim::Optimizer;
 
 /// What [`Accelerator::drive`] needs of an optimizer it does not own: tch's
 /// `nn::Optimizer`, any of accel's [`Optimizer`]s, or an [`AcceleratedOptimizer`] (whose own
@@ -172,18 +173,26 @@ impl Accelerator {
     pub fn drive<'a, O: DriveOptimizer>(&'a self, optimizer: &'a mut O) -> Driven<'a, O> {
         Driven { accelerator: self, optimizer }
     }
+}
 
-    /// The fp16 unscale of a driven optimizer's gradients, once per step (keyed by the
-    /// optimizer's parameters, which outlive the call that borrowed it).
-    fn unscale_driven(&self, params: &[Tensor]) -> Result<()> {
-        let Some(scaler) = &self.inner.scaler else { return Ok(()) };
-        let Some(first) = params.first() else { return Ok(()) };
-        let key = crate::shim::tensor_id(first)?;
-        let mut unscaled = self.inner.driven_unscaled.lock().unwrap_or_else(|e| e.into_inner());
-        if unscaled.insert(key) {
-            scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(params)?;
-        }
-        Ok(())
+/// A driven optimizer's part in the step sequence (`Accelerator::optimizer_step`, the one
+/// prepared optimizers follow): its own update over whole parameters, nothing around it.
+struct Target<'a, O: DriveOptimizer> {
+    optimizer: &'a mut O,
+    params: Vec<Tensor>,
+}
+
+impl<O: DriveOptimizer> StepTarget for Target<'_, O> {
+    fn trainable(&self) -> Vec<Tensor> {
+        self.params.iter().map(Tensor::shallow_clone).collect()
+    }
+
+    fn gradients(&self) -> Vec<Tensor> {
+        self.trainable()
+    }
+
+    fn update(&mut self) -> Result<()> {
+        self.optimizer.raw_step()
     }
 }
 
@@ -220,97 +229,54 @@ impl<O: DriveOptimizer> Driven<'_, O> {
         if let Some(prepared) = self.optimizer.prepared() {
             return prepared.zero_grad();
         }
-        if !self.sync() {
-            return Ok(());
-        }
-        if self.accelerator.zero_grad_in_place() {
-            tch::no_grad(|| -> Result<()> {
-                for p in self.optimizer.params() {
-                    let mut grad = p.grad();
-                    if grad.defined() {
-                        let _ = grad.f_zero_()?;
-                    }
-                }
-                Ok(())
-            })
-        } else {
-            self.optimizer.raw_zero_grad()
-        }
+        let params = self.optimizer.params();
+        self.accelerator.zero_grads(&params, || self.optimizer.raw_zero_grad())
     }
 
-    /// The optimizer step on sync steps: fp16 gradients unscaled and checked (a step with
-    /// inf/NaN is skipped), the configured norm clipping, then the optimizer's own step.
-    pub fn step(self) -> Result<()> {
+    /// The optimizer for one pass of the step sequence.
+    fn target(&mut self) -> Target<'_, O> {
+        let params = self.optimizer.params();
+        Target { optimizer: &mut *self.optimizer, params }
+    }
+
+    /// The optimizer step on sync steps, by the accelerator's one step sequence (as a
+    /// prepared optimizer's): gradients finalized and fp16-unscaled once, a step with
+    /// inf/NaN gradients skipped, the configured norm clipping, then the optimizer's own step.
+    pub fn step(mut self) -> Result<()> {
         if let Some(prepared) = self.optimizer.prepared() {
             return prepared.step();
         }
-        if !self.sync() {
-            return Ok(());
-        }
-        self.refuse_shards()?;
         let acc = self.accelerator;
-        if acc.num_processes() > 1 {
-            let strays = acc.unprepared(&self.optimizer.params())?;
-            if let Some(size) = strays.first() {
-                return Err(Error::Training(format!(
-                    "{} steps a parameter of shape {size:?} that belongs to no prepared model, on \
-                     rank {}: name the model's VarStore with #[accelerate(model = ...)] or call \
-                     accelerator.prepare_model on it",
-                    self.optimizer.name(),
-                    acc.process_index()
-                )));
-            }
+        if acc.sync_gradients() {
+            self.refuse_shards()?;
+            acc.check_membership(self.optimizer.name(), &self.optimizer.params())?;
         }
-        let _no_autocast = crate::precision::suspend(acc.device())?;
-        let params = self.optimizer.params();
-        acc.unscale_driven(&params)?;
-        let skipped = match &acc.inner.scaler {
-            Some(scaler) => {
-                let mut scaler = scaler.lock().unwrap_or_else(|e| e.into_inner());
-                let overflow = scaler.found_inf(&params)?;
-                scaler.update()?;
-                overflow
-            }
-            None => false,
-        };
-        if !skipped {
-            if let Some(max) = acc.inner.config.clip_grad_norm {
-                clip_grad_norm(&params, max)?;
-            }
-            self.optimizer.raw_step()?;
-        }
-        if let Some(first) = params.first() {
-            let key = crate::shim::tensor_id(first)?;
-            acc.inner.driven_unscaled.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
-        }
-        acc.end_optimizer_step(skipped)
+        acc.optimizer_step(&mut self.target()).map(|_| ())
     }
 
     /// Unscales and clips the global gradient norm to `max`; returns the norm before (0 on
     /// accumulation steps).
-    pub fn clip_grad_norm(self, max: f64) -> Result<f64> {
+    pub fn clip_grad_norm(mut self, max: f64) -> Result<f64> {
         if let Some(prepared) = self.optimizer.prepared() {
             return prepared.clip_grad_norm(max);
         }
         if !self.sync() {
             return Ok(0.0);
         }
-        let params = self.optimizer.params();
-        self.accelerator.unscale_driven(&params)?;
-        clip_grad_norm(&params, max)
+        let acc = self.accelerator;
+        acc.clip_norm(&self.target(), max)
     }
 
     /// Unscales and clamps every gradient element to `[-max, max]`.
-    pub fn clip_grad_value(self, max: f64) -> Result<()> {
+    pub fn clip_grad_value(mut self, max: f64) -> Result<()> {
         if let Some(prepared) = self.optimizer.prepared() {
             return prepared.clip_grad_value(max);
         }
         if !self.sync() {
             return Ok(());
         }
-        let params = self.optimizer.params();
-        self.accelerator.unscale_driven(&params)?;
-        clip_grad_value(&params, max)
+        let acc = self.accelerator;
+        acc.clip_value(&self.target(), max)
     }
 
     /// `zero_grad`, the accelerator's `backward`, `step`.

@@ -115,8 +115,9 @@ pub(crate) struct Inner {
     pub(crate) micro_batch_size: Option<usize>,
     /// The experiment trackers (`log_with`, `init_trackers`).
     pub(crate) trackers: Mutex<crate::tracking::Trackers>,
-    /// Driven optimizers (by their first parameter) whose gradients this step unscaled.
-    driven_unscaled: Mutex<std::collections::HashSet<usize>>,
+    /// Optimizers (by their first parameter) whose gradients this step has prepared
+    /// (finalize_grads, the fp16 unscale): see `Accelerator::prepare_gradients`.
+    prepared_gradients: Mutex<std::collections::HashSet<usize>>,
     /// Who deals the data: with several processes and `Prepared`, a step on batches that
     /// did not come through a prepared iterator or loader is an error.
     pub(crate) data: crate::config::DataSharding,

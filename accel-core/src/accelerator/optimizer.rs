@@ -7,11 +7,10 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use tch::Tensor;
 
+use super::step::StepTarget;
 use super::{Accelerator, Inner};
-use crate::accumulation::GradientState;
 use crate::error::{Error, Result};
-use crate::optim::{LrScheduler, Optimizer, Schedule, clip_grad_value};
-use crate::precision::GradScaler;
+use crate::optim::{LrScheduler, Optimizer, Schedule};
 use crate::strategy::{OptimizerPlan, Replicated};
 
 pub(crate) struct Slot {
@@ -20,8 +19,6 @@ pub(crate) struct Slot {
     pub(crate) plan: Option<Box<dyn OptimizerPlan>>,
     pub(crate) scheduler: Option<LrScheduler>,
     pub(crate) step_was_skipped: bool,
-    /// Gradients already unscaled (and maybe clipped) in this step.
-    unscaled: bool,
     /// A failure to set up, reported by the first step (`prepare_optimizer` cannot fail).
     deferred: Option<String>,
     /// The model's parameters as the user sees them (before any sharding): what
@@ -45,6 +42,49 @@ impl Slot {
     }
 }
 
+/// A prepared optimizer's part in the step sequence (`Accelerator::optimizer_step`): its
+/// optimizer's update, the strategy's plan around it, its schedule.
+impl StepTarget for Slot {
+    fn trainable(&self) -> Vec<Tensor> {
+        self.trainable.iter().map(Tensor::shallow_clone).collect()
+    }
+
+    /// The strategy decides: under zero1 every parameter, under zero2/zero3 this process's
+    /// shards.
+    fn gradients(&self) -> Vec<Tensor> {
+        self.plan().gradients(self.optimizer.as_ref())
+    }
+
+    fn gradient_group(&self) -> Option<Arc<dyn crate::comm::Communicator>> {
+        self.plan().gradient_group()
+    }
+
+    fn update(&mut self) -> Result<()> {
+        self.optimizer.prepared_step()
+    }
+
+    fn after_step(&mut self, stepped: bool) -> Result<()> {
+        match &mut self.plan {
+            Some(plan) => plan.after_step(self.optimizer.as_mut(), stepped),
+            None => Ok(()),
+        }
+    }
+
+    fn schedule(&mut self, replicas: usize) -> Result<()> {
+        let Some(scheduler) = &mut self.scheduler else { return Ok(()) };
+        for _ in 0..replicas {
+            // One-cycle refuses to go past its end; Accelerate stops stepping it there.
+            if let Schedule::OneCycle { total_steps, .. } = scheduler.state().schedule {
+                if scheduler.steps() >= total_steps {
+                    break;
+                }
+            }
+            scheduler.step(self.optimizer.as_mut())?;
+        }
+        Ok(())
+    }
+}
+
 /// An optimizer whose `step`, `zero_grad` and learning-rate schedule follow the
 /// accelerator: they act only on sync steps of gradient accumulation; fp16 gradients are
 /// unscaled and checked first, and a step with inf/NaN gradients is skipped (and the
@@ -54,14 +94,8 @@ impl Slot {
 #[derive(Clone)]
 pub struct AcceleratedOptimizer {
     pub(crate) slot: Arc<Mutex<Slot>>,
-    state: Arc<GradientState>,
-    scaler: Option<Arc<Mutex<GradScaler>>>,
-    clip: Option<f64>,
-    num_processes: usize,
-    /// Data-parallel replicas: each sees 1/replicas of an epoch, so the schedule advances
-    /// this many times per step (tensor and pipeline ranks share one replica's batches).
-    data_replicas: usize,
-    /// For `backward_step*` (weak: the accelerator's registry holds this optimizer).
+    /// The accelerator whose step sequence this optimizer follows (weak: the accelerator's
+    /// registry holds this optimizer).
     accelerator: Weak<Inner>,
 }
 
@@ -91,35 +125,21 @@ impl AcceleratedOptimizer {
             plan,
             scheduler: None,
             step_was_skipped: false,
-            unscaled: false,
             deferred,
             trainable,
             membership_checked: false,
         };
-        Self {
-            slot: Arc::new(Mutex::new(slot)),
-            state: inner.state.clone(),
-            scaler: inner.scaler.clone(),
-            clip: inner.config.clip_grad_norm,
-            num_processes: inner.process.world_size,
-            data_replicas: inner.mesh.dims().size(crate::mesh::Dim::Batch),
-            accelerator: Arc::downgrade(inner),
-        }
+        Self { slot: Arc::new(Mutex::new(slot)), accelerator: Arc::downgrade(inner) }
     }
 
     fn accelerator(&self) -> Result<Accelerator> {
         self.accelerator.upgrade().map(|inner| Accelerator { inner }).ok_or_else(|| {
             Error::Training(
-                "backward_step: the accelerator this optimizer was prepared by has been dropped"
+                "the accelerator this optimizer was prepared by has been dropped: keep it while \
+                 the optimizer steps"
                     .into(),
             )
         })
-    }
-
-    /// The tensors whose gradients the step reads (the strategy decides: under zero1 every
-    /// parameter, under zero2/zero3 this process's shards).
-    fn gradients(&self, slot: &Slot) -> Vec<Tensor> {
-        slot.plan().gradients(slot.optimizer.as_ref())
     }
 
     /// Whether the gradients the step reads are split across processes (zero2, zero3).
@@ -224,12 +244,11 @@ impl AcceleratedOptimizer {
     /// unscaling fp16 gradients; on sync steps only, like [`clip_grad_norm`](Self::clip_grad_norm).
     /// Elementwise, so shards clamp alone.
     pub fn clip_grad_value(&mut self, max: f64) -> Result<()> {
-        if !self.state.sync_gradients() {
+        let accelerator = self.accelerator()?;
+        if !accelerator.sync_gradients() {
             return Ok(());
         }
-        let mut slot = self.lock();
-        self.unscale(&mut slot)?;
-        clip_grad_value(&self.gradients(&slot), max)
+        accelerator.clip_value(&*self.lock(), max)
     }
 
     /// Whether the last sync step was skipped because of inf/NaN gradients (fp16).
@@ -246,123 +265,29 @@ impl AcceleratedOptimizer {
     /// returns the norm before clipping. Call between `backward` and `step` for a norm
     /// other than the configured one; does nothing (returns 0) on accumulation steps.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
-        if !self.state.sync_gradients() {
+        let accelerator = self.accelerator()?;
+        if !accelerator.sync_gradients() {
             return Ok(0.0);
         }
-        let mut slot = self.lock();
-        self.unscale(&mut slot)?;
-        self.clip(&slot, &self.gradients(&slot), max_norm)
+        accelerator.clip_norm(&*self.lock(), max_norm)
     }
 
-    /// Clips the global gradient norm, each parameter counted once across the run (the
-    /// model-parallel dimensions know how: `ModelParallel::clip_grad_norm`).
-    fn clip(&self, slot: &Slot, grads: &[Tensor], max_norm: f64) -> Result<f64> {
-        let group = slot.plan().gradient_group();
-        let parallel = &self.accelerator()?.inner.parallel;
-        parallel.clip_grad_norm(&slot.trainable, grads, group.as_deref(), max_norm)
-    }
-
-    /// Once per step, before anything reads the gradients: what the model-parallel
-    /// dimensions owe them (`finalize_grads`), then the fp16 unscale.
-    fn unscale(&self, slot: &mut Slot) -> Result<()> {
-        if slot.unscaled {
-            return Ok(());
-        }
-        let grads = self.gradients(slot);
-        self.accelerator()?.inner.parallel.finalize_grads(&slot.trainable, &grads)?;
-        if let Some(scaler) = &self.scaler {
-            scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(&grads)?;
-        }
-        slot.unscaled = true;
-        Ok(())
-    }
-
-    /// The optimizer step (on sync steps only); the strategy hears of every call.
+    /// The optimizer step (on sync steps only), by the accelerator's one step sequence
+    /// (`Accelerator::optimizer_step`); the strategy hears of every call.
     pub fn step(&mut self) -> Result<()> {
-        let mut slot = self.lock();
-        if !self.state.sync_gradients() {
-            let Slot { optimizer, plan, .. } = &mut *slot;
-            if let Some(plan) = plan {
-                plan.after_step(optimizer.as_mut(), false)?;
-            }
-            return Ok(());
-        }
-        if let Some(why) = &slot.deferred {
-            return Err(crate::Error::Unsupported(why.clone()));
-        }
-        let _range = crate::shim::range("accel::optimizer_step");
-        // The step's autocast (`autocast_step`) stays off while the optimizer runs.
-        let _no_autocast = crate::precision::suspend(self.accelerator()?.device())?;
-        if !slot.membership_checked && self.num_processes > 1 {
-            self.check_membership(&slot)?;
-            slot.membership_checked = true;
-        }
-        self.unscale(&mut slot)?;
-        let params = self.gradients(&slot);
-        let skipped = match &self.scaler {
-            Some(scaler) => {
-                let mut scaler = scaler.lock().unwrap_or_else(|e| e.into_inner());
-                let parallel = &self.accelerator()?.inner.parallel;
-                // Where an overflow must be seen: the shards' group, or everyone if the model
-                // is split (an overflow anywhere skips the step everywhere).
-                if let Some(group) = parallel.grad_stats_group(slot.plan().gradient_group()) {
-                    scaler.share_found_inf(&params, group.as_ref())?;
-                }
-                let overflow = scaler.found_inf(&params)?;
-                scaler.update()?;
-                overflow
-            }
-            None => false,
-        };
-        if !skipped {
-            if let Some(max) = self.clip {
-                self.clip(&slot, &params, max)?;
-            }
-            slot.optimizer.prepared_step()?;
-        }
-        {
-            let Slot { optimizer, plan, .. } = &mut *slot;
-            if let Some(plan) = plan {
-                plan.after_step(optimizer.as_mut(), !skipped)?;
-            }
-        }
-        if !skipped {
-            let Slot { optimizer, scheduler, .. } = &mut *slot;
-            if let Some(scheduler) = scheduler {
-                for _ in 0..self.data_replicas {
-                    // One-cycle refuses to go past its end; Accelerate stops stepping it there.
-                    if let Schedule::OneCycle { total_steps, .. } = scheduler.state().schedule {
-                        if scheduler.steps() >= total_steps {
-                            break;
-                        }
-                    }
-                    scheduler.step(optimizer.as_mut())?;
-                }
-            }
-        }
-        slot.step_was_skipped = skipped;
-        slot.unscaled = false;
-        self.accelerator()?.end_optimizer_step(skipped)
-    }
-
-    /// The safety net under a model that was never prepared: its gradients would not be
-    /// averaged, and this step would train this process's replica alone.
-    fn check_membership(&self, slot: &Slot) -> Result<()> {
         let accelerator = self.accelerator()?;
-        let strays = accelerator.unprepared(&slot.trainable)?;
-        if let Some(size) = strays.first() {
-            return Err(Error::Training(format!(
-                "{} steps {} parameter(s) (the first of shape {size:?}) that belong to no model \
-                 the accelerator prepared, on rank {} of {}: their gradients are not averaged \
-                 across processes, so the replicas would drift apart. Call \
-                 `accelerator.prepare_model(&vs)` on the model's VarStore before training (under \
-                 #[accelerate], build the optimizer in the function over the VarStore, or name \
-                 it with `model = vs`)",
-                slot.optimizer.name(),
-                strays.len(),
-                accelerator.process_index(),
-                self.num_processes
-            )));
+        let mut slot = self.lock();
+        if accelerator.sync_gradients() {
+            if let Some(why) = &slot.deferred {
+                return Err(crate::Error::Unsupported(why.clone()));
+            }
+            if !slot.membership_checked {
+                accelerator.check_membership(slot.optimizer.name(), &slot.trainable)?;
+                slot.membership_checked = true;
+            }
+        }
+        if let Some(skipped) = accelerator.optimizer_step(&mut *slot)? {
+            slot.step_was_skipped = skipped;
         }
         Ok(())
     }
@@ -370,23 +295,9 @@ impl AcceleratedOptimizer {
     /// Clears gradients, on sync steps only: sets them to none, or, where the strategy
     /// needs it (DDP), zeroes them in place so that they stay views of the all-reduce buckets.
     pub fn zero_grad(&mut self) -> Result<()> {
-        if !self.state.sync_gradients() {
-            return Ok(());
-        }
-        let in_place = self.accelerator()?.zero_grad_in_place();
+        let accelerator = self.accelerator()?;
         let mut slot = self.lock();
-        if in_place {
-            tch::no_grad(|| -> Result<()> {
-                for p in self.gradients(&slot) {
-                    let mut grad = p.grad();
-                    if grad.defined() {
-                        let _ = grad.f_zero_()?;
-                    }
-                }
-                Ok(())
-            })
-        } else {
-            slot.optimizer.zero_grad()
-        }
+        let gradients = slot.gradients();
+        accelerator.zero_grads(&gradients, || slot.optimizer.zero_grad())
     }
 }

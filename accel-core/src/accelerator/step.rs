@@ -1,6 +1,10 @@
 //! The step as the accelerator runs it: autocast over the forward pass, `backward` (the
 //! micro-step, loss division and scaling, the strategy's hooks, the checks that a step's
-//! data was dealt and ran under autocast), and the end of an optimizer step.
+//! data was dealt and ran under autocast), and the optimizer step — one sequence for every
+//! optimizer, prepared ([`super::AcceleratedOptimizer`]) or driven ([`super::Driven`]), over
+//! a [`StepTarget`].
+
+use std::sync::Arc;
 
 use tch::Tensor;
 
@@ -138,6 +142,150 @@ impl Accelerator {
         )))
     }
 
+    /// The optimizer step, for every optimizer (prepared or driven): on accumulation steps
+    /// only the strategy hears of the call; on sync steps, autocast suspended and in the
+    /// profile's `accel::optimizer_step` range, the gradients prepared once
+    /// ([`prepare_gradients`](Self::prepare_gradients): finalize_grads, the fp16 unscale),
+    /// the overflow seen by every rank that holds part of them (and the step skipped on
+    /// inf/NaN), the configured norm clipping, the optimizer's own update, the strategy's
+    /// `after_step`, the schedule, and the end of the step. Returns whether it was skipped
+    /// (`None` on accumulation steps).
+    pub(crate) fn optimizer_step(&self, target: &mut dyn StepTarget) -> Result<Option<bool>> {
+        if !self.sync_gradients() {
+            target.after_step(false)?;
+            return Ok(None);
+        }
+        let _range = crate::shim::range("accel::optimizer_step");
+        // The step's autocast (`autocast_step`) stays off while the optimizer runs.
+        let _no_autocast = precision::suspend(self.device())?;
+        self.prepare_gradients(target)?;
+        let gradients = target.gradients();
+        let skipped = match &self.inner.scaler {
+            Some(scaler) => {
+                let mut scaler = scaler.lock().unwrap_or_else(|e| e.into_inner());
+                // Where an overflow must be seen: the shards' group, or everyone if the model
+                // is split (an overflow anywhere skips the step everywhere).
+                let parallel = &self.inner.parallel;
+                if let Some(group) = parallel.grad_stats_group(target.gradient_group()) {
+                    scaler.share_found_inf(&gradients, group.as_ref())?;
+                }
+                let overflow = scaler.found_inf(&gradients)?;
+                scaler.update()?;
+                overflow
+            }
+            None => false,
+        };
+        if !skipped {
+            if let Some(max) = self.inner.config.clip_grad_norm {
+                self.clip_norm(target, max)?;
+            }
+            target.update()?;
+        }
+        target.after_step(!skipped)?;
+        if !skipped {
+            target.schedule(self.mesh().dims().size(crate::mesh::Dim::Batch))?;
+        }
+        self.gradients_used(target)?;
+        self.end_optimizer_step(skipped)?;
+        Ok(Some(skipped))
+    }
+
+    /// Once per step and optimizer, before anything reads the gradients: what the
+    /// model-parallel dimensions owe them (`finalize_grads`), then the fp16 unscale. Kept per
+    /// optimizer (by its first parameter) until its step, as PyTorch's GradScaler keeps a
+    /// stage per optimizer: a `clip_grad_norm` before the step prepares them once.
+    pub(crate) fn prepare_gradients(&self, target: &dyn StepTarget) -> Result<()> {
+        let trainable = target.trainable();
+        let key = match trainable.first() {
+            Some(first) => crate::shim::tensor_id(first)?,
+            None => return Ok(()),
+        };
+        if !self.inner.prepared_gradients.lock().unwrap_or_else(|e| e.into_inner()).insert(key) {
+            return Ok(());
+        }
+        let gradients = target.gradients();
+        self.inner.parallel.finalize_grads(&trainable, &gradients)?;
+        if let Some(scaler) = &self.inner.scaler {
+            scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(&gradients)?;
+        }
+        Ok(())
+    }
+
+    /// The step of `target` is over: its next step prepares its gradients again.
+    fn gradients_used(&self, target: &dyn StepTarget) -> Result<()> {
+        if let Some(first) = target.trainable().first() {
+            let key = crate::shim::tensor_id(first)?;
+            self.inner.prepared_gradients.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+        }
+        Ok(())
+    }
+
+    /// Prepares the gradients (once per step) and clips their global norm to `max_norm`,
+    /// each parameter counted once across the run (shards, tensor and pipeline ranks: the
+    /// model-parallel dimensions know how). Returns the norm before clipping.
+    pub(crate) fn clip_norm(&self, target: &dyn StepTarget, max_norm: f64) -> Result<f64> {
+        self.prepare_gradients(target)?;
+        let group = target.gradient_group();
+        let (trainable, gradients) = (target.trainable(), target.gradients());
+        self.inner.parallel.clip_grad_norm(&trainable, &gradients, group.as_deref(), max_norm)
+    }
+
+    /// Prepares the gradients (once per step) and clamps every element to `[-max, max]`
+    /// (elementwise, so shards clamp alone).
+    pub(crate) fn clip_value(&self, target: &dyn StepTarget, max: f64) -> Result<()> {
+        self.prepare_gradients(target)?;
+        crate::optim::clip_grad_value(&target.gradients(), max)
+    }
+
+    /// Clears gradients on sync steps, for every optimizer: in place where the strategy needs
+    /// them to stay views of its buffers (DDP's buckets), else by the optimizer's own
+    /// `zero_grad` (`own`).
+    pub(crate) fn zero_grads(
+        &self,
+        params: &[Tensor],
+        own: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        if !self.sync_gradients() {
+            return Ok(());
+        }
+        if !self.zero_grad_in_place() {
+            return own();
+        }
+        tch::no_grad(|| -> Result<()> {
+            for p in params {
+                let mut grad = p.grad();
+                if grad.defined() {
+                    let _ = grad.f_zero_()?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// The safety net under a model that was never prepared, for every optimizer with
+    /// several processes: its gradients would not be averaged, and the step would train
+    /// this process's replica alone.
+    pub(crate) fn check_membership(&self, name: &str, trainable: &[Tensor]) -> Result<()> {
+        if self.num_processes() == 1 {
+            return Ok(());
+        }
+        let strays = self.unprepared(trainable)?;
+        if let Some(size) = strays.first() {
+            return Err(Error::Training(format!(
+                "{name} steps {} parameter(s) (the first of shape {size:?}) that belong to no \
+                 model the accelerator prepared, on rank {} of {}: their gradients are not \
+                 averaged across processes, so the replicas would drift apart. Call \
+                 `accelerator.prepare_model(&vs)` on the model's VarStore before training \
+                 (under #[accelerate], build the optimizer in the function over the VarStore, \
+                 or name it with `model = vs`)",
+                strays.len(),
+                self.process_index(),
+                self.num_processes()
+            )));
+        }
+        Ok(())
+    }
+
     /// The end of every optimizer step, prepared or driven: the step counted (or the skip),
     /// then, with several processes, the collective sequence check (every rank compares the
     /// collectives it issued since the last step with the others', off this thread; a
@@ -216,6 +364,33 @@ impl Accelerator {
         if sync {
             self.sync_buffers()?;
         }
+        Ok(())
+    }
+}
+
+/// What one optimizer step works on, for [`Accelerator::optimizer_step`]: a prepared
+/// optimizer (its optimizer, the strategy's plan for it, its schedule) or one the accelerator
+/// drives for a call (the program's own, whole parameters, nothing around its update).
+pub(crate) trait StepTarget {
+    /// The parameters as the user sees them, whole.
+    fn trainable(&self) -> Vec<Tensor>;
+    /// The tensors whose gradients the step reads (this process's shards under zero2/3).
+    fn gradients(&self) -> Vec<Tensor>;
+    /// The group [`gradients`](Self::gradients) are split across (zero2, zero3), if they are.
+    fn gradient_group(&self) -> Option<Arc<dyn crate::comm::Communicator>> {
+        None
+    }
+    /// The optimizer's own update.
+    fn update(&mut self) -> Result<()>;
+    /// What the strategy does after every call (`stepped`: false on accumulation steps
+    /// and skipped fp16 steps).
+    fn after_step(&mut self, stepped: bool) -> Result<()> {
+        let _ = stepped;
+        Ok(())
+    }
+    /// Advances the learning-rate schedule, once per data-parallel replica (`replicas`).
+    fn schedule(&mut self, replicas: usize) -> Result<()> {
+        let _ = replicas;
         Ok(())
     }
 }
