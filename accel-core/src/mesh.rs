@@ -54,16 +54,69 @@ pub enum Dim {
 
 impl fmt::Display for Dim {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Dim::Pipeline => "pipeline",
-            Dim::DataReplicate => "data-replicate",
-            Dim::DataShard => "data-shard",
-            Dim::Data => "data",
-            Dim::Batch => "batch",
-            Dim::Context => "context",
-            Dim::Tensor => "tensor",
-        })
+        f.write_str(view(*self).name)
     }
+}
+
+/// An axis of the mesh: one factor of the number of processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Axis {
+    /// Pipeline stages.
+    Pipeline,
+    /// Data-parallel replicas.
+    DataReplicate,
+    /// Data-parallel shards.
+    DataShard,
+    /// Context-parallel ranks.
+    Context,
+    /// Tensor-parallel ranks.
+    Tensor,
+}
+
+/// The mesh's axes, in the order ranks are laid out (outermost first; the last varies
+/// fastest, so that tensor ranks are neighbours), with their names: torchtitan's layout. A
+/// new axis (expert parallelism, say) is a row here, a field of [`ParallelDims`], the views
+/// that span it below, and its strategy file.
+const AXES: [(Axis, &str); 5] = [
+    (Axis::Pipeline, "pipeline"),
+    (Axis::DataReplicate, "data-replicate"),
+    (Axis::DataShard, "data-shard"),
+    (Axis::Context, "context"),
+    (Axis::Tensor, "tensor"),
+];
+
+/// A dimension strategies work over: its name and the axes it spans (a flattened view where
+/// several, outermost first).
+struct View {
+    dim: Dim,
+    name: &'static str,
+    axes: &'static [Axis],
+}
+
+/// Every dimension, as a view of the axes: the one place that says which are flattened.
+const VIEWS: [View; 7] = [
+    View {
+        dim: Dim::Data,
+        name: "data",
+        axes: &[Axis::DataReplicate, Axis::DataShard, Axis::Context],
+    },
+    View { dim: Dim::DataReplicate, name: "data-replicate", axes: &[Axis::DataReplicate] },
+    // The context ranks hold the same weights and split one sequence: to a sharded
+    // strategy they are shards like any other.
+    View { dim: Dim::DataShard, name: "data-shard", axes: &[Axis::DataShard, Axis::Context] },
+    View { dim: Dim::Batch, name: "batch", axes: &[Axis::DataReplicate, Axis::DataShard] },
+    View { dim: Dim::Context, name: "context", axes: &[Axis::Context] },
+    View { dim: Dim::Tensor, name: "tensor", axes: &[Axis::Tensor] },
+    View { dim: Dim::Pipeline, name: "pipeline", axes: &[Axis::Pipeline] },
+];
+
+fn view(dim: Dim) -> &'static View {
+    VIEWS.iter().find(|v| v.dim == dim).expect("every dimension has a view")
+}
+
+/// Where an axis is in the layout.
+fn position(axis: Axis) -> usize {
+    AXES.iter().position(|(a, _)| *a == axis).expect("every axis is in the table")
 }
 
 /// The sizes of the parallel dimensions; their product is the number of processes.
@@ -82,16 +135,14 @@ pub struct ParallelDims {
 }
 
 impl fmt::Display for ParallelDims {
+    /// `pipeline 1 × data-replicate 2 × data-shard 2 × tensor 1` (context only where used).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "pipeline {} × data-replicate {} × data-shard {} × ",
-            self.pipeline, self.data_replicate, self.data_shard
-        )?;
-        if self.context > 1 {
-            write!(f, "context {} × ", self.context)?;
-        }
-        write!(f, "tensor {}", self.tensor)
+        let shown: Vec<String> = AXES
+            .iter()
+            .filter(|(axis, _)| *axis != Axis::Context || self.context > 1)
+            .map(|(axis, name)| format!("{name} {}", self.axis(*axis)))
+            .collect();
+        f.write_str(&shown.join(" × "))
     }
 }
 
@@ -107,14 +158,10 @@ impl ParallelDims {
         tensor: usize,
     ) -> Result<Self> {
         let dims = Self { pipeline, data_replicate, data_shard, context, tensor };
-        if [pipeline, data_replicate, data_shard, context, tensor].contains(&0) {
+        if dims.sizes().contains(&0) {
             return Err(Error::Config(format!("every parallel degree must be at least 1: {dims}")));
         }
-        let product = pipeline
-            .checked_mul(data_replicate)
-            .and_then(|p| p.checked_mul(data_shard))
-            .and_then(|p| p.checked_mul(context))
-            .and_then(|p| p.checked_mul(tensor));
+        let product = dims.sizes().iter().try_fold(1usize, |p, &n| p.checked_mul(n));
         if product != Some(world) {
             return Err(Error::Config(format!(
                 "the parallel degrees do not fit the {world} process(es): {dims} = {} ≠ {world}",
@@ -146,20 +193,14 @@ impl ParallelDims {
             )));
         }
         let dp = world / model;
-        match config.strategy {
-            Strategy::Single | Strategy::Ddp | Strategy::Zero1 => {
-                Self::new(world, pp, dp, 1, cp, tp)
-            }
-            // Auto decides later among them all: the sharded layout serves every one (the
-            // data dimension spans the same processes).
-            Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp | Strategy::Auto => {
-                Self::new(world, pp, 1, dp, cp, tp)
-            }
-            Strategy::HybridShard if model > 1 => Err(Error::Unsupported(format!(
+        match DataAxes::of(config.strategy) {
+            DataAxes::Replicated => Self::new(world, pp, dp, 1, cp, tp),
+            DataAxes::Sharded => Self::new(world, pp, 1, dp, cp, tp),
+            DataAxes::Hybrid if model > 1 => Err(Error::Unsupported(format!(
                 "hybrid_shard together with tensor_parallel {tp} / pipeline_parallel {pp} / \
                  context_parallel {cp}: use zero3 (sharded over every data-parallel process)"
             ))),
-            Strategy::HybridShard => {
+            DataAxes::Hybrid => {
                 let local = topology.local_world_size;
                 if local == 0 || world % local != 0 || local == world {
                     return Err(Error::Config(format!(
@@ -175,30 +216,34 @@ impl ParallelDims {
 
     /// Number of processes.
     pub fn world(&self) -> usize {
-        self.pipeline * self.data_replicate * self.data_shard * self.context * self.tensor
+        self.sizes().iter().product()
     }
 
-    /// The axes each dimension spans (indices into [`coords`](Self::coords)), outermost
-    /// first: the one place that says which dimensions are flattened views of several.
-    fn axes(dim: Dim) -> &'static [usize] {
-        match dim {
-            Dim::Pipeline => &[0],
-            Dim::DataReplicate => &[1],
-            Dim::DataShard => &[2, 3],
-            Dim::Data => &[1, 2, 3],
-            Dim::Batch => &[1, 2],
-            Dim::Context => &[3],
-            Dim::Tensor => &[4],
+    /// The size of one axis.
+    pub fn axis(&self, axis: Axis) -> usize {
+        match axis {
+            Axis::Pipeline => self.pipeline,
+            Axis::DataReplicate => self.data_replicate,
+            Axis::DataShard => self.data_shard,
+            Axis::Context => self.context,
+            Axis::Tensor => self.tensor,
         }
     }
 
+    /// The axes each dimension spans (indices into [`coords`](Self::coords)), outermost
+    /// first, from the views' table.
+    fn axes(dim: Dim) -> impl Iterator<Item = usize> {
+        view(dim).axes.iter().map(|&axis| position(axis))
+    }
+
+    /// The axes' sizes in layout order.
     fn sizes(&self) -> [usize; 5] {
-        [self.pipeline, self.data_replicate, self.data_shard, self.context, self.tensor]
+        AXES.map(|(axis, _)| self.axis(axis))
     }
 
     /// Size of `dim`.
     pub fn size(&self, dim: Dim) -> usize {
-        Self::axes(dim).iter().map(|&a| self.sizes()[a]).product()
+        Self::axes(dim).map(|a| self.sizes()[a]).product()
     }
 
     /// `rank`'s coordinates: (pipeline, data-replicate, data-shard, context, tensor).
@@ -223,7 +268,7 @@ impl ParallelDims {
         let mut groups: BTreeMap<[usize; 5], Vec<usize>> = BTreeMap::new();
         for rank in 0..self.world() {
             let mut key = self.coords(rank);
-            for &axis in Self::axes(dim) {
+            for axis in Self::axes(dim) {
                 key[axis] = 0;
             }
             groups.entry(key).or_default().push(rank);
@@ -236,7 +281,7 @@ impl ParallelDims {
     /// `rank`'s position within its group along `dim`.
     pub fn index(&self, dim: Dim, rank: usize) -> usize {
         let (coords, sizes) = (self.coords(rank), self.sizes());
-        Self::axes(dim).iter().fold(0, |index, &a| index * sizes[a] + coords[a])
+        Self::axes(dim).fold(0, |index, a| index * sizes[a] + coords[a])
     }
 
     /// The rank at `coords` (for tests and layouts).
@@ -266,15 +311,41 @@ impl fmt::Debug for DeviceMesh {
     }
 }
 
-const DIMS: [Dim; 7] = [
-    Dim::Data,
-    Dim::DataReplicate,
-    Dim::DataShard,
-    Dim::Batch,
-    Dim::Context,
-    Dim::Tensor,
-    Dim::Pipeline,
-];
+/// Every dimension, in the order their communicators are made (the views' table's).
+const DIMS: [Dim; 7] = {
+    let mut dims = [Dim::Data; 7];
+    let mut i = 0;
+    while i < VIEWS.len() {
+        dims[i] = VIEWS[i].dim;
+        i += 1;
+    }
+    dims
+};
+
+/// How a strategy spreads its data-parallel processes over the data axes: the one place
+/// that reads strategy names when the mesh is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DataAxes {
+    /// All on data-replicate: every process holds the whole model (single, ddp, zero1).
+    Replicated,
+    /// All on data-shard: parameters or gradients sharded over every data-parallel process
+    /// (zero2, zero3, fsdp; auto, which decides later among them all, on the same processes).
+    Sharded,
+    /// Sharded within a machine, replicated across machines (hybrid_shard).
+    Hybrid,
+}
+
+impl DataAxes {
+    fn of(strategy: Strategy) -> Self {
+        match strategy {
+            Strategy::Single | Strategy::Ddp | Strategy::Zero1 => DataAxes::Replicated,
+            Strategy::Zero2 | Strategy::Zero3 | Strategy::Fsdp | Strategy::Auto => {
+                DataAxes::Sharded
+            }
+            Strategy::HybridShard => DataAxes::Hybrid,
+        }
+    }
+}
 
 /// `ACCEL_GROUP_OF_ONE=1`: a run of one process still makes its process group, and its
 /// strategy runs over real communicators of one rank (NCCL's on a GPU) instead of none —
@@ -446,6 +517,32 @@ mod tests {
         assert!(
             ParallelDims::new(4, 1, 0, 4, 1, 1).unwrap_err().to_string().contains("at least 1")
         );
+    }
+
+    /// The tables agree with themselves: every dimension is a view of named axes, once; the
+    /// strategies' data axes are where `for_run` puts their processes.
+    #[test]
+    fn every_dimension_is_a_view_of_the_axes_in_the_table() {
+        let mut dims = DIMS.to_vec();
+        dims.sort();
+        dims.dedup();
+        assert_eq!(dims.len(), VIEWS.len(), "each dimension has one view");
+        for v in &VIEWS {
+            assert!(!v.axes.is_empty(), "{}", v.name);
+            assert_eq!(v.dim.to_string(), v.name);
+        }
+        let dims = ParallelDims::new(2 * 3 * 5 * 7 * 11, 2, 3, 5, 7, 11).unwrap();
+        for (axis, name) in AXES {
+            let alone = VIEWS.iter().find(|v| v.axes == [axis]).map(|v| v.dim);
+            if let Some(dim) = alone {
+                assert_eq!(dims.size(dim), dims.axis(axis), "{name}");
+            }
+        }
+        assert_eq!(dims.size(Dim::Data), 3 * 5 * 7);
+        assert_eq!(dims.size(Dim::Batch), 3 * 5);
+        assert_eq!(DataAxes::of(Strategy::Zero1), DataAxes::Replicated);
+        assert_eq!(DataAxes::of(Strategy::Fsdp), DataAxes::Sharded);
+        assert_eq!(DataAxes::of(Strategy::HybridShard), DataAxes::Hybrid);
     }
 
     #[test]
