@@ -63,9 +63,3 @@ pub const TCH_VERSION: &str = "0.24.0";
 pub mod __private {
     pub use tch::Device;
 }
-
-/// Everything `#[accelerate]` generated code needs, under one stable path.
-#[doc(hidden)]
-pub mod __macro_support {
-    pub use crate::{Accelerator, DataSharding, Fp8Recipe, Precision, Strategy};
-}

@@ -72,6 +72,20 @@ pub(crate) struct RawArgs {
     pub krate: Option<syn::Path>,
 }
 
+impl RawArgs {
+    /// The strategy the arguments ask for, resolved once for the checks and the expansion:
+    /// FSDP with a sharding strategy is the strategy that sharding is (`full_shard`: zero3,
+    /// `hybrid_shard`: hybrid), at the span of what said it.
+    pub fn strategy(&self) -> Option<Spanned<Strategy>> {
+        match (&self.strategy, &self.sharding) {
+            (Some(s), Some(sharding)) if s.value == Strategy::Fsdp => {
+                Some(Spanned { value: sharding.value.strategy(), span: sharding.span })
+            }
+            (s, _) => s.clone(),
+        }
+    }
+}
+
 fn lit(expr: &Expr) -> Option<&Lit> {
     match expr {
         Expr::Lit(ExprLit { lit, .. }) => Some(lit),

@@ -69,15 +69,7 @@ fn sequence_parallel_needs_tensor_parallel(raw: &RawArgs, errors: &mut Vec<syn::
 /// Hybrid sharding lays its own two dimensions (machines × processes per machine) over the
 /// processes; tensor and pipeline dimensions do not fit beside them.
 fn hybrid_alone(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
-    let hybrid =
-        raw.strategy.as_ref().filter(|s| s.value == Strategy::HybridShard).map(|s| s.span).or_else(
-            || {
-                raw.sharding
-                    .as_ref()
-                    .filter(|s| s.value.strategy() == Strategy::HybridShard)
-                    .map(|s| s.span)
-            },
-        );
+    let hybrid = raw.strategy().filter(|s| s.value == Strategy::HybridShard).map(|s| s.span);
     let split = [&raw.tensor_parallel, &raw.pipeline_parallel, &raw.context_parallel]
         .into_iter()
         .flatten()

@@ -9,8 +9,6 @@ use quote::{ToTokens, quote, quote_spanned};
 use syn::visit_mut::VisitMut;
 use syn::{Block, Expr, ExprMethodCall, ItemFn, Stmt, parse_quote};
 
-use accel_choices::Strategy;
-
 use super::attr::RawArgs;
 use super::body::{self, FALLIBLE, INFALLIBLE, Init, Optimizers, Source, span_of};
 use super::check::Returns;
@@ -33,6 +31,28 @@ pub(crate) struct Context {
     pub sync_batchnorm: bool,
 }
 
+/// The items of accel-core that generated code names, each under the crate path
+/// (`::accel_core`, or the `crate = ..` key's): the one list of the runtime's paths the
+/// expansion spells (everything else it calls is a method of the accelerator).
+const RUNTIME: &[&str] = &[
+    "Accelerator",
+    "Strategy",
+    "Precision",
+    "Fp8Recipe",
+    "DataSharding",
+    "LogWith",
+    "Error",
+    "precision::Float8Linear",
+    "nn::SyncBatchNorm",
+];
+
+/// `item` of [`RUNTIME`] under the crate path `krate`.
+fn runtime(krate: &syn::Path, item: &str) -> syn::Path {
+    assert!(RUNTIME.contains(&item), "`{item}` is not in the runtime's list");
+    let item: syn::Path = syn::parse_str(item).expect("a path");
+    parse_quote!(#krate::#item)
+}
+
 /// The builder chain the arguments ask for; `loops` is how many data loops the rewrite
 /// prepared (the run's first line says it).
 pub(crate) fn builder(
@@ -43,22 +63,20 @@ pub(crate) fn builder(
 ) -> TokenStream {
     let mut calls = TokenStream::new();
     let ident = |name: &str| syn::Ident::new(name, Span::call_site());
-    // FSDP with a sharding strategy is the strategy that sharding is.
-    let strategy = match (&raw.strategy, &raw.sharding) {
-        (Some(s), Some(sharding)) if s.value == Strategy::Fsdp => Some(sharding.value.strategy()),
-        (s, _) => s.as_ref().map(|s| s.value),
-    };
-    if let Some(s) = strategy {
+    if let Some(s) = raw.strategy().map(|s| s.value) {
         let v = ident(s.variant_name());
-        calls.extend(quote!(.strategy(#krate::Strategy::#v)));
+        let t = runtime(krate, "Strategy");
+        calls.extend(quote!(.strategy(#t::#v)));
     }
     if let Some(p) = &raw.precision {
         let v = ident(p.value.variant_name());
-        calls.extend(quote!(.precision(#krate::Precision::#v)));
+        let t = runtime(krate, "Precision");
+        calls.extend(quote!(.precision(#t::#v)));
     }
     if let Some(r) = &raw.fp8_recipe {
         let v = ident(r.value.variant_name());
-        calls.extend(quote!(.fp8_recipe(#krate::Fp8Recipe::#v)));
+        let t = runtime(krate, "Fp8Recipe");
+        calls.extend(quote!(.fp8_recipe(#t::#v)));
     }
     if let Some(a) = &raw.accumulate {
         let a = a.value as u32;
@@ -98,7 +116,8 @@ pub(crate) fn builder(
     }
     if let Some(d) = &raw.data {
         let v = ident(d.value.variant_name());
-        calls.extend(quote!(.data(#krate::DataSharding::#v)));
+        let t = runtime(krate, "DataSharding");
+        calls.extend(quote!(.data(#t::#v)));
     }
     if let Some(b) = &raw.broadcast_buffers {
         let b = b.value;
@@ -118,7 +137,8 @@ pub(crate) fn builder(
     }
     if let Some(l) = &raw.log_with {
         let v = l.value.iter().map(|w| ident(w.variant_name()));
-        calls.extend(quote!(.log_with([#(#krate::LogWith::#v),*])));
+        let t = runtime(krate, "LogWith");
+        calls.extend(quote!(.log_with([#(#t::#v),*])));
     }
     if let Some(c) = &raw.config {
         let c = &c.value;
@@ -130,7 +150,8 @@ pub(crate) fn builder(
     }
     let call = format!("`{function}`");
     calls.extend(quote!(.attribute_call(concat!(#call, " at ", file!(), ":", line!()))));
-    quote!(#krate::Accelerator::builder() #calls .build())
+    let accelerator = runtime(krate, "Accelerator");
+    quote!(#accelerator::builder() #calls .build())
 }
 
 fn is_call_to(expr: &Expr, tail: &[&str]) -> bool {
@@ -573,13 +594,15 @@ impl VisitMut for Rewriter<'_> {
         let segs: Vec<String> = t.path.segments.iter().map(|s| s.ident.to_string()).collect();
         let krate = &self.cx.krate;
         if self.cx.fp8 && segs.len() >= 2 && segs[segs.len() - 2..] == ["nn", "Linear"] {
-            *t = parse_quote!(#krate::precision::Float8Linear);
+            let path = runtime(krate, "precision::Float8Linear");
+            *t = parse_quote!(#path);
         }
         if self.cx.sync_batchnorm
             && segs.len() >= 2
             && segs[segs.len() - 2..] == ["nn", "BatchNorm"]
         {
-            *t = parse_quote!(#krate::nn::SyncBatchNorm);
+            let path = runtime(krate, "nn::SyncBatchNorm");
+            *t = parse_quote!(#path);
         }
     }
 
@@ -742,6 +765,7 @@ pub(crate) fn function(
     let name = &cx.name;
     let krate = &cx.krate;
     let build = builder(raw, krate, (rewriter.loops, rewriter.drawn), &f.sig.ident);
+    let error = runtime(krate, "Error");
     let stmts = &body.stmts;
     let new_body: Block = match returns {
         Returns::Result(ty) => parse_quote!({
@@ -774,7 +798,7 @@ pub(crate) fn function(
                 let #name = #build.unwrap_or_else(|e| panic!("accel: {e}"));
                 let __accel_exit = #name.exit_guard();
                 // As for a `Result` function; here a failure ends in a panic with its message.
-                let __accel_result: ::core::result::Result<(), #krate::Error> = (|| {
+                let __accel_result: ::core::result::Result<(), #error> = (|| {
                     #(#stmts)*
                     ::core::result::Result::Ok(())
                 })();
