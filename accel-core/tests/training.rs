@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
-use accel_core::data::{DataLoader, LoaderOptions, Sampler, TensorDataset};
+use accel_core::data::{DataLoader, LoaderOptions, MapDataset, Sampler, TensorDataset, stack};
 use accel_core::optim::{AdamConfig, AdamW, Schedule, Sgd, SgdConfig, TchOptimizer, named_params};
 use accel_core::{AcceleratedOptimizer, Accelerator, Precision, PreparedLoader};
 use tch::nn::{self, Module, ModuleT, OptimizerConfig};
@@ -478,11 +478,12 @@ fn a_non_scalar_loss_is_refused() {
 fn loader_prefetch_and_inline_agree_and_shuffles_are_seeded() {
     let _serial = serial();
     let (x, y) = data();
-    let order = |prefetch: usize, seed: u64, epochs: usize| -> Vec<Vec<i64>> {
+    let order_with = |prefetch: usize, num_workers: usize, seed: u64, epochs: usize| {
         let options = LoaderOptions {
             batch_size: 8,
             sampler: Sampler::Shuffled { seed },
             prefetch,
+            num_workers,
             ..Default::default()
         };
         let mut loader = DataLoader::new(
@@ -501,11 +502,49 @@ fn loader_prefetch_and_inline_agree_and_shuffles_are_seeded() {
         }
         out
     };
+    let order = |prefetch: usize, seed: u64, epochs: usize| -> Vec<Vec<i64>> {
+        order_with(prefetch, 0, seed, epochs)
+    };
     let a = order(0, 1, 2);
     assert_eq!(a, order(3, 1, 2), "prefetching changes nothing");
+    for workers in [1, 2, 4] {
+        assert_eq!(a, order_with(2, workers, 1, 2), "{workers} workers change nothing");
+    }
     assert_ne!(a, order(0, 2, 2), "another seed, another order");
     assert_ne!(a[..7], a[7..], "each epoch its own order");
     assert_eq!(a.len(), 14, "50 samples in batches of 8: 7 per epoch");
+}
+
+/// Worker threads (`num_workers`): an epoch left early gives the data set back to the next
+/// one, and a batch that fails to build is reported in its place, after the ones before it.
+#[test]
+fn loader_workers_stop_early_and_report_a_failing_batch_in_its_place() {
+    let _serial = serial();
+    let dataset = MapDataset::new(
+        40,
+        |i| {
+            if i == 21 {
+                return Err(accel_core::Error::Training("sample 21 is corrupt".into()));
+            }
+            Ok(Tensor::from_slice(&[i as f32]))
+        },
+        stack,
+    );
+    let options = LoaderOptions { batch_size: 4, num_workers: 4, ..Default::default() };
+    let mut loader = DataLoader::new(dataset, options).unwrap();
+    let first: Vec<f32> = loader
+        .iter()
+        .take(2)
+        .flat_map(|b| Vec::<f32>::try_from(b.unwrap().view([-1])).unwrap())
+        .collect();
+    assert_eq!(first, (0..8).map(|i| i as f32).collect::<Vec<_>>());
+    let results: Vec<_> = loader.iter().collect();
+    for (b, result) in results.iter().enumerate().take(5) {
+        let rows = Vec::<f32>::try_from(result.as_ref().unwrap().view([-1])).unwrap();
+        assert_eq!(rows, (4 * b..4 * b + 4).map(|i| i as f32).collect::<Vec<_>>(), "batch {b}");
+    }
+    let err = results[5].as_ref().unwrap_err().to_string();
+    assert!(err.contains("sample 21"), "{err}");
 }
 
 #[test]
@@ -531,7 +570,6 @@ fn prepared_iterators_flag_the_last_batch_and_skip_resumes() {
 
 #[test]
 fn map_datasets_fetch_items_and_collate_them() {
-    use accel_core::data::{MapDataset, stack};
     let _serial = serial();
     let dataset =
         MapDataset::new(5, |i| Ok(Tensor::from_slice(&[i as f32, 10.0 * i as f32])), stack);

@@ -38,12 +38,16 @@ fn main() -> ExitCode {
         }
         "bench" if rest.first().is_some_and(|a| a == "speed") => setup().and_then(|_| bench()),
         "bench" if rest.first().is_some_and(|a| a == "readme") => readme_from_results(),
+        "bench" if rest.first().is_some_and(|a| a == "loader") => {
+            setup().and_then(|_| loader_bench())
+        }
         "bench" if rest.first().is_some_and(|a| a == "scale") => {
             setup().and_then(|_| scale_bench()).and_then(|_| readme_from_results())
         }
         "bench" => setup()
             .and_then(|_| bench())
             .and_then(|_| scale_bench())
+            .and_then(|_| loader_bench())
             .and_then(|_| readme_from_results())
             .and_then(|_| memory_bench())
             .and_then(|_| llama_memory_bench()),
@@ -56,6 +60,7 @@ fn main() -> ExitCode {
              cargo xtask bench speed   the same without the memory benchmarks\n  \
              cargo xtask bench readme  docs/performance.md's readings, from bench/results.json\n  \
              cargo xtask bench scale   rendezvous of 16 to 256 processes, accel and torchrun\n  \
+             cargo xtask bench loader  the data loader's workers against a slow data set\n  \
              cargo xtask bench memory  peak memory per process of ddp and zero1/2/3"
         )),
     };
@@ -733,6 +738,13 @@ fn scale_bench() -> Result<(), String> {
         .map_err(|e| format!("{}: {e}", path.display()))?;
     eprintln!("xtask: wrote {SCALE_RESULTS}");
     Ok(())
+}
+
+/// The data loader's workers (`num_workers`) against a data set whose samples cost CPU time
+/// to make: an epoch's time and the share of it the training loop waited for data.
+fn loader_bench() -> Result<(), String> {
+    cargo(&["build", "--release", "-p", "accel-examples", "--example", "loader_bench"], &[])?;
+    run(&mut Command::new(root().join("target/release/examples/loader_bench")))
 }
 
 /// Where the scale benchmark's results are kept.

@@ -1,6 +1,7 @@
 //! A map-style data loader: a [`Dataset`] that builds batches from index lists, a sampler
-//! (in order, or shuffled with a seed), sharding across ranks, and a background thread
-//! that prepares the next batches while the current one trains.
+//! (in order, or shuffled with a seed), sharding across ranks, and background threads that
+//! prepare the next batches while the current one trains: one by default, or `num_workers`
+//! building batches at once (torch's DataLoader workers), delivered in order.
 
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, sync_channel};
@@ -15,8 +16,9 @@ use super::shard::{ShardOptions, shard_batches};
 use crate::error::{Error, Result};
 
 /// Data addressed by index. `batch` builds one batch from a list of indices, so a tensor
-/// data set can gather rows with one `index_select` instead of stacking samples.
-pub trait Dataset: Send + 'static {
+/// data set can gather rows with one `index_select` instead of stacking samples. Shared by
+/// the loader's worker threads (`num_workers`), hence `Sync`.
+pub trait Dataset: Send + Sync + 'static {
     /// What a batch is (a tensor, a tuple of tensors, a struct ...).
     type Batch: Send + 'static;
     /// Number of samples.
@@ -49,6 +51,11 @@ impl TensorDataset {
     }
 }
 
+// SAFETY: the tensors are never changed after `new`; `batch` only reads them
+// (`index_select` makes new tensors), and libtorch allows a tensor to be read from several
+// threads at once (its reference count is atomic, autograd's metadata behind a mutex).
+unsafe impl Sync for TensorDataset {}
+
 impl Dataset for TensorDataset {
     type Batch = Vec<Tensor>;
     fn len(&self) -> usize {
@@ -65,8 +72,8 @@ impl Dataset for TensorDataset {
 /// shape of torch's map-style `Dataset` + `collate_fn`).
 pub struct MapDataset<Item, Batch> {
     len: usize,
-    get: Box<dyn Fn(usize) -> Result<Item> + Send>,
-    collate: Box<dyn Fn(Vec<Item>) -> Result<Batch> + Send>,
+    get: Box<dyn Fn(usize) -> Result<Item> + Send + Sync>,
+    collate: Box<dyn Fn(Vec<Item>) -> Result<Batch> + Send + Sync>,
 }
 
 impl<Item, Batch> std::fmt::Debug for MapDataset<Item, Batch> {
@@ -79,8 +86,8 @@ impl<Item, Batch> MapDataset<Item, Batch> {
     /// `len` samples, sample `i` given by `get(i)`, batches made by `collate`.
     pub fn new(
         len: usize,
-        get: impl Fn(usize) -> Result<Item> + Send + 'static,
-        collate: impl Fn(Vec<Item>) -> Result<Batch> + Send + 'static,
+        get: impl Fn(usize) -> Result<Item> + Send + Sync + 'static,
+        collate: impl Fn(Vec<Item>) -> Result<Batch> + Send + Sync + 'static,
     ) -> Self {
         Self { len, get: Box::new(get), collate: Box::new(collate) }
     }
@@ -153,8 +160,14 @@ pub struct LoaderOptions {
     pub sampler: Sampler,
     /// Drop an incomplete last batch.
     pub drop_last: bool,
-    /// Batches prepared ahead by a background thread (0: build batches on the caller's thread).
+    /// Batches prepared ahead by each background thread (0: build batches on the caller's
+    /// thread; torch's `prefetch_factor`).
     pub prefetch: usize,
+    /// Threads building batches at once (torch's `num_workers`), each taking every
+    /// `num_workers`-th batch; the batches still arrive in order. 0 or 1: one background
+    /// thread (with `prefetch` > 0). For data sets whose batches take time to build (decoding,
+    /// augmentation).
+    pub num_workers: usize,
     /// See [`ShardOptions::even_batches`].
     pub even_batches: bool,
     /// See [`ShardOptions::split_batches`].
@@ -168,6 +181,7 @@ impl Default for LoaderOptions {
             sampler: Sampler::Sequential,
             drop_last: false,
             prefetch: 2,
+            num_workers: 0,
             even_batches: true,
             split_batches: false,
         }
@@ -303,29 +317,49 @@ impl<D: Dataset> DataLoader<D> {
         let source = if self.options.prefetch == 0 {
             Source::Inline { dataset: Some(dataset), plan: plan.into_iter() }
         } else {
-            let (tx, rx) = sync_channel(self.options.prefetch);
-            let worker = std::thread::Builder::new()
-                .name("accel-data".into())
-                .spawn(move || {
-                    for indices in plan {
-                        let batch = dataset.batch(&indices);
-                        let failed = batch.is_err();
-                        if tx.send(batch).is_err() || failed {
-                            break;
+            // Worker w builds batches w, w + n, w + 2n, ... into its own queue; the
+            // iterator takes from the queues in turn, so the order is the plan's.
+            let workers = self.options.num_workers.max(1);
+            let dataset = Arc::new(dataset);
+            let mut queues = Vec::with_capacity(workers);
+            let mut handles = Vec::with_capacity(workers);
+            for w in 0..workers {
+                let (tx, rx) = sync_channel(self.options.prefetch);
+                let mine: Vec<Vec<usize>> = plan.iter().skip(w).step_by(workers).cloned().collect();
+                let dataset = dataset.clone();
+                let handle = std::thread::Builder::new()
+                    .name(format!("accel-data-{w}"))
+                    .spawn(move || {
+                        for indices in mine {
+                            let batch = dataset.batch(&indices);
+                            let failed = batch.is_err();
+                            if tx.send(batch).is_err() || failed {
+                                break;
+                            }
                         }
-                    }
-                    dataset
-                })
-                .expect("cannot spawn the data prefetch thread");
-            Source::Prefetch { rx, worker: Some(worker) }
+                    })
+                    .expect("cannot spawn a data loader worker thread");
+                queues.push(rx);
+                handles.push(handle);
+            }
+            Source::Prefetch { queues, handles, dataset: Some(dataset), next: 0 }
         };
         Batches { loader: self, source, epoch, position: skip }
     }
 }
 
 enum Source<D: Dataset> {
-    Inline { dataset: Option<D>, plan: std::vec::IntoIter<Vec<usize>> },
-    Prefetch { rx: Receiver<Result<D::Batch>>, worker: Option<JoinHandle<D>> },
+    Inline {
+        dataset: Option<D>,
+        plan: std::vec::IntoIter<Vec<usize>>,
+    },
+    /// Worker threads, one queue each, taken from in turn (`next`: whose batch comes next).
+    Prefetch {
+        queues: Vec<Receiver<Result<D::Batch>>>,
+        handles: Vec<JoinHandle<()>>,
+        dataset: Option<Arc<D>>,
+        next: usize,
+    },
 }
 
 /// One epoch of batches; gives the data set back to its loader when dropped.
@@ -355,7 +389,11 @@ impl<D: Dataset> Iterator for Batches<'_, D> {
                 let indices = plan.next()?;
                 dataset.as_ref().map(|d| d.batch(&indices))
             }
-            Source::Prefetch { rx, .. } => rx.recv().ok(),
+            Source::Prefetch { queues, next, .. } => {
+                let item = queues[*next].recv().ok();
+                *next = (*next + 1) % queues.len();
+                item
+            }
         };
         if item.is_some() {
             self.position += 1;
@@ -368,10 +406,13 @@ impl<D: Dataset> Drop for Batches<'_, D> {
     fn drop(&mut self) {
         let dataset = match &mut self.source {
             Source::Inline { dataset, .. } => dataset.take(),
-            Source::Prefetch { rx, worker } => {
-                // Unblock the worker (its next send fails), then take the data set back.
-                drop(std::mem::replace(rx, sync_channel(0).1));
-                worker.take().and_then(|w| w.join().ok())
+            Source::Prefetch { queues, handles, dataset, .. } => {
+                // Unblock the workers (their next send fails), then take the data set back.
+                queues.clear();
+                for handle in handles.drain(..) {
+                    let _ = handle.join();
+                }
+                dataset.take().and_then(|d| Arc::try_unwrap(d).ok())
             }
         };
         self.loader.dataset = dataset;
