@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 
 use accel_core::Accelerator;
 use accel_core::data::{DataLoader, LoaderOptions, MapDataset, Sampler, stack};
+use accel_core::optim::{Sgd, SgdConfig, named_params};
 use anyhow::Result;
 use clap::Parser;
-use accel_core::optim::{Sgd, SgdConfig, named_params};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 

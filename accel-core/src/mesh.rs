@@ -491,6 +491,23 @@ impl DeviceMesh {
         self.comms[&dim].clone()
     }
 
+    /// This rank's index among the data-parallel replicas that see different batches, and
+    /// their number (the process index and count without tensor, pipeline or context
+    /// parallelism: those ranks share a replica's batches).
+    pub fn data_parallel(&self) -> (usize, usize) {
+        (self.dims.index(Dim::Batch, self.rank), self.dims.size(Dim::Batch))
+    }
+
+    /// This rank's position within its group along `dim`.
+    pub fn index(&self, dim: Dim) -> usize {
+        self.dims.index(dim, self.rank)
+    }
+
+    /// Whether every process holds all of the model's layers (no pipeline stages).
+    pub fn whole_model_per_process(&self) -> bool {
+        self.dims.size(Dim::Pipeline) == 1
+    }
+
     /// Every process, for collectives on the run's tensors (NCCL's communicator on GPUs,
     /// the world's group on CPU, a group of one with one process).
     pub fn everyone(&self) -> Arc<dyn Communicator> {

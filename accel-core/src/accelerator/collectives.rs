@@ -56,7 +56,7 @@ impl Accelerator {
         // A sharded forward that failed where it could not say so (evaluation under zero3).
         self.inner.strategy.take_error()?;
         // Over the data-parallel replicas: their tensor ranks and stages hold the same samples.
-        let gathered = match self.inner.mesh.dims().size(crate::mesh::Dim::Batch) {
+        let gathered = match self.data_parallel().1 {
             replicas if replicas == self.num_processes() => self.gather(tensor)?,
             _ => {
                 let data = self.inner.mesh.comm(crate::mesh::Dim::Batch);

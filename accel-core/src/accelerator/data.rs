@@ -370,7 +370,7 @@ impl Accelerator {
         site: &'static std::panic::Location<'static>,
     ) -> Option<LoopNotes> {
         let world = self.process_group()?;
-        if self.inner.mesh.dims().size(crate::mesh::Dim::Pipeline) > 1 {
+        if !self.inner.mesh.whole_model_per_process() {
             return None;
         }
         Some(LoopNotes {

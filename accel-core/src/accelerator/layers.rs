@@ -10,7 +10,6 @@ use tch::nn::{self, LinearConfig};
 use super::Accelerator;
 use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
-use crate::mesh::Dim;
 use crate::optim::Param;
 use crate::precision::Float8Linear;
 use crate::precision::fp8::shapes_suit;
@@ -52,7 +51,7 @@ impl Accelerator {
         let mine = fp8.among(&ids);
         // With a pipeline, the model's first layer is on the first stage and its last on
         // the last; a stage without linear layers is fine if another stage has some.
-        let stages = self.inner.mesh.comm(Dim::Pipeline);
+        let stages = self.inner.parallel.stages();
         let anywhere = Tensor::from_slice(&[mine.len() as i64]);
         stages.all_reduce(&anywhere, ReduceOp::Max)?;
         if anywhere.int64_value(&[0]) == 0 {

@@ -299,17 +299,14 @@ impl Accelerator {
 
     /// This process's index along mesh dimension `dim`.
     pub(crate) fn index_along(&self, dim: crate::mesh::Dim) -> usize {
-        self.inner.mesh.dims().index(dim, self.process_index())
+        self.inner.mesh.index(dim)
     }
 
     /// This process's data-parallel index and the number of data-parallel replicas that see
     /// different batches (the process index and count without tensor, pipeline or context
     /// parallelism; the ranks of a context group share a batch).
     pub fn data_parallel(&self) -> (usize, usize) {
-        (
-            self.index_along(crate::mesh::Dim::Batch),
-            self.inner.mesh.dims().size(crate::mesh::Dim::Batch),
-        )
+        self.inner.mesh.data_parallel()
     }
 
     /// What the strategy's hooks see of the run.
@@ -511,6 +508,20 @@ impl Accelerator {
     /// The current fp16 loss scale, if fp16 is on.
     pub fn loss_scale(&self) -> Option<f64> {
         self.inner.scaler.as_ref().map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).scale())
+    }
+
+    /// Restores the fp16 loss scaler's state from a checkpoint (nothing without a scaler:
+    /// the loader checked that the checkpoint's precision is this run's).
+    pub(crate) fn restore_scaler(&self, saved: crate::precision::ScalerState) -> Result<()> {
+        match &self.inner.scaler {
+            Some(scaler) => scaler.lock().unwrap_or_else(|e| e.into_inner()).load_state(saved),
+            None => Ok(()),
+        }
+    }
+
+    /// Restores the step counters from a checkpoint (and with them where accumulation is).
+    pub(crate) fn restore_counters(&self, counters: StepCounters) {
+        self.inner.state.restore(counters);
     }
 
     /// The folder for automatically named checkpoints, if configured.

@@ -183,7 +183,7 @@ impl Accelerator {
         }
         target.after_step(!skipped)?;
         if !skipped {
-            target.schedule(self.mesh().dims().size(crate::mesh::Dim::Batch))?;
+            target.schedule(self.data_parallel().1)?;
         }
         self.gradients_used(target)?;
         self.end_optimizer_step(skipped)?;

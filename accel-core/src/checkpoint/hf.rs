@@ -235,7 +235,7 @@ impl Accelerator {
                 Some(_) => {}
             }
         }
-        let strategy = &self.inner.strategy;
+        let strategy = self.strategy();
         tch::no_grad(|| -> Result<()> {
             for p in &params {
                 if prepared.is_some() {

@@ -127,7 +127,7 @@ impl Accelerator {
     /// Sorts every tensor of the training state by where it goes.
     fn part(&self) -> Result<Part> {
         let registry = self.registry();
-        let strategy = &self.inner.strategy;
+        let strategy = self.strategy();
         let mut part = Part {
             shard: Vec::new(),
             reports: Vec::new(),
@@ -443,7 +443,7 @@ impl Accelerator {
             manifest.custom.len(),
             registry.custom.len(),
         )?;
-        if manifest.scaler.is_some() != self.inner.scaler.is_some() {
+        if manifest.scaler.is_some() != self.loss_scale().is_some() {
             return Err(bad(
                 dir,
                 "it was saved with another precision (fp16 loss scaler present in one of the two)",
@@ -492,7 +492,7 @@ impl Accelerator {
                 }
             }
             // (A pipeline stage holds some of the model only.)
-            let whole_model = self.inner.mesh.dims().pipeline == 1;
+            let whole_model = self.inner.mesh.whole_model_per_process();
             let extra = tensors.keys().find(|k| params.iter().all(|p| &p.name != *k));
             if let (Some(extra), true) = (extra, whole_model) {
                 return Err(bad(
@@ -589,7 +589,7 @@ impl Accelerator {
                 bad(dir, format!("registered state #{i} (register_for_checkpointing): {e}"))
             })?;
         }
-        let strategy = &self.inner.strategy;
+        let strategy = self.strategy();
         for (params, tensors) in registry.models.iter().zip(&models) {
             for p in params {
                 let mine = self.inner.parallel.cut(&p.tensor, &tensors[&p.name])?;
@@ -611,8 +611,8 @@ impl Accelerator {
             }
             slot.step_was_skipped = record.step_was_skipped;
         }
-        if let (Some(scaler), Some(saved)) = (&self.inner.scaler, manifest.scaler) {
-            scaler.lock().unwrap_or_else(|e| e.into_inner()).load_state(saved)?;
+        if let Some(saved) = manifest.scaler {
+            self.restore_scaler(saved)?;
         }
         for (position, saved) in registry.loaders.iter().zip(&manifest.loaders) {
             *position.lock().unwrap_or_else(|e| e.into_inner()) = *saved;
@@ -630,7 +630,7 @@ impl Accelerator {
                 set_rng_state(device, state)?;
             }
         }
-        self.inner.state.restore(manifest.counters);
+        self.restore_counters(manifest.counters);
         Ok(())
     }
 

@@ -15,7 +15,6 @@ use tch::{Kind, Tensor};
 use crate::Accelerator;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::mesh::Dim;
 
 /// The order of forward and backward passes of a step's micro-batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,7 +56,7 @@ pub fn stage_layers(n: usize, stages: usize, stage: usize) -> Range<usize> {
 impl Pipeline {
     /// The pipeline of `accelerator`'s mesh, run under `schedule`.
     pub fn new(accelerator: &Accelerator, schedule: Schedule) -> Self {
-        Self { comm: accelerator.mesh().comm(Dim::Pipeline), schedule }
+        Self { comm: accelerator.inner.parallel.stages(), schedule }
     }
 
     /// This process's stage.

@@ -75,6 +75,12 @@ impl ModelParallel {
         }
     }
 
+    /// The pipeline's stages, as one communicator (the one place that holds it: the
+    /// pipeline schedule and the checks over stages use this).
+    pub(crate) fn stages(&self) -> Arc<dyn Communicator> {
+        self.stages.clone()
+    }
+
     /// Whether no process holds the whole model: tensor parallelism splits parameters, or a
     /// pipeline cuts the layers into stages.
     pub(crate) fn splits_model(&self) -> bool {
