@@ -35,6 +35,7 @@ pub mod shim;
 pub mod strategy;
 pub mod topology;
 pub mod tracking;
+mod world;
 
 pub use accel_macros::{ToDevice, accelerate};
 pub use accelerator::helpers::{

@@ -1090,6 +1090,117 @@ mod tests {
 
     use super::root;
 
+    /// Every `.rs` file under `dir`, recursively.
+    fn rust_files(dir: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()) {
+            if entry.is_dir() {
+                out.extend(rust_files(&entry));
+            } else if entry.extension().is_some_and(|e| e == "rs") {
+                out.push(entry);
+            }
+        }
+        out
+    }
+
+    /// docs/architecture.md, the tour, names every source file of the crates.
+    #[test]
+    fn the_tour_names_every_source_file() {
+        let tour = std::fs::read_to_string(root().join("docs/architecture.md")).unwrap();
+        let mut missing = Vec::new();
+        for krate in ["accel-core", "accel-macros", "accel-models", "accel-choices", "xtask"] {
+            for file in rust_files(&root().join(krate).join("src")) {
+                let name = file.file_name().unwrap().to_string_lossy().into_owned();
+                if !tour.contains(&name) {
+                    missing.push(file.strip_prefix(root()).unwrap().display().to_string());
+                }
+            }
+        }
+        assert!(missing.is_empty(), "docs/architecture.md does not name {missing:?}");
+    }
+
+    /// Code without comments and without what follows `#[cfg(test)]` (the tests).
+    fn code_of(text: &str) -> String {
+        let text = text.split("#[cfg(test)]").next().unwrap_or_default();
+        text.lines()
+            .map(|l| l.split("//").next().unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// The top-level modules of accel-core (files and folders of src/, lib.rs and bin/ aside)
+    /// import each other in no cycle: each `crate::module` path, and each `crate::Name`
+    /// re-exported at the root by lib.rs's `pub use module::..`, is an edge.
+    #[test]
+    fn accel_cores_modules_import_each_other_in_no_cycle() {
+        let src = root().join("accel-core/src");
+        let mut modules: std::collections::BTreeMap<String, Vec<PathBuf>> = Default::default();
+        for entry in std::fs::read_dir(&src).unwrap().map(|e| e.unwrap().path()) {
+            let name = entry.file_stem().unwrap().to_string_lossy().into_owned();
+            if name == "lib" || name == "bin" {
+                continue;
+            }
+            let files = if entry.is_dir() { rust_files(&entry) } else { vec![entry] };
+            modules.entry(name).or_default().extend(files);
+        }
+        // What lib.rs re-exports at the root, by the module it comes from.
+        let lib = code_of(&std::fs::read_to_string(src.join("lib.rs")).unwrap());
+        let mut reexported: std::collections::HashMap<String, String> = Default::default();
+        for statement in lib.split(';') {
+            let Some(rest) = statement.trim().strip_prefix("pub use ") else { continue };
+            let module = rest.split("::").next().unwrap_or_default().trim().to_owned();
+            if !modules.contains_key(&module) {
+                continue;
+            }
+            for word in rest.split(|c: char| !(c.is_alphanumeric() || c == '_')) {
+                if word.chars().next().is_some_and(char::is_uppercase) {
+                    reexported.insert(word.to_owned(), module.clone());
+                }
+            }
+        }
+        let mut edges: std::collections::BTreeMap<String, HashSet<String>> = Default::default();
+        for (module, files) in &modules {
+            for file in files.iter().filter(|f| !f.ends_with("tests.rs")) {
+                let code = code_of(&std::fs::read_to_string(file).unwrap());
+                for (i, _) in code.match_indices("crate::") {
+                    let word: String = code[i + 7..]
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect();
+                    let target = if modules.contains_key(&word) {
+                        Some(word)
+                    } else {
+                        reexported.get(&word).cloned()
+                    };
+                    if let Some(target) = target.filter(|t| t != module) {
+                        edges.entry(module.clone()).or_default().insert(target);
+                    }
+                }
+            }
+        }
+        // A cycle: a module that reaches itself.
+        for start in modules.keys() {
+            let mut seen = HashSet::new();
+            let mut stack: Vec<(String, Vec<String>)> = vec![(start.clone(), vec![start.clone()])];
+            while let Some((at, path)) = stack.pop() {
+                for next in edges.get(&at).into_iter().flatten() {
+                    if next == start {
+                        panic!(
+                            "accel-core's modules import each other in a cycle: {} -> {start}",
+                            path.join(" -> ")
+                        );
+                    }
+                    if seen.insert(next.clone()) {
+                        let mut longer = path.clone();
+                        longer.push(next.clone());
+                        stack.push((next.clone(), longer));
+                    }
+                }
+            }
+        }
+        assert!(edges.len() > 10, "the modules were found: {edges:?}");
+    }
+
     /// The README is the front door (what accel is, the two commands, the one line, the
     /// limits); the rest lives in docs/.
     const README_MAX_LINES: usize = 400;

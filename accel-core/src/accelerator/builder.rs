@@ -389,13 +389,7 @@ impl AcceleratorBuilder {
             Some(mesh) => mesh,
             None if process.world_size > 1 || crate::mesh::group_of_one() => {
                 let who = self.attribute_call.clone().unwrap_or_else(|| "an accelerator".into());
-                crate::comm::world::mesh_for(
-                    &process,
-                    GroupOptions::from_env()?,
-                    dims,
-                    device,
-                    &who,
-                )?
+                crate::world::mesh_for(&process, GroupOptions::from_env()?, dims, device, &who)?
             }
             None => DeviceMesh::single(),
         };

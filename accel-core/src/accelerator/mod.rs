@@ -458,7 +458,7 @@ impl Accelerator {
     /// error instead of waiting for their timeout. Used when a run fails.
     pub fn abort(&self) {
         if let Some(group) = self.process_group() {
-            crate::comm::world::mark_aborted(format!(
+            crate::world::mark_aborted(format!(
                 "{} failed on rank {}",
                 self.inner.run_name,
                 self.process_index()

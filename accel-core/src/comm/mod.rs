@@ -22,7 +22,6 @@ pub mod ledger;
 pub mod nccl;
 pub(crate) mod progress;
 pub mod store;
-pub(crate) mod world;
 
 pub use cpu::direct::Transport;
 

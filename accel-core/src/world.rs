@@ -3,13 +3,14 @@
 //! (an `#[accelerate]` function called once per epoch, pretraining then fine-tuning, two
 //! annotated functions one after the other) reuses its group — and its mesh of
 //! communicators, where the parallel dimensions and the device are the same — instead of
-//! meeting the other processes again on a port that is still taken.
+//! meeting the other processes again on a port that is still taken. Above `comm` and
+//! `mesh` (it keeps a group and the meshes made over it).
 
 use std::sync::Mutex;
 
 use tch::Device;
 
-use super::{GroupOptions, ProcessGroup};
+use crate::comm::{GroupOptions, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, ParallelDims};
 use crate::topology::Topology;
