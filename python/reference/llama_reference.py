@@ -136,13 +136,19 @@ def memory(args):
     model = load(args.model)
     params = sum(p.numel() for p in model.parameters())
     layers = model.model.layers
-    for i, layer in enumerate(layers):
-        if args.checkpointing:
-            layers[i] = layer = checkpoint_wrapper(layer)
-        fully_shard(layer)
-    fully_shard(model.model.embed_tokens)
-    fully_shard(model.lm_head)
-    fully_shard(model)
+    if args.checkpointing:
+        for i, layer in enumerate(layers):
+            layers[i] = checkpoint_wrapper(layer)
+    if args.ddp:
+        # torch's DDP, what Accelerate runs on CPU (it keeps FSDP for GPUs: with cpu=True its
+        # FSDP plugin gives DistributedType.MULTI_CPU, i.e. DDP).
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model.model.embed_tokens)
+        fully_shard(model.lm_head)
+        fully_shard(model)
     load_peak = status_bytes("VmHWM:") - baseline
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, fused=True)
     ids = load_file(args.data)["input_ids"]
@@ -163,7 +169,7 @@ def memory(args):
     dist.barrier()
     print(json.dumps({
         "rank": rank,
-        "strategy": "fsdp2",
+        "strategy": "ddp" if args.ddp else "fsdp2",
         "activation_checkpointing": args.checkpointing,
         "params": params,
         "load_peak_bytes": load_peak,
@@ -177,6 +183,7 @@ p = argparse.ArgumentParser()
 p.add_argument("mode", choices=["make", "tokens", "logits", "train", "load", "memory"])
 p.add_argument("--size", default="small", choices=["small", "100m"])
 p.add_argument("--checkpointing", action="store_true")
+p.add_argument("--ddp", action="store_true", help="memory: torch DDP instead of FSDP2")
 p.add_argument("--out")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--tied", action="store_true")

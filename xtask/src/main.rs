@@ -38,6 +38,9 @@ fn main() -> ExitCode {
         }
         "bench" if rest.first().is_some_and(|a| a == "speed") => setup().and_then(|_| bench()),
         "bench" if rest.first().is_some_and(|a| a == "readme") => readme_from_results(),
+        "bench" if rest.first().is_some_and(|a| a == "llama") => {
+            setup().and_then(|_| llama_memory_bench())
+        }
         "bench" if rest.first().is_some_and(|a| a == "loader") => {
             setup().and_then(|_| loader_bench())
         }
@@ -61,6 +64,7 @@ fn main() -> ExitCode {
              cargo xtask bench readme  docs/performance.md's readings, from bench/results.json\n  \
              cargo xtask bench scale   rendezvous of 16 to 256 processes, accel and torchrun\n  \
              cargo xtask bench loader  the data loader's workers against a slow data set\n  \
+             cargo xtask bench llama   a 106M Llama: loading and fine-tuning, beside PyTorch\n  \
              cargo xtask bench memory  peak memory per process of ddp and zero1/2/3"
         )),
     };
@@ -976,6 +980,10 @@ fn load_peak(command: &mut Command, n: usize) -> Result<f64, String> {
 /// and zero3, and while training under zero3 with and without activation checkpointing,
 /// beside PyTorch FSDP2 (+ checkpoint_wrapper) on the same model.
 fn llama_memory_bench() -> Result<(), String> {
+    cargo(
+        &["build", "--release", "-p", "accel-core", "--bin", "accel", "-p", "accel-examples"],
+        &["--example".into(), "llama".into()],
+    )?;
     const MIB: f64 = 1024.0 * 1024.0;
     let root = root();
     let dir = root.join("target/bench-llama");
@@ -994,9 +1002,9 @@ fn llama_memory_bench() -> Result<(), String> {
         .arg(&tokens))?;
     let accel = root.join("target/release/accel");
     let llama = root.join("target/release/examples/llama");
-    let ours = |strategy: &str, steps: &str, checkpointing: bool| {
+    let ours = |n: usize, strategy: &str, steps: &str, checkpointing: bool| {
         let mut c = Command::new(&accel);
-        c.args(["launch", "--num-processes", "4", "--main-process-port", "0", "--cpu"])
+        c.args(["launch", "--num-processes", &n.to_string(), "--main-process-port", "0", "--cpu"])
             .arg(&llama)
             .arg("--model")
             .arg(&model)
@@ -1011,9 +1019,9 @@ fn llama_memory_bench() -> Result<(), String> {
         }
         c
     };
-    let theirs = |checkpointing: bool| {
+    let theirs = |n: usize, checkpointing: bool, ddp: bool| {
         let mut c = Command::new(root.join(".venv/bin/torchrun"));
-        c.args(["--nproc-per-node=4", "--master-port=29793"])
+        c.args([format!("--nproc-per-node={n}").as_str(), "--master-port=29793"])
             .arg(&script)
             .arg("memory")
             .arg("--model")
@@ -1025,14 +1033,17 @@ fn llama_memory_bench() -> Result<(), String> {
         if checkpointing {
             c.arg("--checkpointing");
         }
+        if ddp {
+            c.arg("--ddp");
+        }
         c
     };
     eprintln!(
         "xtask: measuring the Llama: loading and training on 4 processes (several minutes) ..."
     );
     let model_bytes = 106.0e6 * 4.0;
-    let ddp = load_peak(&mut ours("ddp", "0", false), 4)?;
-    let zero3 = load_peak(&mut ours("zero3", "0", false), 4)?;
+    let ddp = load_peak(&mut ours(4, "ddp", "0", false), 4)?;
+    let zero3 = load_peak(&mut ours(4, "zero3", "0", false), 4)?;
     println!(
         "\nLlama, 106M parameters (405 MiB in fp32; vocabulary 32000, width 768, 8 layers; every \
          layer, the embedding and the head a unit), 4 processes, CPU, 1 thread per process;\n\
@@ -1047,17 +1058,41 @@ fn llama_memory_bench() -> Result<(), String> {
         100.0 * (ddp - zero3) / model_bytes
     );
     println!(
-        "training (zero3 / FSDP2, AdamW, batch 2 x 128 tokens, steps 2-3):\n{:<34} {:>12} {:>10}",
-        "", "peak MiB", "step s"
+        "fine-tuning (AdamW, batch 2 x 128 tokens per process, steps 2-3; accel beside torch's \
+         FSDP2 (fully_shard per decoder layer, the embedding and the head, as Accelerate's \
+         FSDP2 plugin wraps) and DDP — Accelerate itself runs its FSDP plugin as DDP on CPU):"
     );
-    for (name, mut command) in [
-        ("accel zero3", ours("zero3", "3", false)),
-        ("accel zero3 + activation ckpt", ours("zero3", "3", true)),
-        ("PyTorch FSDP2", theirs(false)),
-        ("PyTorch FSDP2 + checkpoint_wrapper", theirs(true)),
-    ] {
-        let (peak, step, _) = memory_figures(&mut command, 4)?;
-        println!("{name:<34} {:>12.0} {:>10.2}", peak / MIB, step);
+    println!(
+        "{:<3} {:<34} {:>10} {:>8} {:>9} {:>8}",
+        "N", "", "peak MiB", "step s", "tokens/s", "vs torch"
+    );
+    for n in [2usize, 4] {
+        let tokens = (2 * 128 * n) as f64;
+        let rows = [
+            ("accel zero3", ours(n, "zero3", "3", false), "PyTorch FSDP2", theirs(n, false, false)),
+            (
+                "accel zero3 + activation ckpt",
+                ours(n, "zero3", "3", true),
+                "PyTorch FSDP2 + checkpoint_wrapper",
+                theirs(n, true, false),
+            ),
+            ("accel ddp", ours(n, "ddp", "3", false), "PyTorch DDP", theirs(n, false, true)),
+        ];
+        for (name, mut command, their_name, mut their_command) in rows {
+            let (peak, step, _) = memory_figures(&mut command, n)?;
+            let (their_peak, their_step, _) = memory_figures(&mut their_command, n)?;
+            let speed = tokens / step;
+            let their_speed = tokens / their_step;
+            println!(
+                "{n:<3} {name:<34} {:>10.0} {step:>8.2} {speed:>9.1} {:>7.2}x",
+                peak / MIB,
+                speed / their_speed
+            );
+            println!(
+                "{n:<3} {their_name:<34} {:>10.0} {their_step:>8.2} {their_speed:>9.1}",
+                their_peak / MIB
+            );
+        }
     }
     Ok(())
 }
