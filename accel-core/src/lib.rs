@@ -8,6 +8,63 @@
 //! `accel launch` ([`launch`]); our own optimizers and schedules ([`optim`]); data loading
 //! ([`data`]); mixed precision ([`precision`]); the libtorch shim ([`shim`]); CUDA loading
 //! with clear diagnostics ([`cuda`]); malloc set up for training steps on CPU ([`heap`]).
+//!
+//! An ordinary tch training function, with the one line (it runs on one process here; under
+//! `accel launch --num-processes 2` the same binary trains data-parallel):
+//!
+//! ```
+//! use tch::nn::{self, Module, OptimizerConfig};
+//! use tch::{Device, Kind, Tensor};
+//!
+//! #[accel_core::accelerate(strategy = "ddp", accumulate = 2, cpu = true)]
+//! fn train(steps: usize) -> accel_core::Result<f64> {
+//!     let vs = nn::VarStore::new(Device::Cpu);
+//!     let net = nn::linear(vs.root() / "lin", 4, 1, Default::default());
+//!     let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+//!     let x = Tensor::ones([8, 4], (Kind::Float, Device::Cpu));
+//!     let mut last = f64::NAN;
+//!     for _ in 0..steps {
+//!         let loss = (net.forward(&x) - 1.0).square().mean(Kind::Float);
+//!         opt.zero_grad();
+//!         loss.backward();
+//!         opt.step();
+//!         last = loss.double_value(&[]);
+//!     }
+//!     Ok(last)
+//! }
+//!
+//! assert!(train(20)? < 1.0);
+//! # Ok::<(), accel_core::Error>(())
+//! ```
+//!
+//! The same by hand, with [`Accelerator`]'s explicit API:
+//!
+//! ```
+//! use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
+//! use accel_core::optim::{Sgd, SgdConfig, named_params};
+//! use accel_core::Accelerator;
+//! use tch::nn::{self, Module};
+//! use tch::{Device, Kind, Tensor};
+//!
+//! let acc = Accelerator::builder().cpu(true).accumulate(2).build()?;
+//! let vs = nn::VarStore::new(acc.device());
+//! let net = nn::linear(vs.root() / "lin", 4, 1, Default::default());
+//! acc.prepare_model(&vs)?;
+//! let mut opt = acc.prepare_optimizer(Sgd::new(named_params(&vs), SgdConfig { lr: 0.1, ..Default::default() })?);
+//! let data = TensorDataset::new(vec![Tensor::ones([16, 4], (Kind::Float, Device::Cpu))])?;
+//! let options = LoaderOptions { batch_size: 4, ..Default::default() };
+//! let mut loader = acc.prepare_loader(DataLoader::new(data, options)?)?;
+//! for batch in loader.iter() {
+//!     let x = &batch?[0];
+//!     let loss = acc.forward(|| net.forward(x))?.square().mean(Kind::Float);
+//!     acc.backward(&loss)?;
+//!     opt.step()?;
+//!     opt.zero_grad()?;
+//! }
+//! assert_eq!(acc.counters().optimizer_steps, 2, "4 batches, accumulating 2");
+//! acc.end_training()?;
+//! # Ok::<(), accel_core::Error>(())
+//! ```
 
 // Lets derive output (`::accel_core::...`) compile inside this crate too.
 extern crate self as accel_core;

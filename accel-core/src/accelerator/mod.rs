@@ -54,7 +54,8 @@ static CURRENT: OnceLock<Mutex<std::sync::Weak<Inner>>> = OnceLock::new();
 /// `PartialState()` (one accelerator per process is the rule there too). Once the program
 /// drops its last handle, `None`.
 ///
-/// ```
+/// ```standalone_crate
+/// // Its own process: no other test's accelerator may be the most recent one.
 /// use accel_core::{Accelerator, current};
 ///
 /// /// Deep in a helper that was not given the accelerator.
