@@ -38,6 +38,9 @@ fn main() -> ExitCode {
         }
         "bench" if rest.first().is_some_and(|a| a == "speed") => setup().and_then(|_| bench()),
         "bench" if rest.first().is_some_and(|a| a == "readme") => readme_from_results(),
+        "bench" if rest.first().is_some_and(|a| a == "overhead") => {
+            setup().and_then(|_| overhead_bench())
+        }
         "bench" if rest.first().is_some_and(|a| a == "llama") => {
             setup().and_then(|_| llama_memory_bench())
         }
@@ -65,6 +68,7 @@ fn main() -> ExitCode {
              cargo xtask bench scale   rendezvous of 16 to 256 processes, accel and torchrun\n  \
              cargo xtask bench loader  the data loader's workers against a slow data set\n  \
              cargo xtask bench llama   a 106M Llama: loading and fine-tuning, beside PyTorch\n  \
+             cargo xtask bench overhead  accel's instructions per step over the raw loop's (callgrind)\n  \
              cargo xtask bench memory  peak memory per process of ddp and zero1/2/3"
         )),
     };
@@ -749,6 +753,78 @@ fn scale_bench() -> Result<(), String> {
 fn loader_bench() -> Result<(), String> {
     cargo(&["build", "--release", "-p", "accel-examples", "--example", "loader_bench"], &[])?;
     run(&mut Command::new(root().join("target/release/examples/loader_bench")))
+}
+
+/// Instructions one training step costs, under callgrind (valgrind from Debian's packages):
+/// each program runs twice with different step counts and the difference per step is the
+/// step's cost, start-up and warm-up cancelled out. The figure this noisy VM cannot blur:
+/// accel's explicit API and the attribute against the raw loop (the same ATen work, no
+/// accelerator), on the MLP and the transformer of the speed benchmark, one process.
+fn overhead_bench() -> Result<(), String> {
+    let valgrind = Command::new("valgrind").arg("--version").output();
+    if !valgrind.is_ok_and(|o| o.status.success()) {
+        return Err(
+            "valgrind is not installed: `apt-get install valgrind` (Debian's package)".into()
+        );
+    }
+    cargo(
+        &["build", "--release", "-p", "accel-examples"],
+        &["--example".into(), "mlp_bench".into(), "--example".into(), "lm_bench".into()],
+    )?;
+    let examples = root().join("target/release/examples");
+    let out = std::env::temp_dir().join(format!("accel-callgrind-{}", std::process::id()));
+    // Instructions of one run, from callgrind's "Collected : N" line.
+    let instructions = |program: &str, args: &[String]| -> Result<f64, String> {
+        let output = Command::new("valgrind")
+            .arg("--tool=callgrind")
+            .arg(format!("--callgrind-out-file={}", out.display()))
+            .arg(examples.join(program))
+            .args(args)
+            .env("OMP_NUM_THREADS", "1")
+            .output()
+            .map_err(|e| format!("cannot run valgrind: {e}"))?;
+        let _ = std::fs::remove_file(&out);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        if !output.status.success() {
+            return Err(format!("{program} {args:?} under callgrind failed:\n{stderr}"));
+        }
+        stderr
+            .lines()
+            .find_map(|l| l.split("Collected :").nth(1))
+            .and_then(|n| n.trim().parse::<f64>().ok())
+            .ok_or_else(|| format!("no instruction count from callgrind:\n{stderr}"))
+    };
+    eprintln!("xtask: counting instructions under callgrind (12 runs, about 3-4 minutes each) ...");
+    println!(
+        "\nInstructions per training step (callgrind, 1 process, CPU, one thread; the difference \
+         of two runs of different lengths, per step)"
+    );
+    println!("{:<12} {:<10} {:>16} {:>12}", "model", "mode", "instructions", "vs raw");
+    let models: [(&str, &str, &str, [usize; 2]); 2] = [
+        ("MLP", "mlp_bench", "--batches", [10, 20]),
+        ("transformer", "lm_bench", "--steps", [2, 4]),
+    ];
+    for (model, program, flag, [short, long]) in models {
+        let mut raw = f64::NAN;
+        for (mode, extra) in
+            [("raw", Some("--raw")), ("explicit", None), ("attribute", Some("--attribute"))]
+        {
+            let run = |n: usize| {
+                let mut args = vec![flag.to_owned(), n.to_string()];
+                args.extend(extra.map(str::to_owned));
+                instructions(program, &args)
+            };
+            let per_step = (run(long)? - run(short)?) / (long - short) as f64;
+            if mode == "raw" {
+                raw = per_step;
+            }
+            println!(
+                "{model:<12} {mode:<10} {per_step:>16.0} {:>+11.2}%",
+                100.0 * (per_step / raw - 1.0)
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Where the scale benchmark's results are kept.
