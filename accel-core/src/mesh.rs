@@ -312,15 +312,9 @@ impl fmt::Debug for DeviceMesh {
 }
 
 /// Every dimension, in the order their communicators are made (the views' table's).
-const DIMS: [Dim; 7] = {
-    let mut dims = [Dim::Data; 7];
-    let mut i = 0;
-    while i < VIEWS.len() {
-        dims[i] = VIEWS[i].dim;
-        i += 1;
-    }
-    dims
-};
+fn every_dim() -> impl Iterator<Item = Dim> {
+    VIEWS.iter().map(|v| v.dim)
+}
 
 /// How a strategy spreads its data-parallel processes over the data axes: the one place
 /// that reads strategy names when the mesh is laid out.
@@ -358,7 +352,7 @@ impl DeviceMesh {
     /// One process: every dimension of size 1.
     pub fn single() -> Self {
         let dims = ParallelDims::new(1, 1, 1, 1, 1, 1).expect("1 = 1");
-        let comms = DIMS.iter().map(|&d| (d, Arc::new(LocalComm) as Arc<dyn Communicator>));
+        let comms = every_dim().map(|d| (d, Arc::new(LocalComm) as Arc<dyn Communicator>));
         Self {
             dims,
             rank: 0,
@@ -392,7 +386,7 @@ impl DeviceMesh {
         let mut made: BTreeMap<Vec<Vec<usize>>, Arc<dyn Communicator>> = BTreeMap::new();
         // A group of one (see `group_of_one`) uses its one real communicator everywhere.
         let one = dims.world() == 1;
-        for dim in DIMS {
+        for dim in every_dim() {
             let groups = dims.groups(dim);
             let comm: Arc<dyn Communicator> = if dims.size(dim) == 1 && !one {
                 Arc::new(LocalComm)
@@ -466,7 +460,7 @@ impl DeviceMesh {
         comms: impl IntoIterator<Item = (Dim, Arc<dyn Communicator>)>,
     ) -> Self {
         let mut all: BTreeMap<Dim, Arc<dyn Communicator>> = comms.into_iter().collect();
-        for dim in DIMS {
+        for dim in every_dim() {
             all.entry(dim).or_insert_with(|| Arc::new(LocalComm));
         }
         let everyone: Arc<dyn Communicator> = match &world {
@@ -540,7 +534,7 @@ mod tests {
     /// strategies' data axes are where `for_run` puts their processes.
     #[test]
     fn every_dimension_is_a_view_of_the_axes_in_the_table() {
-        let mut dims = DIMS.to_vec();
+        let mut dims: Vec<Dim> = every_dim().collect();
         dims.sort();
         dims.dedup();
         assert_eq!(dims.len(), VIEWS.len(), "each dimension has one view");

@@ -457,24 +457,21 @@ fn param<'a>(run: &'a serde_json::Value, key: &str) -> Option<&'a str> {
     run["data"]["params"].as_array()?.iter().find(|t| t["key"] == key)?["value"].as_str()
 }
 
-/// Trains 6 steps with plain SGD under the attribute, tracking to `server` by hand-made
-/// settings (the process's environment is shared by the tests), and fails at the end if
-/// asked: the run's end decides the MLflow run's status.
+/// Trains 6 steps with plain SGD under the attribute, tracking to the tracker `start` makes
+/// (from hand-made settings: the process's environment is shared by the tests), and fails at
+/// the end if asked: the run's end decides the tracker's run status. `started` looks at the
+/// accelerator once its trackers run.
 #[accel_core::accelerate(cpu = true, seed = 3)]
-fn tracked(server: &str, experiment: &str, fail: bool) -> anyhow::Result<Vec<f64>> {
+fn tracked(
+    project: &str,
+    fail: bool,
+    start: &dyn Fn(bool) -> accel_core::Result<Box<dyn accel_core::tracking::Tracker>>,
+    started: &dyn Fn(&accel_core::Accelerator) -> anyhow::Result<()>,
+) -> anyhow::Result<Vec<f64>> {
     use tch::nn::{Module, OptimizerConfig};
-    let settings = accel_core::tracking::MlFlowSettings {
-        tracking_uri: server.to_owned(),
-        experiment_name: experiment.to_owned(),
-        run_id: None,
-        run_name: Some(if fail { "failing".into() } else { "succeeding".into() }),
-        tags: vec![("fail".into(), fail.to_string())],
-        authorization: None,
-        timeout: std::time::Duration::from_secs(30),
-        retries: 2,
-    };
-    accelerator.add_tracker(Box::new(accel_core::tracking::MlFlow::start(&settings)?));
-    accelerator.init_trackers(experiment, &serde_json::json!({ "lr": 0.1, "fail": fail }))?;
+    accelerator.add_tracker(start(accelerator.is_main_process())?);
+    accelerator.init_trackers(project, &serde_json::json!({ "lr": 0.1, "fail": fail }))?;
+    started(&accelerator)?;
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let net = tch::nn::linear(vs.root() / "lin", 3, 1, Default::default());
     let mut opt = tch::nn::Sgd::default().build(&vs, 0.1)?;
@@ -497,6 +494,24 @@ fn tracked(server: &str, experiment: &str, fail: bool) -> anyhow::Result<Vec<f64
         anyhow::bail!("injected failure after training");
     }
     Ok(losses)
+}
+
+/// [`tracked`] with an MLflow run on `server` in `experiment`.
+fn tracked_mlflow(server: &str, experiment: &str, fail: bool) -> anyhow::Result<Vec<f64>> {
+    let settings = accel_core::tracking::MlFlowSettings {
+        tracking_uri: server.to_owned(),
+        experiment_name: experiment.to_owned(),
+        run_id: None,
+        run_name: Some(if fail { "failing".into() } else { "succeeding".into() }),
+        tags: vec![("fail".into(), fail.to_string())],
+        authorization: None,
+        timeout: std::time::Duration::from_secs(30),
+        retries: 2,
+    };
+    let start = |_main: bool| -> accel_core::Result<Box<dyn accel_core::tracking::Tracker>> {
+        Ok(Box::new(accel_core::tracking::MlFlow::start(&settings)?))
+    };
+    tracked(experiment, fail, &start, &|_| Ok(()))
 }
 
 /// The MLflow tracker against a real MLflow server (the `mlflow` package in .venv): the main
@@ -578,8 +593,8 @@ fn the_mlflow_tracker_writes_runs_a_real_mlflow_server_reads_back() {
     }
 
     // Under the attribute: success finishes the run, failure marks it failed.
-    let losses = tracked(&server.uri, "attribute", false).unwrap();
-    let err = tracked(&server.uri, "attribute", true).unwrap_err().to_string();
+    let losses = tracked_mlflow(&server.uri, "attribute", false).unwrap();
+    let err = tracked_mlflow(&server.uri, "attribute", true).unwrap_err().to_string();
     assert!(err.contains("injected failure"), "{err}");
     let runs = server.runs("attribute");
     assert_eq!(runs.len(), 2);
@@ -597,12 +612,9 @@ fn the_mlflow_tracker_writes_runs_a_real_mlflow_server_reads_back() {
     }
 }
 
-/// Trains 6 steps with plain SGD under the attribute, tracking to W&B (offline, under
-/// `root`) by hand-made settings (the process's environment is shared by the tests), and
-/// fails at the end if asked: the run's end decides the W&B run's exit code.
-#[accel_core::accelerate(cpu = true, seed = 3)]
+/// [`tracked`] with a W&B run written offline under `root`; checks that `get_tracker` gives
+/// the run where it was asked to be.
 fn tracked_wandb(root: &Path, run_id: &str, fail: bool) -> anyhow::Result<Vec<f64>> {
-    use tch::nn::{Module, OptimizerConfig};
     let settings = accel_core::tracking::WandbSettings {
         mode: accel_core::tracking::WandbMode::Offline,
         project: "attribute".into(),
@@ -612,36 +624,18 @@ fn tracked_wandb(root: &Path, run_id: &str, fail: bool) -> anyhow::Result<Vec<f6
         tags: vec![],
         root: root.to_owned(),
     };
-    let main = accelerator.is_main_process();
-    accelerator.add_tracker(Box::new(accel_core::tracking::Wandb::start(&settings, main)?));
-    accelerator.init_trackers("attribute", &serde_json::json!({ "lr": 0.1, "fail": fail }))?;
-    let run_dir = accelerator
-        .get_tracker::<accel_core::tracking::Wandb>("wandb")?
-        .map(|w| w.run_dir().to_owned())
-        .unwrap();
-    assert!(run_dir.starts_with(root.join("wandb")), "{}", run_dir.display());
-    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
-    let net = tch::nn::linear(vs.root() / "lin", 3, 1, Default::default());
-    let mut opt = tch::nn::Sgd::default().build(&vs, 0.1)?;
-    let mut losses = Vec::new();
-    let data: Vec<tch::Tensor> = (0..6)
-        .map(|i| {
-            tch::Tensor::arange(12, (tch::Kind::Float, tch::Device::Cpu)).view([4, 3])
-                / (i + 4) as f64
-        })
-        .collect();
-    for x in data {
-        let loss = (net.forward(&x) - 1.0).square().mean(tch::Kind::Float);
-        opt.zero_grad();
-        loss.backward();
-        opt.step();
-        losses.push(loss.double_value(&[]));
-        accelerator.log(losses.len() as u64, &[("loss", losses[losses.len() - 1])])?;
-    }
-    if fail {
-        anyhow::bail!("injected failure after training");
-    }
-    Ok(losses)
+    let start = |main: bool| -> accel_core::Result<Box<dyn accel_core::tracking::Tracker>> {
+        Ok(Box::new(accel_core::tracking::Wandb::start(&settings, main)?))
+    };
+    let started = |accelerator: &accel_core::Accelerator| -> anyhow::Result<()> {
+        let run_dir = accelerator
+            .get_tracker::<accel_core::tracking::Wandb>("wandb")?
+            .map(|w| w.run_dir().to_owned())
+            .unwrap();
+        assert!(run_dir.starts_with(root.join("wandb")), "{}", run_dir.display());
+        Ok(())
+    };
+    tracked("attribute", fail, &start, &started)
 }
 
 /// W&B's offline run files (`wandb/offline-run-*/run-*.wandb`), read back by the wandb

@@ -183,12 +183,12 @@ struct Target<'a, O: DriveOptimizer> {
 }
 
 impl<O: DriveOptimizer> StepTarget for Target<'_, O> {
-    fn trainable(&self) -> Vec<Tensor> {
-        self.params.iter().map(Tensor::shallow_clone).collect()
+    fn trainable(&self) -> &[Tensor] {
+        &self.params
     }
 
     fn gradients(&self) -> Vec<Tensor> {
-        self.trainable()
+        self.params.iter().map(Tensor::shallow_clone).collect()
     }
 
     fn update(&mut self) -> Result<()> {
@@ -246,12 +246,15 @@ impl<O: DriveOptimizer> Driven<'_, O> {
         if let Some(prepared) = self.optimizer.prepared() {
             return prepared.step();
         }
-        let acc = self.accelerator;
-        if acc.sync_gradients() {
+        let (acc, name, sync) = (self.accelerator, self.optimizer.name(), self.sync());
+        if sync {
             self.refuse_shards()?;
-            acc.check_membership(self.optimizer.name(), &self.optimizer.params())?;
         }
-        acc.optimizer_step(&mut self.target()).map(|_| ())
+        let mut target = self.target();
+        if sync {
+            acc.check_membership(name, target.trainable())?;
+        }
+        acc.optimizer_step(&mut target).map(|_| ())
     }
 
     /// Unscales and clips the global gradient norm to `max`; returns the norm before (0 on

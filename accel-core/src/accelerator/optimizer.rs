@@ -45,8 +45,8 @@ impl Slot {
 /// A prepared optimizer's part in the step sequence (`Accelerator::optimizer_step`): its
 /// optimizer's update, the strategy's plan around it, its schedule.
 impl StepTarget for Slot {
-    fn trainable(&self) -> Vec<Tensor> {
-        self.trainable.iter().map(Tensor::shallow_clone).collect()
+    fn trainable(&self) -> &[Tensor] {
+        &self.trainable
     }
 
     /// The strategy decides: under zero1 every parameter, under zero2/zero3 this process's

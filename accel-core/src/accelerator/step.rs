@@ -204,7 +204,7 @@ impl Accelerator {
             return Ok(());
         }
         let gradients = target.gradients();
-        self.inner.parallel.finalize_grads(&trainable, &gradients)?;
+        self.inner.parallel.finalize_grads(trainable, &gradients)?;
         if let Some(scaler) = &self.inner.scaler {
             scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(&gradients)?;
         }
@@ -227,7 +227,7 @@ impl Accelerator {
         self.prepare_gradients(target)?;
         let group = target.gradient_group();
         let (trainable, gradients) = (target.trainable(), target.gradients());
-        self.inner.parallel.clip_grad_norm(&trainable, &gradients, group.as_deref(), max_norm)
+        self.inner.parallel.clip_grad_norm(trainable, &gradients, group.as_deref(), max_norm)
     }
 
     /// Prepares the gradients (once per step) and clamps every element to `[-max, max]`
@@ -373,7 +373,7 @@ impl Accelerator {
 /// drives for a call (the program's own, whole parameters, nothing around its update).
 pub(crate) trait StepTarget {
     /// The parameters as the user sees them, whole.
-    fn trainable(&self) -> Vec<Tensor>;
+    fn trainable(&self) -> &[Tensor];
     /// The tensors whose gradients the step reads (this process's shards under zero2/3).
     fn gradients(&self) -> Vec<Tensor>;
     /// The group [`gradients`](Self::gradients) are split across (zero2, zero3), if they are.

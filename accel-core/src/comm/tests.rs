@@ -36,17 +36,7 @@ fn on_ranks_with<T: Send + 'static>(
     options: GroupOptions,
     body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    let port = free_port("127.0.0.1").unwrap();
-    let handles: Vec<_> = (0..world)
-        .map(|rank| {
-            let (body, options) = (body.clone(), options.clone());
-            std::thread::spawn(move || {
-                let group = ProcessGroup::new(&topology(rank, world, port), options).unwrap();
-                body(group)
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_ranks_each(world, |_| options.clone(), body)
 }
 
 /// Like [`on_ranks_with`], with rank `r` on the machine named `machines[r]`.
@@ -54,13 +44,25 @@ fn on_machines<T: Send + 'static>(
     machines: &[&str],
     body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
-    let (world, port) = (machines.len(), free_port("127.0.0.1").unwrap());
+    let options = |rank: usize| GroupOptions {
+        timeout: SECOND,
+        direct_copy: true,
+        machine: Some(machines[rank].to_owned()),
+        ..Default::default()
+    };
+    on_ranks_each(machines.len(), options, body)
+}
+
+/// Runs `body(group)` on `world` ranks at once, rank `r` joining with `options(r)`.
+fn on_ranks_each<T: Send + 'static>(
+    world: usize,
+    options: impl Fn(usize) -> GroupOptions,
+    body: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
+    let port = free_port("127.0.0.1").unwrap();
     let handles: Vec<_> = (0..world)
         .map(|rank| {
-            let body = body.clone();
-            let machine = Some(machines[rank].to_owned());
-            let options =
-                GroupOptions { timeout: SECOND, direct_copy: true, machine, ..Default::default() };
+            let (body, options) = (body.clone(), options(rank));
             std::thread::spawn(move || {
                 let group = ProcessGroup::new(&topology(rank, world, port), options).unwrap();
                 body(group)

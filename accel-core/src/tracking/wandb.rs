@@ -372,6 +372,22 @@ fn item(path: &[&str], value_json: String) -> Item {
     }
 }
 
+/// An item under a top-level `key`.
+fn keyed(key: &str, value_json: String) -> Item {
+    Item { key: key.to_owned(), nested_key: vec![], value_json }
+}
+
+/// A configuration as the client's items: its top-level keys, or the whole under `config`
+/// when it is not an object.
+fn config_items(config: &serde_json::Value) -> Vec<Item> {
+    match config {
+        serde_json::Value::Object(map) => {
+            map.iter().map(|(k, v)| keyed(k, v.to_string())).collect()
+        }
+        other => vec![keyed("config", other.to_string())],
+    }
+}
+
 /// Local time as the client names run folders: `20261205_143000`.
 fn folder_time(unix: i64) -> String {
     // SAFETY: `libc::tm` is plain integers (and a pointer that may be null): all zeros is a
@@ -478,26 +494,9 @@ impl Wandb {
         }
         let Some(log) = &mut self.log else { return Ok(()) };
         self.run_written = true;
-        let mut update: Vec<Item> = match config {
-            Some(serde_json::Value::Object(map)) => map
-                .iter()
-                .map(|(k, v)| Item {
-                    key: k.clone(),
-                    nested_key: vec![],
-                    value_json: v.to_string(),
-                })
-                .collect(),
-            Some(other) => {
-                vec![Item {
-                    key: "config".into(),
-                    nested_key: vec![],
-                    value_json: other.to_string(),
-                }]
-            }
-            None => Vec::new(),
-        };
+        let mut update = config.map(config_items).unwrap_or_default();
         // The client's own part of every run's configuration.
-        update.push(Item { key: "_wandb".into(), nested_key: vec![], value_json: "{}".into() });
+        update.push(keyed("_wandb", "{}".into()));
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let s = &self.settings;
         let start = Timestamp {
@@ -596,11 +595,7 @@ impl Wandb {
         log.append(Kind::Summary(SummaryRecord {
             update: vec![
                 item(&["_wandb", "runtime"], seconds.to_string()),
-                Item {
-                    key: "_runtime".into(),
-                    nested_key: vec![],
-                    value_json: seconds.to_string(),
-                },
+                keyed("_runtime", seconds.to_string()),
             ],
         }))?;
         log.append(Kind::Exit(RunExitRecord { exit_code, runtime: seconds }))?;
@@ -627,21 +622,7 @@ impl Tracker for Wandb {
         if self.run_written {
             // Configuration after the run began: a config record, as `wandb.config.update`.
             let Some(log) = &mut self.log else { return Ok(()) };
-            let update = match config {
-                serde_json::Value::Object(map) => map
-                    .iter()
-                    .map(|(k, v)| Item {
-                        key: k.clone(),
-                        nested_key: vec![],
-                        value_json: v.to_string(),
-                    })
-                    .collect(),
-                other => vec![Item {
-                    key: "config".into(),
-                    nested_key: vec![],
-                    value_json: other.to_string(),
-                }],
-            };
+            let update = config_items(config);
             return log.append(Kind::Config(ConfigRecord { update }));
         }
         self.write_run(Some(config))
@@ -689,7 +670,8 @@ impl Tracker for Wandb {
                 .to_string()
             }
         };
-        if let Some(row) = self.row(step)? {
+        // The row `row(step)` started above.
+        if let Some((_, row)) = &mut self.pending {
             row.insert(key.to_owned(), value_json);
         }
         Ok(())

@@ -78,14 +78,13 @@ fn run_for(mut cmd: Command, secs: u64, what: &str) -> Output {
     child.wait_with_output().unwrap()
 }
 
+/// What a run printed: its standard output, then its standard error.
+fn printed(out: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+}
+
 fn succeeded(out: &Output, what: &str) {
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{what} failed ({}):\n{}", out.status, printed(out));
 }
 
 fn equal_to(reference: &std::collections::BTreeMap<String, Vec<f32>>, out: &Path, what: &str) {
@@ -114,11 +113,7 @@ fn mpi_launchers_and_kubernetes_variables_form_one_group_as_accel_launch_does() 
             .args(parity_args(&dir, "ddp", &out));
         let output = run_for(cmd, 120, "mpirun (Open MPI) -n 2");
         succeeded(&output, "mpirun (Open MPI) -n 2");
-        let said = format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let said = printed(&output);
         assert!(said.contains("2 processes"), "{said}");
         equal_to(&reference_weights, &out, "mpirun (Open MPI) -n 2");
     } else {
@@ -162,11 +157,7 @@ fn mpi_launchers_and_kubernetes_variables_form_one_group_as_accel_launch_does() 
         let output = pod.join().unwrap();
         succeeded(&output, &format!("pod {rank}"));
         if rank == 0 {
-            let said = format!(
-                "{}{}",
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            );
+            let said = printed(&output);
             assert!(said.contains("2 processes"), "{said}");
         }
     }
@@ -271,11 +262,7 @@ fn srun_across_two_hosts_trains_as_four_processes_on_one() {
     let what = "srun -N 2 -n 4 --ntasks-per-node 2";
     let output = cluster.srun(&["-N", "2", "-n", "4", "--ntasks-per-node", "2"], program, what);
     succeeded(&output, what);
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let said = printed(&output);
     assert!(said.contains("4 processes"), "{said}");
     // Within each host the two processes read each other's memory; TCP between the hosts.
     assert!(said.contains("direct copies within each machine"), "{said}");
@@ -332,11 +319,7 @@ fn srun_across_two_hosts_trains_as_four_processes_on_one() {
     program.push("/tmp/accel-local-disk/out".into());
     let what = "train with its checkpoints in each host's own /tmp";
     let output = cluster.srun(&["-N", "2", "-n", "4", "--ntasks-per-node", "2"], program, what);
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let said = printed(&output);
     assert!(!output.status.success(), "{what} succeeded");
     assert!(
         said.contains("is not shared by the machines of this run: rank 2 on h2, rank 3 on h2"),
@@ -388,11 +371,7 @@ fn srun_across_two_hosts_trains_as_four_processes_on_one() {
     let took = started.elapsed();
     assert!(cut.join().unwrap(), "could not take h2's link down");
     let _ = Command::new("ip").args(["link", "set", "veth-h2", "up"]).status();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let said = printed(&output);
     assert!(!output.status.success(), "a run across a partition succeeded:\n{said}");
     assert!(
         said.contains("timed out after 10 s waiting for rank") && said.contains("on h2"),
@@ -457,11 +436,7 @@ fn char_lm_on_two_hosts(
         // (Its launcher may stop the second before the script reaches it.)
         let n: usize = killed.split(' ').nth(1).and_then(|n| n.parse().ok()).unwrap_or(0);
         assert!(n >= 1 && killed.contains("processes on h2"), "{killed}");
-        let said = format!(
-            "{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let said = printed(&output);
         assert!(said.contains("on h2") && said.contains("resumed from"), "{said}");
     }
     read_weights(&weights)

@@ -133,8 +133,7 @@ impl Links {
             if cfg!(target_arch = "x86_64") {
                 let tag = Tag { seq: 0, op: Op::Objects, kind: WireKind::Bytes, numel: 1 };
                 let mut mailbox = Mailbox::new(self.world);
-                let everyone: Vec<usize> = (0..self.world).collect();
-                let addresses = self.exchange_words(&everyone, tag, mailbox.address());
+                let addresses = self.exchange_words(&self.everyone, tag, mailbox.address());
                 mailbox.connect(addresses.map_err(|_| {
                     Error::Rendezvous("the members could not exchange their mailboxes".into())
                 })?);

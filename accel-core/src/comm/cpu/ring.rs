@@ -32,11 +32,6 @@ fn path(links: &Links) -> Path {
     }
 }
 
-/// Every member, as one ring.
-fn whole(links: &Links) -> (Vec<usize>, usize) {
-    ((0..links.world).collect(), links.rank)
-}
-
 /// Ring reduce-scatter over `chunks` (by place in `ring`): afterwards this rank's chunk
 /// `ring.me` holds the reduction of every member's.
 fn ring_reduce_scatter(
@@ -144,8 +139,7 @@ pub(crate) fn all_reduce(
         }
         Path::Tcp => {
             let chunks = equal_chunks(links, buf);
-            let (members, me) = whole(links);
-            let ring = Ring { members: &members, me };
+            let ring = links.whole();
             ring_reduce_scatter(links, ring, buf, &chunks, op, tag)?;
             average(links, buf, &chunks[links.rank], op)?;
             ring_all_gather(links, ring, buf, &chunks, tag)?;
@@ -204,8 +198,7 @@ pub(crate) fn reduce_scatter(
             links.barrier(tag, 1)?;
         }
         Path::Tcp => {
-            let (members, me) = whole(links);
-            ring_reduce_scatter(links, Ring { members: &members, me }, buf, &chunks, op, tag)?;
+            ring_reduce_scatter(links, links.whole(), buf, &chunks, op, tag)?;
         }
     }
     average(links, buf, &chunks[links.rank], op)
@@ -236,10 +229,7 @@ pub(crate) fn all_gather(links: &Links, buf: &mut Buffer, tag: Tag) -> FaultResu
             links.direct_all_gather(buf, &regions, &addrs)?;
             links.barrier(tag, 2)
         }
-        Path::Tcp => {
-            let (members, me) = whole(links);
-            ring_all_gather(links, Ring { members: &members, me }, buf, &chunks, tag)
-        }
+        Path::Tcp => ring_all_gather(links, links.whole(), buf, &chunks, tag),
     }
 }
 

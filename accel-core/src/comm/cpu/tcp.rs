@@ -59,6 +59,8 @@ pub(crate) struct Links {
     /// this rank's machine: the direct path runs within a machine, TCP between them.
     pub machines: Vec<Vec<usize>>,
     pub machine: usize,
+    /// Every rank of the group, in order (the whole group as a ring or a list of peers).
+    pub everyone: Vec<usize>,
     /// The direct path's signals (mailbox.rs), where it has them.
     pub mailbox: Option<Mailbox>,
     pub timeout: Duration,
@@ -224,7 +226,8 @@ impl Links {
             .map(|r| r.as_ref().map(TcpStream::try_clone).transpose())
             .collect::<std::io::Result<Vec<_>>>()
             .map_err(|e| fail(e.to_string()))?;
-        let machines = vec![(0..world).collect()];
+        let everyone: Vec<usize> = (0..world).collect();
+        let machines = vec![everyone.clone()];
         Ok(Self {
             rank,
             world,
@@ -233,6 +236,7 @@ impl Links {
             pids: None,
             machines,
             machine: 0,
+            everyone,
             mailbox: None,
             timeout,
         })
@@ -340,8 +344,7 @@ impl Links {
 
     /// Sends `data` to every peer and returns what each sent (own entry: `data`).
     pub fn all_to_all(&self, tag: Tag, data: &[u8], limit: u64) -> FaultResult<Vec<Vec<u8>>> {
-        let everyone: Vec<usize> = (0..self.world).collect();
-        self.all_to_all_among(&everyone, tag, data, limit)
+        self.all_to_all_among(&self.everyone, tag, data, limit)
     }
 
     /// Sends `data` to every other rank of `members` and returns, by rank, what each sent
@@ -362,6 +365,11 @@ impl Links {
                 if peer == self.rank { data.to_vec() } else { self.recv_bytes(peer, tag, limit)? };
         }
         Ok(out)
+    }
+
+    /// Every member, as one ring.
+    pub fn whole(&self) -> Ring<'_> {
+        Ring { members: &self.everyone, me: self.rank }
     }
 
     /// The members of this rank's machine.
