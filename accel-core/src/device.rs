@@ -20,13 +20,53 @@ use tch::{Device, Tensor};
             borrowed values are handled already"
 )]
 pub trait ToDevice: Sized {
-    /// `self`, with every tensor on `device` (tensors already there are not copied).
+    /// `self`, with every tensor on `device` (tensors already there are not copied). A
+    /// tensor in pinned host memory goes to a CUDA device with an asynchronous copy, queued
+    /// on the current (compute) stream like the kernels that read it.
     fn to_device(self, device: Device) -> Self;
+
+    /// `self`, with every CPU tensor in page-locked (pinned) host memory when `device` is a
+    /// CUDA device, so that [`to_device`](Self::to_device) can copy it asynchronously
+    /// (torch's `pin_memory`). The data loader's workers call it on each batch they build.
+    /// Anything else, and a tensor that cannot be pinned, is kept as it is: pinning only
+    /// speeds the copy up.
+    fn pin_memory(self, device: Device) -> Self {
+        let _ = device;
+        self
+    }
 }
 
 impl ToDevice for Tensor {
     fn to_device(self, device: Device) -> Self {
-        if self.device() == device { self } else { Tensor::to_device(&self, device) }
+        if self.device() == device {
+            self
+        } else if self.device() == Device::Cpu && device.is_cuda() && self.is_pinned(device) {
+            // The caching host allocator records the copy's stream, so the pinned block is
+            // not reused before the copy has read it.
+            self.to_device_(device, self.kind(), true, false)
+        } else {
+            Tensor::to_device(&self, device)
+        }
+    }
+
+    fn pin_memory(self, device: Device) -> Self {
+        if self.device() != Device::Cpu || !device.is_cuda() {
+            return self;
+        }
+        match self.f_pin_memory(device) {
+            Ok(pinned) => pinned,
+            Err(e) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    eprintln!(
+                        "accel: batches stay in pageable memory, so their copies to {device:?} \
+                         wait for the host ({e}); set LoaderOptions::pin_memory = false to \
+                         silence this"
+                    )
+                });
+                self
+            }
+        }
     }
 }
 
@@ -34,17 +74,17 @@ impl<T: ToDevice> ToDevice for Vec<T> {
     fn to_device(self, device: Device) -> Self {
         self.into_iter().map(|t| t.to_device(device)).collect()
     }
+    fn pin_memory(self, device: Device) -> Self {
+        self.into_iter().map(|t| t.pin_memory(device)).collect()
+    }
 }
 
 impl<T: ToDevice> ToDevice for Option<T> {
     fn to_device(self, device: Device) -> Self {
         self.map(|t| t.to_device(device))
     }
-}
-
-impl<T: ToDevice, const N: usize> ToDevice for [T; N] {
-    fn to_device(self, device: Device) -> Self {
-        self.map(|t| t.to_device(device))
+    fn pin_memory(self, device: Device) -> Self {
+        self.map(|t| t.pin_memory(device))
     }
 }
 
@@ -52,11 +92,26 @@ impl<K: Eq + Hash, V: ToDevice> ToDevice for HashMap<K, V> {
     fn to_device(self, device: Device) -> Self {
         self.into_iter().map(|(k, v)| (k, v.to_device(device))).collect()
     }
+    fn pin_memory(self, device: Device) -> Self {
+        self.into_iter().map(|(k, v)| (k, v.pin_memory(device))).collect()
+    }
 }
 
 impl<K: Ord, V: ToDevice> ToDevice for BTreeMap<K, V> {
     fn to_device(self, device: Device) -> Self {
         self.into_iter().map(|(k, v)| (k, v.to_device(device))).collect()
+    }
+    fn pin_memory(self, device: Device) -> Self {
+        self.into_iter().map(|(k, v)| (k, v.pin_memory(device))).collect()
+    }
+}
+
+impl<T: ToDevice, const N: usize> ToDevice for [T; N] {
+    fn to_device(self, device: Device) -> Self {
+        self.map(|t| t.to_device(device))
+    }
+    fn pin_memory(self, device: Device) -> Self {
+        self.map(|t| t.pin_memory(device))
     }
 }
 
@@ -87,6 +142,9 @@ macro_rules! tuple_to_device {
         impl<$($t: ToDevice),+> ToDevice for ($($t,)+) {
             fn to_device(self, device: Device) -> Self {
                 ($(self.$i.to_device(device),)+)
+            }
+            fn pin_memory(self, device: Device) -> Self {
+                ($(self.$i.pin_memory(device),)+)
             }
         }
     };

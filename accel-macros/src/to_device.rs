@@ -11,9 +11,27 @@ pub(crate) fn expand(input: TokenStream) -> syn::Result<TokenStream> {
         param.bounds.push(parse_quote!(::accel_core::ToDevice));
     }
     let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
-    let body = match &input.data {
+    let to_device = body(&input, &format_ident!("to_device"))?;
+    let pin_memory = body(&input, &format_ident!("pin_memory"))?;
+    Ok(quote! {
+        impl #impl_generics ::accel_core::ToDevice for #name #ty_generics #where_clause {
+            fn to_device(self, device: ::accel_core::__private::Device) -> Self {
+                #to_device
+            }
+            fn pin_memory(self, device: ::accel_core::__private::Device) -> Self {
+                #pin_memory
+            }
+        }
+    })
+}
+
+/// The body of `method` (`to_device` or `pin_memory`): every field not skipped goes through
+/// it.
+fn body(input: &DeriveInput, method: &syn::Ident) -> syn::Result<TokenStream> {
+    let name = &input.ident;
+    Ok(match &input.data {
         Data::Struct(data) => {
-            let (pattern, rebuilt) = fields(quote!(#name), &data.fields)?;
+            let (pattern, rebuilt) = fields(quote!(#name), &data.fields, method)?;
             quote! { let #pattern = self; #rebuilt }
         }
         Data::Enum(data) => {
@@ -22,7 +40,7 @@ pub(crate) fn expand(input: TokenStream) -> syn::Result<TokenStream> {
                 .iter()
                 .map(|v| {
                     let ident = &v.ident;
-                    let (pattern, rebuilt) = fields(quote!(#name::#ident), &v.fields)?;
+                    let (pattern, rebuilt) = fields(quote!(#name::#ident), &v.fields, method)?;
                     Ok(quote! { #pattern => #rebuilt, })
                 })
                 .collect::<syn::Result<Vec<_>>>()?;
@@ -34,18 +52,16 @@ pub(crate) fn expand(input: TokenStream) -> syn::Result<TokenStream> {
                 "ToDevice cannot be derived for a union: its fields cannot be moved one by one",
             ));
         }
-    };
-    Ok(quote! {
-        impl #impl_generics ::accel_core::ToDevice for #name #ty_generics #where_clause {
-            fn to_device(self, device: ::accel_core::__private::Device) -> Self {
-                #body
-            }
-        }
     })
 }
 
-/// A destructuring pattern for `fields` and the expression that rebuilds them moved.
-fn fields(path: TokenStream, fields: &Fields) -> syn::Result<(TokenStream, TokenStream)> {
+/// A destructuring pattern for `fields` and the expression that rebuilds them, each passed
+/// through `method`.
+fn fields(
+    path: TokenStream,
+    fields: &Fields,
+    method: &syn::Ident,
+) -> syn::Result<(TokenStream, TokenStream)> {
     let mut bindings = Vec::new();
     let mut moved = Vec::new();
     for (i, field) in fields.iter().enumerate() {
@@ -54,7 +70,7 @@ fn fields(path: TokenStream, fields: &Fields) -> syn::Result<(TokenStream, Token
         moved.push(if skip {
             quote!(#binding)
         } else {
-            quote!(::accel_core::ToDevice::to_device(#binding, device))
+            quote!(::accel_core::ToDevice::#method(#binding, device))
         });
         bindings.push((field.ident.clone(), binding));
     }

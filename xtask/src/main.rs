@@ -39,7 +39,7 @@ fn main() -> ExitCode {
         "bench" if rest.first().is_some_and(|a| a == "speed") => setup().and_then(|_| bench()),
         "bench" if rest.first().is_some_and(|a| a == "readme") => readme_from_results(),
         "bench" if rest.first().is_some_and(|a| a == "overhead") => {
-            setup().and_then(|_| overhead_bench())
+            setup().and_then(|_| overhead_bench(rest.get(1).and_then(|m| m.to_str())))
         }
         "bench" if rest.first().is_some_and(|a| a == "llama") => {
             setup().and_then(|_| llama_memory_bench())
@@ -68,7 +68,7 @@ fn main() -> ExitCode {
              cargo xtask bench scale   rendezvous of 16 to 256 processes, accel and torchrun\n  \
              cargo xtask bench loader  the data loader's workers against a slow data set\n  \
              cargo xtask bench llama   a 106M Llama: loading and fine-tuning, beside PyTorch\n  \
-             cargo xtask bench overhead  accel's instructions per step over the raw loop's (callgrind)\n  \
+             cargo xtask bench overhead [mlp|transformer]  accel's instructions per step over the raw loop's (callgrind)\n  \
              cargo xtask bench memory  peak memory per process of ddp and zero1/2/3"
         )),
     };
@@ -760,7 +760,8 @@ fn loader_bench() -> Result<(), String> {
 /// step's cost, start-up and warm-up cancelled out. The figure this noisy VM cannot blur:
 /// accel's explicit API and the attribute against the raw loop (the same ATen work, no
 /// accelerator), on the MLP and the transformer of the speed benchmark, one process.
-fn overhead_bench() -> Result<(), String> {
+/// `only` picks one model ("mlp" or "transformer"); all of them when `None`.
+fn overhead_bench(only: Option<&str>) -> Result<(), String> {
     let valgrind = Command::new("valgrind").arg("--version").output();
     if !valgrind.is_ok_and(|o| o.status.success()) {
         return Err(
@@ -794,7 +795,9 @@ fn overhead_bench() -> Result<(), String> {
             .and_then(|n| n.trim().parse::<f64>().ok())
             .ok_or_else(|| format!("no instruction count from callgrind:\n{stderr}"))
     };
-    eprintln!("xtask: counting instructions under callgrind (12 runs, about 3-4 minutes each) ...");
+    eprintln!(
+        "xtask: counting instructions under callgrind (6 runs per model, about 3-6 minutes each) ..."
+    );
     println!(
         "\nInstructions per training step (callgrind, 1 process, CPU, one thread; the difference \
          of two runs of different lengths, per step)"
@@ -804,7 +807,15 @@ fn overhead_bench() -> Result<(), String> {
         ("MLP", "mlp_bench", "--batches", [10, 20]),
         ("transformer", "lm_bench", "--steps", [2, 4]),
     ];
+    if let Some(only) = only {
+        if !models.iter().any(|m| m.0.eq_ignore_ascii_case(only)) {
+            return Err(format!("no model `{only}` in the overhead bench: mlp or transformer"));
+        }
+    }
     for (model, program, flag, [short, long]) in models {
+        if only.is_some_and(|o| !model.eq_ignore_ascii_case(o)) {
+            continue;
+        }
         let mut raw = f64::NAN;
         for (mode, extra) in
             [("raw", Some("--raw")), ("explicit", None), ("attribute", Some("--attribute"))]

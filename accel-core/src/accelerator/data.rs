@@ -271,6 +271,9 @@ impl<T: ToDevice, E> ToDevice for std::result::Result<T, E> {
     fn to_device(self, device: Device) -> Self {
         self.map(|t| t.to_device(device))
     }
+    fn pin_memory(self, device: Device) -> Self {
+        self.map(|t| t.pin_memory(device))
+    }
 }
 
 impl Accelerator {
@@ -295,9 +298,15 @@ impl Accelerator {
                 )));
             }
         }
+        let device = self.device();
+        if device.is_cuda() && loader.options().pin_memory {
+            // Workers build each batch in pinned memory; the iterator's copy to the GPU is
+            // then asynchronous, on the compute stream.
+            loader.pin_batches(Arc::new(move |batch: D::Batch| batch.pin_memory(device)));
+        }
         let position = Arc::new(Mutex::new(DataPosition::default()));
         self.registry().loaders.push(position.clone());
-        Ok(PreparedLoader::new(loader, self.inner.state.clone(), position, self.device()))
+        Ok(PreparedLoader::new(loader, self.inner.state.clone(), position, device))
     }
 
     /// Any iterable of batches: moved to the device, with the look-ahead that closes the
