@@ -145,7 +145,7 @@ fn main() -> Result<()> {
         (None, None) => None,
     };
     if let Some((lora_config, lora_init)) = lora {
-        return with_lora(&args, &acc, &mut vs, &lora_config, lora_init);
+        return with_lora(&args, &acc, &mut vs, &lora_config, lora_init, baseline);
     }
 
     if let (Some(eval), Some(out)) = (&args.eval, &args.logits_out) {
@@ -155,35 +155,45 @@ fn main() -> Result<()> {
     let Some(data) = &args.data else { bail!("give --eval (with --logits-out) or --data") };
 
     let model = Llama::from_pretrained(&acc, &vs, &args.model)?;
-    let params: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
     let load_peak = rss().1 - baseline;
-    let report = |train_peak: Option<f64>, step_s: Option<f64>| {
-        println!(
-            "{}",
-            serde_json::json!({
-                "rank": acc.process_index(),
-                "strategy": acc.strategy().name(),
-                "activation_checkpointing": acc.config().activation_checkpointing,
-                "params": params,
-                "load_peak_bytes": load_peak,
-                "peak_bytes": train_peak.unwrap_or(load_peak),
-                "step_s": step_s,
-            })
-        );
-    };
     if args.steps == 0 {
-        report(None, None);
+        report(&acc, &vs, load_peak, None, None);
         return Ok(());
     }
     let started = fine_tune(&args, &acc, &model, &vs, data)?;
-    let step_s = started
-        .filter(|_| args.steps > 1)
-        .map(|t| t.elapsed().as_secs_f64() / (args.steps - 1) as f64);
-    report(Some(rss().1 - baseline), step_s);
+    report(&acc, &vs, load_peak, Some(rss().1 - baseline), step_time(&args, started));
     let out = args.out.as_ref().expect("clap requires --out with --data");
     model.save_pretrained(&acc, &vs, out, args.max_shard_size)?;
     acc.end_training()?;
     Ok(())
+}
+
+/// The seconds per step after the first.
+fn step_time(args: &Args, started: Option<std::time::Instant>) -> Option<f64> {
+    started.filter(|_| args.steps > 1).map(|t| t.elapsed().as_secs_f64() / (args.steps - 1) as f64)
+}
+
+/// This process's JSON line: its trained parameters, memory peaks and time per step.
+fn report(
+    acc: &Accelerator,
+    trained: &tch::nn::VarStore,
+    load_peak: f64,
+    train_peak: Option<f64>,
+    step_s: Option<f64>,
+) {
+    let params: i64 = trained.trainable_variables().iter().map(|t| t.numel() as i64).sum();
+    println!(
+        "{}",
+        serde_json::json!({
+            "rank": acc.process_index(),
+            "strategy": acc.strategy().name(),
+            "activation_checkpointing": acc.config().activation_checkpointing,
+            "params": params,
+            "load_peak_bytes": load_peak,
+            "peak_bytes": train_peak.unwrap_or(load_peak),
+            "step_s": step_s,
+        })
+    );
 }
 
 /// Writes the logits of `--eval`'s ids to `out` (the main process).
@@ -272,6 +282,7 @@ fn with_lora(
     vs: &mut tch::nn::VarStore,
     lora_config: &LoraConfig,
     init: LoraInit,
+    baseline: f64,
 ) -> Result<()> {
     let configured = acc.config().strategy;
     // The base is frozen and whole in every process; ddp replicates the adapters, zero3
@@ -302,7 +313,9 @@ fn with_lora(
         bail!("lora_dropout is {}; this trainer implements none", lora_config.dropout);
     }
     acc.prepare_model(&adapters)?;
-    fine_tune(args, acc, &model, &adapters, data)?;
+    let load_peak = rss().1 - baseline;
+    let started = fine_tune(args, acc, &model, &adapters, data)?;
+    report(acc, &adapters, load_peak, Some(rss().1 - baseline), step_time(args, started));
     let out = args.out.as_ref().expect("clap requires --out with --data");
     lora::save_adapter(acc, &adapters, lora_config, &args.model.display().to_string(), out)?;
     acc.end_training()?;

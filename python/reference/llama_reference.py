@@ -10,9 +10,12 @@
            (any family AutoModelForCausalLM loads; a load report with anything missing,
            unexpected or mismatched is an error)
     memory --model DIR --data T.safetensors --steps 3 --batch-size 1 [--checkpointing]
+           [--ddp | --lora-r R]
            (under torchrun) PyTorch FSDP2: fully_shard on every decoder layer, the embedding,
            the head and the root, checkpoint_wrapper on every decoder layer with
-           --checkpointing; one JSON line per rank with the llama example's memory keys.
+           --checkpointing; torch DDP with --ddp; a peft LoRA of rank R on q_proj and v_proj
+           prepared by Accelerate (DDP on CPU) with --lora-r; one JSON line per rank with the
+           llama example's memory keys.
     make --size 100m: the ~100M-parameter Llama of `cargo xtask bench memory`.
 
 `train` is what the example does: AdamW (betas 0.9/0.999, eps 1e-8) on the rows in order,
@@ -135,22 +138,41 @@ def memory(args):
     baseline = status_bytes("VmRSS:")
     model = load(args.model)
     params = sum(p.numel() for p in model.parameters())
-    layers = model.model.layers
-    if args.checkpointing:
-        for i, layer in enumerate(layers):
-            layers[i] = checkpoint_wrapper(layer)
-    if args.ddp:
-        # torch's DDP, what Accelerate runs on CPU (it keeps FSDP for GPUs: with cpu=True its
-        # FSDP plugin gives DistributedType.MULTI_CPU, i.e. DDP).
-        model = torch.nn.parallel.DistributedDataParallel(model)
+    backward = torch.Tensor.backward
+    if args.lora_r:
+        # transformers + peft + Accelerate, as a LoRA fine-tune is written; on CPU
+        # Accelerate prepares the model as DDP (over the process group made above).
+        from accelerate import Accelerator
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=args.lora_r, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                          lora_dropout=0.0)
+        model = get_peft_model(model, lora)
+        acc = Accelerator(cpu=True)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        params = sum(p.numel() for p in trained)
+        opt = torch.optim.AdamW(trained, lr=1e-4, eps=1e-8, fused=True)
+        model, opt = acc.prepare(model, opt)
+        backward = acc.backward
+        strategy = f"accelerate ({acc.distributed_type}) + peft lora r{args.lora_r}"
     else:
-        for layer in layers:
-            fully_shard(layer)
-        fully_shard(model.model.embed_tokens)
-        fully_shard(model.lm_head)
-        fully_shard(model)
+        layers = model.model.layers
+        if args.checkpointing:
+            for i, layer in enumerate(layers):
+                layers[i] = checkpoint_wrapper(layer)
+        if args.ddp:
+            # torch's DDP, what Accelerate runs on CPU (it keeps FSDP for GPUs: with cpu=True
+            # its FSDP plugin gives DistributedType.MULTI_CPU, i.e. DDP).
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            for layer in layers:
+                fully_shard(layer)
+            fully_shard(model.model.embed_tokens)
+            fully_shard(model.lm_head)
+            fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, fused=True)
+        strategy = "ddp" if args.ddp else "fsdp2"
     load_peak = status_bytes("VmHWM:") - baseline
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, fused=True)
     ids = load_file(args.data)["input_ids"]
     rank, world = dist.get_rank(), dist.get_world_size()
     model.train()
@@ -158,7 +180,7 @@ def memory(args):
         rows = [(step * world + rank) * args.batch_size + i for i in range(args.batch_size)]
         batch = ids[[r % ids.shape[0] for r in rows]]
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        loss.backward()
+        backward(loss)
         opt.step()
         opt.zero_grad()
         if step == 0:
@@ -169,7 +191,7 @@ def memory(args):
     dist.barrier()
     print(json.dumps({
         "rank": rank,
-        "strategy": "ddp" if args.ddp else "fsdp2",
+        "strategy": strategy,
         "activation_checkpointing": args.checkpointing,
         "params": params,
         "load_peak_bytes": load_peak,
@@ -184,6 +206,7 @@ p.add_argument("mode", choices=["make", "tokens", "logits", "train", "load", "me
 p.add_argument("--size", default="small", choices=["small", "100m"])
 p.add_argument("--checkpointing", action="store_true")
 p.add_argument("--ddp", action="store_true", help="memory: torch DDP instead of FSDP2")
+p.add_argument("--lora-r", type=int, help="memory: a peft LoRA (q_proj, v_proj) under Accelerate")
 p.add_argument("--out")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--tied", action="store_true")

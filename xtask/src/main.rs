@@ -1106,6 +1106,10 @@ fn llama_memory_bench() -> Result<(), String> {
         }
         c
     };
+    let lora = |mut c: Command| {
+        c.args(["--lora-r", "8"]);
+        c
+    };
     let theirs = |n: usize, checkpointing: bool, ddp: bool| {
         let mut c = Command::new(root.join(".venv/bin/torchrun"));
         c.args([format!("--nproc-per-node={n}").as_str(), "--master-port=29793"])
@@ -1147,7 +1151,8 @@ fn llama_memory_bench() -> Result<(), String> {
     println!(
         "fine-tuning (AdamW, batch 2 x 128 tokens per process, steps 2-3; accel beside torch's \
          FSDP2 (fully_shard per decoder layer, the embedding and the head, as Accelerate's \
-         FSDP2 plugin wraps) and DDP — Accelerate itself runs its FSDP plugin as DDP on CPU):"
+         FSDP2 plugin wraps) and DDP — Accelerate itself runs its FSDP plugin as DDP on CPU; \
+         LoRA r8 on q_proj and v_proj, the base frozen, beside transformers + peft + Accelerate):"
     );
     println!(
         "{:<3} {:<34} {:>10} {:>8} {:>9} {:>8}",
@@ -1164,6 +1169,12 @@ fn llama_memory_bench() -> Result<(), String> {
                 theirs(n, true, false),
             ),
             ("accel ddp", ours(n, "ddp", "3", false), "PyTorch DDP", theirs(n, false, true)),
+            (
+                "accel ddp + LoRA r8",
+                lora(ours(n, "ddp", "3", false)),
+                "Accelerate + peft LoRA r8 (DDP)",
+                lora(theirs(n, false, false)),
+            ),
         ];
         for (name, mut command, their_name, mut their_command) in rows {
             let (peak, step, _) = memory_figures(&mut command, n)?;

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Where one fine-tuning step of the 106M Llama spends its CPU time, accel zero3 beside
+# PyTorch FSDP2 on 2 processes (the setting of `cargo xtask bench llama`), from Linux perf.
+#
+#     cargo xtask bench llama            # once: the model, the tokens, the release binaries
+#     bash scripts/profile-llama.sh [SHORT LONG]
+#
+# Each side runs twice under `perf record -g` (SHORT and LONG steps, 2 and 6 by default);
+# python/reference/perf_where.py puts every sample in a category (page faults, matrix
+# products, copies, the interpreter, ...) and subtracts the short run from the long one, so
+# start-up and loading cancel: CPU seconds per step, both processes together. Needs perf (Debian's linux-perf) and permission
+# to profile (root, or kernel.perf_event_paranoid <= 1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+short=${1:-2} long=${2:-6}
+dir=target/bench-llama model=target/bench-llama/model-100m data=target/bench-llama/tokens.safetensors
+[ -f "$model/config.json" ] && [ -x target/release/examples/llama ] ||
+  { echo "run \`cargo xtask bench llama\` first (it makes $model and the binaries)"; exit 1; }
+command -v perf >/dev/null || { echo "perf is not installed: apt-get install linux-perf"; exit 1; }
+export MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1
+py=.venv/bin/python out=$(mktemp -d)
+ours() {
+  target/release/accel launch --num-processes 2 --main-process-port 0 --cpu \
+    target/release/examples/llama --model "$model" --data "$data" --steps "$1" --batch-size 2 \
+    --lr 1e-4 --strategy zero3 --out "$dir/out"
+}
+theirs() {
+  .venv/bin/torchrun --nproc-per-node=2 --master-port=29794 python/reference/llama_reference.py \
+    memory --model "$model" --data "$data" --steps "$1" --batch-size 2
+}
+for side in ours theirs; do
+  for steps in "$short" "$long"; do
+    perf record -q -g -F 499 -o "$out/$side-$steps.data" -- "$side" "$steps" >/dev/null 2>&1
+    perf script -i "$out/$side-$steps.data" -F comm,pid,ip,sym,dso 2>/dev/null > "$out/$side-$steps.txt"
+  done
+  "$py" python/reference/perf_where.py --minus "$out/$side-$short.txt" \
+    --steps $(( long - short )) < "$out/$side-$long.txt" > "$out/$side.json"
+done
+"$py" - "$out/ours.json" "$out/theirs.json" <<'TABLE'
+import json, sys
+ours, theirs = (json.load(open(f)) for f in sys.argv[1:])
+print("CPU seconds per step, both processes together (perf, 499 Hz)")
+print(f"{'':54} {'accel zero3':>12} {'torch FSDP2':>12}")
+for k in sorted(set(ours) | set(theirs), key=lambda k: -max(ours.get(k, 0), theirs.get(k, 0))):
+    print(f"{k:54} {ours.get(k, 0) / 499:>12.2f} {theirs.get(k, 0) / 499:>12.2f}")
+print(f"{'total':54} {sum(ours.values()) / 499:>12.2f} {sum(theirs.values()) / 499:>12.2f}")
+TABLE
+rm -rf "$out"
