@@ -807,10 +807,8 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
         ("MLP", "mlp_bench", "--batches", [10, 20]),
         ("transformer", "lm_bench", "--steps", [2, 4]),
     ];
-    if let Some(only) = only {
-        if !models.iter().any(|m| m.0.eq_ignore_ascii_case(only)) {
-            return Err(format!("no model `{only}` in the overhead bench: mlp or transformer"));
-        }
+    if let Some(only) = only.filter(|o| !models.iter().any(|m| m.0.eq_ignore_ascii_case(o))) {
+        return Err(format!("no model `{only}` in the overhead bench: mlp or transformer"));
     }
     for (model, program, flag, [short, long]) in models {
         if only.is_some_and(|o| !model.eq_ignore_ascii_case(o)) {
