@@ -199,7 +199,7 @@ fn main() -> Result<()> {
         seed: 0,
     };
     let layers = pipeline.layers(config.layers())?;
-    let model = Gpt::split(&vs.root(), &config, &acc.tensor_parallel(), &cp, layers)?;
+    let model = Gpt::split(&acc, &vs.root(), &config, &acc.tensor_parallel(), &cp, layers)?;
     acc.prepare_model(&vs)?;
     let parameters: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
     let mut opt = acc.prepare_optimizer(AdamW::new(

@@ -11,12 +11,12 @@
 
 use std::ops::Range;
 
-use accel_core::Unit;
 use accel_core::strategy::cp::ContextParallel;
 use accel_core::strategy::tp::{
     ColumnParallelLinear, LinearOptions, RowParallelLinear, TensorParallel, VocabParallelEmbedding,
     gather_from_region, parallel_layer_norm, vocab_parallel_token_losses,
 };
+use accel_core::{PendingUnits, Unit};
 use anyhow::{Result, bail};
 use tch::nn::{self, Module};
 use tch::{Kind, Tensor};
@@ -120,25 +120,28 @@ pub struct Gpt {
 }
 
 impl Gpt {
-    /// The whole model's variables under `p`.
-    pub fn new(p: &nn::Path, c: &GptConfig) -> Result<Self> {
-        Self::stage(p, c, &TensorParallel::single(), 0..c.layers())
+    /// The whole model's variables under `p`, its blocks units of `acc` (the accelerator
+    /// that prepares it).
+    pub fn new(acc: &impl AsRef<PendingUnits>, p: &nn::Path, c: &GptConfig) -> Result<Self> {
+        Self::stage(acc, p, c, &TensorParallel::single(), 0..c.layers())
     }
 
     /// The `layers` of the model (0: embeddings, 1..=blocks: the blocks, then the head),
     /// split across `tp`'s ranks.
     pub fn stage(
+        acc: &impl AsRef<PendingUnits>,
         p: &nn::Path,
         c: &GptConfig,
         tp: &TensorParallel,
         layers: Range<usize>,
     ) -> Result<Self> {
-        Self::split(p, c, tp, &ContextParallel::single(), layers)
+        Self::split(acc, p, c, tp, &ContextParallel::single(), layers)
     }
 
     /// [`stage`](Self::stage), each rank of `cp` running on its part of every sequence
     /// (inputs and targets from [`ContextParallel::shard`]).
     pub fn split(
+        acc: &impl AsRef<PendingUnits>,
         p: &nn::Path,
         c: &GptConfig,
         tp: &TensorParallel,
@@ -164,7 +167,7 @@ impl Gpt {
         for i in layers.clone().filter(|&i| i >= 1 && i < last) {
             seeded(i);
             let path = p / "blocks" / (i - 1);
-            blocks.push(Unit::new(&path, Block::new(tp, cp, &path, c.width, c.heads)?));
+            blocks.push(Unit::new(acc, &path, Block::new(tp, cp, &path, c.width, c.heads)?));
         }
         let head = match layers.contains(&last) {
             true => {

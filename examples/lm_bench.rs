@@ -113,7 +113,8 @@ fn raw(args: &Args) -> Result<()> {
     tch::manual_seed(0);
     let config = args.config();
     let vs = nn::VarStore::new(Device::Cpu);
-    let model = Gpt::new(&vs.root(), &config)?;
+    // No accelerator: its blocks wait for one that never comes (they run unchanged).
+    let model = Gpt::new(&accel_core::PendingUnits::default(), &vs.root(), &config)?;
     let mut opt = RawAdamW::new(vs.trainable_variables(), 1e-3);
     let (x, y) = args.batch(Device::Cpu);
     let (seconds, last) = time(args.steps, || {
@@ -133,7 +134,7 @@ fn annotated(args: &Args) -> Result<(f64, f64)> {
     tch::set_num_threads(1);
     let config = args.config();
     let vs = nn::VarStore::new(Device::Cpu);
-    let model = Gpt::new(&vs.root(), &config)?;
+    let model = Gpt::new(&accelerator, &vs.root(), &config)?;
     let mut opt = nn::AdamW::default().build(&vs, 1e-3)?;
     let (x, y) = args.batch(Device::Cpu);
     let mut times = Vec::new();
@@ -177,7 +178,7 @@ fn main() -> Result<()> {
     let config = args.config();
     let vs = nn::VarStore::new(acc.device());
     // The accelerator's tensor-parallel handle (one rank here) carries fp8 to the layers.
-    let model = Gpt::stage(&vs.root(), &config, &acc.tensor_parallel(), 0..config.layers())?;
+    let model = Gpt::stage(&acc, &vs.root(), &config, &acc.tensor_parallel(), 0..config.layers())?;
     acc.prepare_model(&vs)?;
     let mut opt = acc.prepare_optimizer(AdamW::new(
         acc.params(&vs),

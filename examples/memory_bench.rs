@@ -50,7 +50,7 @@ fn main() -> Result<()> {
     let mut net = nn::seq();
     for i in 0..LAYERS {
         let path = &root / "layers" / i;
-        net = net.add(Unit::new(&path, nn::linear(&path, WIDTH, WIDTH, Default::default())));
+        net = net.add(Unit::new(&acc, &path, nn::linear(&path, WIDTH, WIDTH, Default::default())));
         net = net.add_fn(|x| x.relu());
     }
     acc.prepare_model(&vs)?;

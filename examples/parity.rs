@@ -398,9 +398,9 @@ fn build(
                 }
             };
             net = match layer {
-                Layer::Whole(l) => net.add(Unit::new(&path, l)),
-                Layer::Column(l) => net.add(Unit::new(&path, l)),
-                Layer::Row(l) => net.add(Unit::new(&path, l)),
+                Layer::Whole(l) => net.add(Unit::new(acc, &path, l)),
+                Layer::Column(l) => net.add(Unit::new(acc, &path, l)),
+                Layer::Row(l) => net.add(Unit::new(acc, &path, l)),
             };
             if i + 1 < layers {
                 net = net.add_fn(|x| x.relu());

@@ -108,7 +108,7 @@ pub use checkpoint::{HfCheckpoint, merge_weights};
 pub use config::{Config, DataSharding, Fp8Recipe, LogWith, Precision, Strategy};
 pub use device::ToDevice;
 pub use error::{Error, Result};
-pub use strategy::fsdp::{ShardOptions, Unit};
+pub use strategy::fsdp::{PendingUnits, ShardOptions, Unit};
 
 /// The version of accel-core.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -929,23 +929,29 @@ pub struct Llama {
 
 impl Llama {
     /// The model's variables under `root`, by transformers' names (`model.layers.{i}.…`,
-    /// `lm_head.weight`), started as `init` says.
-    pub fn new(root: &VarPath, config: &LlamaConfig, init: Init) -> Self {
+    /// `lm_head.weight`), started as `init` says; the embedding, each decoder layer and the
+    /// head are units of `acc`, the accelerator that prepares the model.
+    pub fn new(
+        acc: &impl AsRef<accel_core::PendingUnits>,
+        root: &VarPath,
+        config: &LlamaConfig,
+        init: Init,
+    ) -> Self {
         let model = root / "model";
         let (h, std) = (config.hidden_size, config.initializer_range);
         let embed_path = &model / "embed_tokens";
         let embed = weight(&embed_path, "weight", &[config.vocab_size, h], init, std);
-        let embed = Unit::new(&embed_path, embed);
+        let embed = Unit::new(acc, &embed_path, embed);
         let layers = (0..config.num_hidden_layers)
             .map(|i| {
                 let p = &model / "layers" / i;
-                Unit::new(&p, DecoderLayer::new(&p, config, i as usize, init))
+                Unit::new(acc, &p, DecoderLayer::new(&p, config, i as usize, init))
             })
             .collect();
         let norm = filled(&(&model / "norm"), "weight", &[h], init, 1.0);
         let lm_head = (!config.tie_word_embeddings).then(|| {
             let path = root / "lm_head";
-            Unit::new(&path, weight(&path, "weight", &[config.vocab_size, h], init, std))
+            Unit::new(acc, &path, weight(&path, "weight", &[config.vocab_size, h], init, std))
         });
         Self { config: config.clone(), embed, layers, norm, lm_head }
     }
@@ -999,7 +1005,7 @@ impl Llama {
         dir: impl AsRef<Path>,
     ) -> Result<Self> {
         let dir = dir.as_ref();
-        let model = Self::new(&vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
+        let model = Self::new(acc, &vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
         model.check_checkpoint(vs, dir)?;
         acc.prepare_model_from_checkpoint(vs, dir)?;
         Ok(model)
@@ -1013,7 +1019,7 @@ impl Llama {
         dir: impl AsRef<Path>,
     ) -> Result<Self> {
         let dir = dir.as_ref();
-        let model = Self::new(&vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
+        let model = Self::new(acc, &vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
         model.check_checkpoint(vs, dir)?;
         acc.load_checkpoint_in_model(vs, dir)?;
         Ok(model)

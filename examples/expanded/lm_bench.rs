@@ -107,7 +107,7 @@ fn raw(args: &Args) -> Result<()> {
     tch::manual_seed(0);
     let config = args.config();
     let vs = nn::VarStore::new(Device::Cpu);
-    let model = Gpt::new(&vs.root(), &config)?;
+    let model = Gpt::new(&accel_core::PendingUnits::default(), &vs.root(), &config)?;
     let mut opt = RawAdamW::new(vs.trainable_variables(), 1e-3);
     let (x, y) = args.batch(Device::Cpu);
     let (seconds, last) = time(
@@ -140,7 +140,7 @@ fn annotated(args: &Args) -> Result<(f64, f64)> {
         tch::set_num_threads(1);
         let config = args.config();
         let vs = nn::VarStore::new(Device::Cpu);
-        let model = Gpt::new(&vs.root(), &config)?;
+        let model = Gpt::new(&accelerator, &vs.root(), &config)?;
         let mut opt = accelerator.build_optimizer(nn::AdamW::default(), &vs, 1e-3)?;
         let (x, y) = args.batch(Device::Cpu);
         let mut times = Vec::new();
@@ -193,6 +193,7 @@ fn main() -> Result<()> {
     let config = args.config();
     let vs = nn::VarStore::new(acc.device());
     let model = Gpt::stage(
+        &acc,
         &vs.root(),
         &config,
         &acc.tensor_parallel(),

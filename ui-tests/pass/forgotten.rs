@@ -76,7 +76,7 @@ pub fn run(name: &str, data: &Data) -> anyhow::Result<()> {
         "variables_released_by_zero3" => {
             let wrapped = nn::VarStore::new(Device::Cpu);
             let p = wrapped.root() / "layers" / 0;
-            let layer = accel_core::Unit::new(&p, nn::linear(&p, 6, 3, Default::default()));
+            let layer = accel_core::Unit::new(&acc, &p, nn::linear(&p, 6, 3, Default::default()));
             acc.prepare_model(&wrapped)?;
             let mut opt = acc.prepare_optimizer(AdamW::new(named_params(&wrapped), config)?);
             for (x, y) in acc.prepare_iter(data.batches()) {

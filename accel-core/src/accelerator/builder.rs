@@ -441,6 +441,7 @@ impl AcceleratorBuilder {
                 data: self.data,
                 sync_batchnorm: self.sync_batchnorm,
                 warned_autocast: Default::default(),
+                units: Default::default(),
                 strategy_ended: Default::default(),
                 trigger: Default::default(),
                 buffers: Mutex::new(Vec::new()),

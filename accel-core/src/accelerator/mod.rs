@@ -129,6 +129,8 @@ pub(crate) struct Inner {
     warned_autocast: std::sync::atomic::AtomicBool,
     /// This process's flag for `check_trigger`.
     pub(crate) trigger: std::sync::atomic::AtomicBool,
+    /// The [`crate::Unit`]s made for this accelerator whose model it has not prepared yet.
+    pub(crate) units: crate::strategy::fsdp::PendingUnits,
     /// Whether the strategy's `end_training` ran (it runs once).
     pub(crate) strategy_ended: std::sync::atomic::AtomicBool,
     /// Each prepared model's buffers, kept equal across the data-parallel processes.
@@ -316,6 +318,7 @@ impl Accelerator {
             mesh: &self.inner.mesh,
             state: &self.inner.state,
             device: self.inner.device,
+            units: &self.inner.units,
         }
     }
 
@@ -377,10 +380,7 @@ impl Accelerator {
         // (before zero3 takes them to bind).
         let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
         let checkpointing = self.inner.config.activation_checkpointing;
-        crate::strategy::fsdp::set_checkpointing(
-            crate::strategy::fsdp::in_model(&names),
-            checkpointing,
-        );
+        self.inner.units.set_checkpointing(crate::strategy::fsdp::in_model(&names), checkpointing);
         self.inner.strategy.prepare_model(&cx, &params, &options)?;
         if let Some(group) = self.inner.strategy.buffer_group(&cx, &options) {
             let buffers = crate::strategy::buffers::BufferSync::new(vs, group)?;
@@ -528,5 +528,12 @@ impl Accelerator {
     /// The folder for automatically named checkpoints, if configured.
     pub fn checkpoint_dir(&self) -> Option<&Path> {
         self.inner.checkpoint_dir.as_deref()
+    }
+}
+
+/// [`crate::Unit::new`] takes the accelerator that will prepare the unit's model.
+impl AsRef<crate::strategy::fsdp::PendingUnits> for Accelerator {
+    fn as_ref(&self) -> &crate::strategy::fsdp::PendingUnits {
+        &self.inner.units
     }
 }

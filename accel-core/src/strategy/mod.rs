@@ -105,6 +105,8 @@ pub struct Context<'a> {
     pub(crate) mesh: &'a DeviceMesh,
     pub(crate) state: &'a Arc<GradientState>,
     pub(crate) device: Device,
+    /// The units made for this accelerator, waiting for their model (zero3 binds them).
+    pub(crate) units: &'a fsdp::PendingUnits,
 }
 
 impl Context<'_> {

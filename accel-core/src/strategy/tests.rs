@@ -120,7 +120,7 @@ fn train(
         b.accumulate(2).data(crate::config::DataSharding::Manual)
     });
     // Rank 1 starts elsewhere: the strategy's broadcast from rank 0 must win.
-    let (vs, layers) = two_units(rank);
+    let (vs, layers) = two_units(&acc, rank);
     acc.prepare_model(&vs).unwrap();
     let mut opt = acc.prepare_optimizer(
         AdamW::new(acc.params(&vs), AdamConfig { lr: 0.05, ..AdamConfig::adamw() }).unwrap(),
@@ -207,7 +207,7 @@ pub(crate) fn thread_accelerator(
 }
 
 /// Two zero3 units whose starting values differ by rank.
-fn two_units(rank: usize) -> (nn::VarStore, Vec<Unit<nn::Linear>>) {
+fn two_units(acc: &crate::Accelerator, rank: usize) -> (nn::VarStore, Vec<Unit<nn::Linear>>) {
     let vs = nn::VarStore::new(Device::Cpu);
     let root = vs.root();
     let layers = [(5, 8), (8, 3)]
@@ -215,7 +215,7 @@ fn two_units(rank: usize) -> (nn::VarStore, Vec<Unit<nn::Linear>>) {
         .enumerate()
         .map(|(i, (n_in, n_out))| {
             let p = &root / "layers" / i;
-            Unit::new(&p, nn::linear(&p, n_in, n_out, Default::default()))
+            Unit::new(acc, &p, nn::linear(&p, n_in, n_out, Default::default()))
         })
         .collect();
     tch::no_grad(|| {
@@ -240,14 +240,14 @@ fn fsdp_state_dict_types_and_sync_module_states_do_what_accelerate_says() {
                 thread_accelerator(StrategyName::Zero3, g.clone(), Arc::new(g.clone()), |b| {
                     b.state_dict(how)
                 });
-            let (vs, _layers) = two_units(rank);
+            let (vs, _layers) = two_units(&acc, rank);
             acc.prepare_model(&vs).unwrap();
             acc.save_state(shared.join(how.to_string())).unwrap();
             whole.push(acc.full_state_dict(&vs).unwrap());
             // Either layout loads back into a run that saves the other way.
             let other =
                 thread_accelerator(StrategyName::Zero3, g.clone(), Arc::new(g.clone()), |b| b);
-            let (vs2, _layers2) = two_units(rank + 7);
+            let (vs2, _layers2) = two_units(&other, rank + 7);
             other.prepare_model(&vs2).unwrap();
             other.load_state(shared.join(how.to_string())).unwrap();
             assert_eq!(max_difference(&other.full_state_dict(&vs2).unwrap(), &whole[0]), 0.0);
@@ -257,7 +257,7 @@ fn fsdp_state_dict_types_and_sync_module_states_do_what_accelerate_says() {
         let acc = thread_accelerator(StrategyName::Ddp, g.clone(), Arc::new(g), |b| {
             b.sync_module_states(false)
         });
-        let (vs, _layers) = two_units(rank);
+        let (vs, _layers) = two_units(&acc, rank);
         acc.prepare_model(&vs).unwrap();
         let own = vs.variables()["layers.0.bias"].double_value(&[0]);
         (whole, own)

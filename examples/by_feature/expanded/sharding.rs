@@ -25,7 +25,11 @@ fn train(x: &Tensor, y: &Tensor, test_x: &Tensor, test_y: &Tensor) -> Result<()>
         let vs = nn::VarStore::new(Device::Cpu);
         let layer = |i: i64, inputs: i64, outputs: i64| {
             let path = vs.root() / "layers" / i;
-            Unit::new(&path, nn::linear(&path, inputs, outputs, Default::default()))
+            Unit::new(
+                &accelerator,
+                &path,
+                nn::linear(&path, inputs, outputs, Default::default()),
+            )
         };
         let net = nn::seq()
             .add(layer(0, 64, 128))

@@ -10,7 +10,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::flat::{Engine, Shard, UnitState};
 use super::layout::{chunk_of, size_based_units, unit_of};
-use super::unit::{in_model, take_pending};
+use super::unit::{PendingUnits, in_model};
 use super::{ShardOptions, Stage};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -39,10 +39,12 @@ impl ShardedModel {
     ///
     /// `data` spans every data-parallel process (rank 0's values are broadcast over it);
     /// parameters are split across `group`, and under hybrid sharding `replicas` holds the
-    /// same shards on the other machines. This thread's pending [`super::Unit`]s under the
+    /// same shards on the other machines. The [`super::Unit`]s pending in `units` under the
     /// model's names are bound to it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         params: &[Param],
+        units: &PendingUnits,
         data: &dyn Communicator,
         group: Arc<dyn Communicator>,
         replicas: Option<Arc<dyn Communicator>>,
@@ -60,7 +62,7 @@ impl ShardedModel {
         }
         let (world, rank) = (group.size() as i64, group.rank() as i64);
         let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
-        let handles = take_pending(in_model(&names))?;
+        let handles = units.take(in_model(&names))?;
         let wrapped: BTreeSet<String> = handles.iter().map(|h| h.prefix.clone()).collect();
         let sized = options.min_unit_params.map(|min| {
             let trainable: Vec<(&str, i64)> = params

@@ -19,8 +19,8 @@ use crate::mesh::{DeviceMesh, Dim};
 use crate::optim::{Optimizer, Param};
 pub(crate) use engine::ShardedModel;
 pub(crate) use layout::chunk_of;
-pub use unit::Unit;
-pub(crate) use unit::{in_model, set_checkpointing};
+pub(crate) use unit::in_model;
+pub use unit::{PendingUnits, Unit};
 
 /// How a sharded model is cut into units and where its shards live.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -116,9 +116,10 @@ impl Strategy for Sharded {
         }
     }
 
-    fn prepare_model(&self, _: &Context<'_>, params: &[Param], o: &ModelOptions) -> Result<()> {
+    fn prepare_model(&self, cx: &Context<'_>, params: &[Param], o: &ModelOptions) -> Result<()> {
         let model = ShardedModel::new(
             params,
+            cx.units,
             self.data.as_ref(),
             self.group.clone(),
             self.replicas.clone(),

@@ -88,13 +88,16 @@ fn loss(params: &[Param], x: &Tensor, y: &Tensor, around_block: impl Fn(&Tensor)
 }
 
 /// A sharded model of `params` over `group` alone (ranks as threads).
+/// `pending`: the units made for it.
 fn sharded(
     params: &[Param],
     group: &crate::comm::ProcessGroup,
+    pending: &PendingUnits,
     options: ShardOptions,
 ) -> Arc<ShardedModel> {
     let group: Arc<dyn Communicator> = Arc::new(group.clone());
-    ShardedModel::new(params, group.as_ref(), group.clone(), None, Stage::Parameters, options, true)
+    let stage = Stage::Parameters;
+    ShardedModel::new(params, pending, group.as_ref(), group.clone(), None, stage, options, true)
         .unwrap()
 }
 
@@ -103,10 +106,10 @@ fn zero3_releases_a_unit_outside_its_forward_and_backward_and_gets_ddp_gradients
     let results = on_ranks(2, Duration::from_secs(20), |group| {
         let rank = group.rank();
         let params = model(rank);
-        // The unit's handle is bound to the model when it is prepared, on this thread only.
-        let vs = nn::VarStore::new(Device::Cpu);
-        let unit = Unit::new(&(vs.root() / "blocks" / 0), ());
-        let sharded = sharded(&params, &group, ShardOptions::default());
+        // The unit's handle is bound to the model when it is prepared.
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let unit = Unit::new(&pending, &(vs.root() / "blocks" / 0), ());
+        let sharded = sharded(&params, &group, &pending, ShardOptions::default());
         let bytes = |p: &Param| shim::storage_nbytes(&p.tensor).unwrap();
         let (weight, bias, head) = (&params[1], &params[0], &params[2]);
         // At rest the block's memory is released; the root (head) stays whole.
@@ -163,9 +166,9 @@ fn zero3_prefetches_the_next_unit_in_forward_and_the_previous_in_backward() {
                 tensor: values(&[2, 4], 2.0).set_requires_grad(true),
             },
         ];
-        let vs = nn::VarStore::new(Device::Cpu);
-        let _units = [0, 1].map(|i| Unit::new(&(vs.root() / "stack" / i), ()));
-        let model = sharded(&params, &group, ShardOptions::default());
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let _units = [0, 1].map(|i| Unit::new(&pending, &(vs.root() / "stack" / i), ()));
+        let model = sharded(&params, &group, &pending, ShardOptions::default());
         let (first, second) = (model.unit("stack.0").unwrap(), model.unit("stack.1").unwrap());
         let pending = |u: usize| model.prefetch_pending(u);
         let (x, y) = batch(rank);
@@ -207,6 +210,45 @@ fn zero3_prefetches_the_next_unit_in_forward_and_the_previous_in_backward() {
     }
 }
 
+/// A unit waits in the registry of the accelerator it was made for: two models of the same
+/// names, built on one thread before either is prepared, each bind their own unit (its
+/// memory released at rest, gathered in its forward); the other's stays unbound. One
+/// registry holding two units of one name cannot tell them apart, and says so.
+#[test]
+fn units_bind_to_the_model_of_the_accelerator_they_were_made_for() {
+    let results = on_ranks(2, Duration::from_secs(20), |group| {
+        let rank = group.rank();
+        let bytes = |p: &Param| shim::storage_nbytes(&p.tensor).unwrap();
+        let (first, second) = (PendingUnits::default(), PendingUnits::default());
+        let (vs_a, vs_b) = (nn::VarStore::new(Device::Cpu), nn::VarStore::new(Device::Cpu));
+        let unit_a = Unit::new(&first, &(vs_a.root() / "blocks" / 0), ());
+        let unit_b = Unit::new(&second, &(vs_b.root() / "blocks" / 0), ());
+        let (params_a, params_b) = (model(rank), model(rank));
+        let _a = sharded(&params_a, &group, &first, ShardOptions::default());
+        assert_eq!(bytes(&params_a[1]), 0, "the first model's unit is bound: released");
+        let gathered = unit_a.run(|()| Tensor::from(bytes(&params_a[1]) as i64));
+        assert_eq!(gathered.int64_value(&[]), 60, "and gathered in its forward");
+        assert_eq!(bytes(&params_b[1]), 60, "the second model is not prepared yet");
+        let _b = sharded(&params_b, &group, &second, ShardOptions::default());
+        assert_eq!(bytes(&params_b[1]), 0, "the second model's unit is bound to it");
+        let gathered = unit_b.run(|()| Tensor::from(bytes(&params_b[1]) as i64));
+        assert_eq!(gathered.int64_value(&[]), 60);
+
+        let both = PendingUnits::default();
+        let _units = [&vs_a, &vs_b].map(|vs| Unit::new(&both, &(vs.root() / "blocks" / 0), ()));
+        let group: Arc<dyn Communicator> = Arc::new(group.clone());
+        let stage = Stage::Parameters;
+        let options = ShardOptions::default();
+        let params = model(rank);
+        ShardedModel::new(&params, &both, group.as_ref(), group.clone(), None, stage, options, true)
+            .unwrap_err()
+            .to_string()
+    });
+    for e in results {
+        assert!(e.contains("two units named `blocks.0`"), "{e}");
+    }
+}
+
 #[test]
 fn a_gather_that_fails_inside_module_forward_comes_back_as_an_error_not_a_panic() {
     let results = on_ranks(2, Duration::from_secs(5), |group| {
@@ -221,9 +263,9 @@ fn a_gather_that_fails_inside_module_forward_comes_back_as_an_error_not_a_panic(
                 tensor: values(&[2, 4], 2.0).set_requires_grad(true),
             },
         ];
-        let vs = nn::VarStore::new(Device::Cpu);
-        let units = [0, 1].map(|i| Unit::new(&(vs.root() / "stack" / i), ()));
-        let model = sharded(&params, &group, ShardOptions::default());
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let units = [0, 1].map(|i| Unit::new(&pending, &(vs.root() / "stack" / i), ()));
+        let model = sharded(&params, &group, &pending, ShardOptions::default());
         if rank == 1 {
             // Leaves the run: rank 0's next all-gather has no partner.
             return None;
@@ -250,10 +292,10 @@ fn param_dtype_gathers_and_computes_in_bf16_while_masters_and_full_weights_stay_
     let results = on_ranks(2, Duration::from_secs(20), |group| {
         let rank = group.rank();
         let params = model(rank);
-        let vs = nn::VarStore::new(Device::Cpu);
-        let unit = Unit::new(&(vs.root() / "blocks" / 0), ());
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let unit = Unit::new(&pending, &(vs.root() / "blocks" / 0), ());
         let options = ShardOptions { param_dtype: Some(Kind::BFloat16), ..Default::default() };
-        let sharded = sharded(&params, &group, options);
+        let sharded = sharded(&params, &group, &pending, options);
         let (weight, bias, head) = (&params[1], &params[0], &params[2]);
         assert_eq!(weight.tensor.kind(), Kind::BFloat16, "the unit computes in bf16");
         assert_eq!(head.tensor.kind(), Kind::Float, "the root is not a unit: it stays fp32");
@@ -334,7 +376,7 @@ fn forward_passes(acc: &crate::Accelerator, prepared: bool) -> usize {
     use tch::nn::Module;
     let vs = nn::VarStore::new(Device::Cpu);
     let path = vs.root() / "blocks" / 0;
-    let unit = Unit::new(&path, nn::linear(&path, 3, 2, Default::default()));
+    let unit = Unit::new(acc, &path, nn::linear(&path, 3, 2, Default::default()));
     if prepared {
         acc.prepare_model(&vs).unwrap();
     }

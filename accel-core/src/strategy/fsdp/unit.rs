@@ -1,15 +1,15 @@
 //! [`Unit`]: a module whose parameters zero3 gathers just before its use and releases right
 //! after. Each unit owns a handle that the sharded model binds when it is prepared; the
-//! unit reaches its model through that handle, never through process-wide state.
+//! unit reaches its model through that handle.
 //!
-//! Until then the handle waits in a list of this thread's pending units (models are built
-//! and prepared on one thread). Preparing a model, under any strategy, tells the pending
-//! units whose prefixes are its modules whether the accelerator checkpoints activations;
-//! zero3 then takes them and binds them. Threads do not see each other's pending units, so
-//! ranks run as threads in tests stay apart.
+//! A unit is made for an accelerator (as FSDP2's `fully_shard(module, mesh=...)` names its
+//! mesh) and waits in that accelerator's [`PendingUnits`] until the accelerator prepares the
+//! model whose variables it holds. Preparing a model, under any strategy, tells the pending
+//! units under its names whether the accelerator checkpoints activations; zero3 then takes
+//! them and binds them. Nothing is process-wide or per thread: two accelerators (ranks run
+//! as threads in tests) keep their units apart.
 
-use std::cell::RefCell;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use tch::Tensor;
 use tch::nn::Module;
@@ -45,31 +45,43 @@ pub(crate) fn in_model<'a>(names: &'a [&'a str]) -> impl Fn(&str) -> bool + 'a {
     move |prefix| names.iter().any(|n| n.starts_with(prefix) && n[prefix.len()..].starts_with('.'))
 }
 
-/// Tells this thread's pending units whose prefix `matches` (the model being prepared) whether
-/// activation checkpointing is on, unless an earlier prepare told them; they stay pending,
-/// for zero3 to bind. Units dropped meanwhile leave the list.
-pub(crate) fn set_checkpointing(matches: impl Fn(&str) -> bool, on: bool) {
-    PENDING.with(|pending| {
-        let mut pending = pending.borrow_mut();
-        pending.retain(|h| h.strong_count() > 0);
-        for handle in pending.iter().filter_map(Weak::upgrade) {
+/// The [`Unit`]s made for an accelerator whose models it has not prepared yet. Every
+/// [`Accelerator`](crate::Accelerator) has one (`Unit::new(&accelerator, ..)` reaches it
+/// through `AsRef`); programs do not use it otherwise.
+#[derive(Debug, Default)]
+pub struct PendingUnits {
+    units: Mutex<Vec<Weak<UnitHandle>>>,
+}
+
+impl AsRef<PendingUnits> for PendingUnits {
+    fn as_ref(&self) -> &PendingUnits {
+        self
+    }
+}
+
+impl PendingUnits {
+    /// The live pending handles (units dropped meanwhile leave the list).
+    fn live(&self) -> std::sync::MutexGuard<'_, Vec<Weak<UnitHandle>>> {
+        let mut units = self.units.lock().unwrap_or_else(|e| e.into_inner());
+        units.retain(|h| h.strong_count() > 0);
+        units
+    }
+
+    /// Tells the pending units whose prefix `matches` (the model being prepared) whether
+    /// activation checkpointing is on, unless an earlier prepare told them; they stay
+    /// pending, for zero3 to bind.
+    pub(crate) fn set_checkpointing(&self, matches: impl Fn(&str) -> bool, on: bool) {
+        for handle in self.live().iter().filter_map(Weak::upgrade) {
             if matches(&handle.prefix) {
                 let _ = handle.checkpointing.set(on);
             }
         }
-    });
-}
+    }
 
-thread_local! {
-    static PENDING: RefCell<Vec<Weak<UnitHandle>>> = const { RefCell::new(Vec::new()) };
-}
-
-/// This thread's units not yet bound to a model, whose prefix `matches`: taken out of the
-/// pending list. Two pending units with one prefix cannot be told apart: an error.
-pub(crate) fn take_pending(matches: impl Fn(&str) -> bool) -> Result<Vec<Arc<UnitHandle>>> {
-    PENDING.with(|pending| {
-        let mut pending = pending.borrow_mut();
-        pending.retain(|h| h.strong_count() > 0);
+    /// The pending units whose prefix `matches`, taken out of the list. Two pending units
+    /// with one prefix cannot be told apart: an error.
+    pub(crate) fn take(&self, matches: impl Fn(&str) -> bool) -> Result<Vec<Arc<UnitHandle>>> {
+        let mut pending = self.live();
         let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *pending)
             .into_iter()
             .partition(|h| h.upgrade().is_some_and(|h| matches(&h.prefix)));
@@ -88,7 +100,11 @@ pub(crate) fn take_pending(matches: impl Fn(&str) -> bool) -> Result<Vec<Arc<Uni
             }
         }
         Ok(mine)
-    })
+    }
+
+    fn push(&self, handle: &Arc<UnitHandle>) {
+        self.live().push(Arc::downgrade(handle));
+    }
 }
 
 /// Marks `inner`, the module built under `path`, as a unit of a sharded model. Under
@@ -122,15 +138,16 @@ impl<M> Shared<M> {
 unsafe impl<M: Send> Send for Shared<M> {}
 
 impl<M> Unit<M> {
-    /// Wraps `inner`, whose variables live under `path`; the model is prepared after this.
-    pub fn new(path: &tch::nn::Path, inner: M) -> Self {
+    /// Wraps `inner`, whose variables live under `path`, for `accelerator`, which prepares
+    /// the model after this (FSDP2's `fully_shard(module, mesh=...)`).
+    pub fn new(accelerator: &impl AsRef<PendingUnits>, path: &tch::nn::Path, inner: M) -> Self {
         let prefix = path.components().collect::<Vec<_>>().join(".");
         let handle = Arc::new(UnitHandle {
             prefix,
             binding: OnceLock::new(),
             checkpointing: OnceLock::new(),
         });
-        PENDING.with(|pending| pending.borrow_mut().push(Arc::downgrade(&handle)));
+        accelerator.as_ref().push(&handle);
         Self { handle, inner: Shared(Arc::new(inner)) }
     }
 
