@@ -19,18 +19,17 @@ dir=target/bench-llama model=target/bench-llama/model-100m data=target/bench-lla
 command -v perf >/dev/null || { echo "perf is not installed: apt-get install linux-perf"; exit 1; }
 export MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1
 py=.venv/bin/python out=$(mktemp -d)
-ours() {
-  target/release/accel launch --num-processes 2 --main-process-port 0 --cpu \
-    target/release/examples/llama --model "$model" --data "$data" --steps "$1" --batch-size 2 \
-    --lr 1e-4 --strategy zero3 --out "$dir/out"
-}
-theirs() {
-  .venv/bin/torchrun --nproc-per-node=2 --master-port=29794 python/reference/llama_reference.py \
-    memory --model "$model" --data "$data" --steps "$1" --batch-size 2
-}
+# The command of each side, its step count last.
+ours=(target/release/accel launch --num-processes 2 --main-process-port 0 --cpu
+  target/release/examples/llama --model "$model" --data "$data" --batch-size 2 --lr 1e-4
+  --strategy zero3 --out "$dir/out" --steps)
+theirs=(.venv/bin/torchrun --nproc-per-node=2 --master-port=29794
+  python/reference/llama_reference.py memory --model "$model" --data "$data" --batch-size 2
+  --steps)
 for side in ours theirs; do
+  unset -n cmd; declare -n cmd=$side
   for steps in "$short" "$long"; do
-    perf record -q -g -F 499 -o "$out/$side-$steps.data" -- "$side" "$steps" >/dev/null 2>&1
+    perf record -q -g -F 499 -o "$out/$side-$steps.data" -- "${cmd[@]}" "$steps" >/dev/null 2>&1
     perf script -i "$out/$side-$steps.data" -F comm,pid,ip,sym,dso 2>/dev/null > "$out/$side-$steps.txt"
   done
   "$py" python/reference/perf_where.py --minus "$out/$side-$short.txt" \
