@@ -17,8 +17,6 @@ use clap::Parser;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
-const WARMUP: usize = 20;
-
 /// Time training steps of the GPT-style model.
 #[derive(Debug, Parser)]
 struct Args {
@@ -43,6 +41,9 @@ struct Args {
     /// Timed steps.
     #[arg(long, default_value_t = 100)]
     steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 20)]
+    warmup: usize,
     /// `cpu` (one thread) or `cuda` (cuda:0).
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -89,15 +90,15 @@ impl Args {
 }
 
 /// Times `step`: warm-up, then `steps` timed; returns (seconds, last loss).
-fn time(steps: usize, mut step: impl FnMut() -> Result<Tensor>) -> Result<(f64, f64)> {
-    for _ in 0..WARMUP {
+fn time(args: &Args, mut step: impl FnMut() -> Result<Tensor>) -> Result<(f64, f64)> {
+    for _ in 0..args.warmup {
         let _ = step()?;
     }
     // The loss's value is read once at the end: reading it each step would wait for the GPU.
     step()?.double_value(&[]);
     let started = std::time::Instant::now();
     let mut last = Tensor::zeros([], (Kind::Float, Device::Cpu));
-    for _ in 0..steps {
+    for _ in 0..args.steps {
         last = step()?;
     }
     let last = last.double_value(&[]);
@@ -117,7 +118,7 @@ fn raw(args: &Args) -> Result<()> {
     let model = Gpt::new(&accel_core::PendingUnits::default(), &vs.root(), &config)?;
     let mut opt = RawAdamW::new(vs.trainable_variables(), 1e-3);
     let (x, y) = args.batch(Device::Cpu);
-    let (seconds, last) = time(args.steps, || {
+    let (seconds, last) = time(args, || {
         let logits = model.forward(&x);
         let loss = logits.view([-1, config.vocab]).cross_entropy_for_logits(&y.reshape([-1]));
         loss.backward();
@@ -138,8 +139,9 @@ fn annotated(args: &Args) -> Result<(f64, f64)> {
     let mut opt = nn::AdamW::default().build(&vs, 1e-3)?;
     let (x, y) = args.batch(Device::Cpu);
     let mut times = Vec::new();
-    for step in 0..WARMUP + 1 + args.steps {
-        if step == WARMUP + 1 {
+    let warmup = args.warmup;
+    for step in 0..warmup + 1 + args.steps {
+        if step == warmup + 1 {
             times.push(std::time::Instant::now());
         }
         let logits = model.forward(&x);
@@ -147,7 +149,7 @@ fn annotated(args: &Args) -> Result<(f64, f64)> {
         opt.zero_grad();
         loss.backward();
         opt.step();
-        if step + 1 == WARMUP + 1 + args.steps {
+        if step + 1 == warmup + 1 + args.steps {
             return Ok((times[0].elapsed().as_secs_f64(), loss.double_value(&[])));
         }
     }
@@ -185,7 +187,7 @@ fn main() -> Result<()> {
         AdamConfig { lr: 1e-3, ..AdamConfig::adamw() },
     )?);
     let (x, y) = args.batch(acc.device());
-    let (seconds, last) = time(args.steps, || {
+    let (seconds, last) = time(args, || {
         let logits = acc.forward(|| model.forward(&x))?;
         let loss = logits.view([-1, config.vocab]).cross_entropy_for_logits(&y.reshape([-1]));
         acc.backward(&loss)?;

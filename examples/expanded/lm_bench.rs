@@ -15,7 +15,6 @@ use anyhow::Result;
 use clap::Parser;
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
-const WARMUP: usize = 20;
 /// Time training steps of the GPT-style model.
 #[derive(Debug, Parser)]
 struct Args {
@@ -40,6 +39,9 @@ struct Args {
     /// Timed steps.
     #[arg(long, default_value_t = 100)]
     steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 20)]
+    warmup: usize,
     /// `cpu` (one thread) or `cuda` (cuda:0).
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -84,14 +86,14 @@ impl Args {
     }
 }
 /// Times `step`: warm-up, then `steps` timed; returns (seconds, last loss).
-fn time(steps: usize, mut step: impl FnMut() -> Result<Tensor>) -> Result<(f64, f64)> {
-    for _ in 0..WARMUP {
+fn time(args: &Args, mut step: impl FnMut() -> Result<Tensor>) -> Result<(f64, f64)> {
+    for _ in 0..args.warmup {
         let _ = step()?;
     }
     step()?.double_value(&[]);
     let started = std::time::Instant::now();
     let mut last = Tensor::zeros([], (Kind::Float, Device::Cpu));
-    for _ in 0..steps {
+    for _ in 0..args.steps {
         last = step()?;
     }
     let last = last.double_value(&[]);
@@ -111,7 +113,7 @@ fn raw(args: &Args) -> Result<()> {
     let mut opt = RawAdamW::new(vs.trainable_variables(), 1e-3);
     let (x, y) = args.batch(Device::Cpu);
     let (seconds, last) = time(
-        args.steps,
+        args,
         || {
             let logits = model.forward(&x);
             let loss = logits
@@ -144,9 +146,10 @@ fn annotated(args: &Args) -> Result<(f64, f64)> {
         let mut opt = accelerator.build_optimizer(nn::AdamW::default(), &vs, 1e-3)?;
         let (x, y) = args.batch(Device::Cpu);
         let mut times = Vec::new();
-        for step in 0..WARMUP + 1 + args.steps {
+        let warmup = args.warmup;
+        for step in 0..warmup + 1 + args.steps {
             let __accel_autocast = accelerator.autocast_step()?;
-            if step == WARMUP + 1 {
+            if step == warmup + 1 {
                 times.push(std::time::Instant::now());
             }
             let logits = model.forward(&x);
@@ -156,7 +159,7 @@ fn annotated(args: &Args) -> Result<(f64, f64)> {
             opt.zero_grad()?;
             accelerator.backward(&loss)?;
             opt.step()?;
-            if step + 1 == WARMUP + 1 + args.steps {
+            if step + 1 == warmup + 1 + args.steps {
                 return Ok((times[0].elapsed().as_secs_f64(), loss.double_value(&[])));
             }
         }
@@ -212,7 +215,7 @@ fn main() -> Result<()> {
         );
     let (x, y) = args.batch(acc.device());
     let (seconds, last) = time(
-        args.steps,
+        args,
         || {
             let logits = acc.forward(|| model.forward(&x))?;
             let loss = logits

@@ -803,14 +803,15 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
          of two runs of different lengths, per step)"
     );
     println!("{:<12} {:<10} {:>16} {:>12}", "model", "mode", "instructions", "vs raw");
-    let models: [(&str, &str, &str, [usize; 2]); 2] = [
-        ("MLP", "mlp_bench", "--batches", [10, 20]),
-        ("transformer", "lm_bench", "--steps", [2, 4]),
+    // (model, program, its fixed flags, the flag of the run length, the two lengths)
+    let models: [(&str, &str, &[&str], &str, [usize; 2]); 2] = [
+        ("MLP", "mlp_bench", &[], "--batches", [10, 20]),
+        ("transformer", "lm_bench", &["--warmup", "0"], "--steps", [2, 4]),
     ];
     if let Some(only) = only.filter(|o| !models.iter().any(|m| m.0.eq_ignore_ascii_case(o))) {
         return Err(format!("no model `{only}` in the overhead bench: mlp or transformer"));
     }
-    for (model, program, flag, [short, long]) in models {
+    for (model, program, fixed, flag, [short, long]) in models {
         if only.is_some_and(|o| !model.eq_ignore_ascii_case(o)) {
             continue;
         }
@@ -819,7 +820,8 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
             [("raw", Some("--raw")), ("explicit", None), ("attribute", Some("--attribute"))]
         {
             let run = |n: usize| {
-                let mut args = vec![flag.to_owned(), n.to_string()];
+                let mut args: Vec<String> = fixed.iter().map(|a| a.to_string()).collect();
+                args.extend([flag.to_owned(), n.to_string()]);
                 args.extend(extra.map(str::to_owned));
                 instructions(program, &args)
             };
