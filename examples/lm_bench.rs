@@ -187,7 +187,7 @@ fn main() -> Result<()> {
         AdamConfig { lr: 1e-3, ..AdamConfig::adamw() },
     )?);
     let (x, y) = args.batch(acc.device());
-    let (seconds, last) = time(args, || {
+    let (seconds, last) = time(&args, || {
         let logits = acc.forward(|| model.forward(&x))?;
         let loss = logits.view([-1, config.vocab]).cross_entropy_for_logits(&y.reshape([-1]));
         acc.backward(&loss)?;

@@ -215,7 +215,7 @@ fn main() -> Result<()> {
         );
     let (x, y) = args.batch(acc.device());
     let (seconds, last) = time(
-        args,
+        &args,
         || {
             let logits = acc.forward(|| model.forward(&x))?;
             let loss = logits

@@ -804,7 +804,8 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
     );
     println!("{:<12} {:<10} {:>16} {:>12}", "model", "mode", "instructions", "vs raw");
     // (model, program, its fixed flags, the flag of the run length, the two lengths)
-    let models: [(&str, &str, &[&str], &str, [usize; 2]); 2] = [
+    type Model = (&'static str, &'static str, &'static [&'static str], &'static str, [usize; 2]);
+    let models: [Model; 2] = [
         ("MLP", "mlp_bench", &[], "--batches", [10, 20]),
         ("transformer", "lm_bench", &["--warmup", "0"], "--steps", [2, 4]),
     ];
