@@ -314,6 +314,10 @@ fn with_lora(
     }
     acc.prepare_model(&adapters)?;
     let load_peak = rss().1 - baseline;
+    if args.steps == 0 {
+        report(acc, &adapters, load_peak, None, None);
+        return Ok(());
+    }
     let started = fine_tune(args, acc, &model, &adapters, data)?;
     report(acc, &adapters, load_peak, Some(rss().1 - baseline), step_time(args, started));
     let out = args.out.as_ref().expect("clap requires --out with --data");

@@ -13,12 +13,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 short=${1:-2} long=${2:-6}
+[ "$long" -gt "$short" ] || { echo "LONG ($long) must exceed SHORT ($short)"; exit 1; }
 dir=target/bench-llama model=target/bench-llama/model-100m data=target/bench-llama/tokens.safetensors
 [ -f "$model/config.json" ] && [ -x target/release/examples/llama ] ||
   { echo "run \`cargo xtask bench llama\` first (it makes $model and the binaries)"; exit 1; }
 command -v perf >/dev/null || { echo "perf is not installed: apt-get install linux-perf"; exit 1; }
 export MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1
 py=.venv/bin/python out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
 # The command of each side, its step count last.
 ours=(target/release/accel launch --num-processes 2 --main-process-port 0 --cpu
   target/release/examples/llama --model "$model" --data "$data" --batch-size 2 --lr 1e-4
@@ -29,7 +31,8 @@ theirs=(.venv/bin/torchrun --nproc-per-node=2 --master-port=29794
 for side in ours theirs; do
   unset -n cmd; declare -n cmd=$side
   for steps in "$short" "$long"; do
-    perf record -q -g -F 499 -o "$out/$side-$steps.data" -- "${cmd[@]}" "$steps" >/dev/null 2>&1
+    perf record -q -g -F 499 -o "$out/$side-$steps.data" -- "${cmd[@]}" "$steps" \
+      >"$out/$side-$steps.log" 2>&1 || { cat "$out/$side-$steps.log"; exit 1; }
     perf script -i "$out/$side-$steps.data" -F comm,pid,ip,sym,dso 2>/dev/null > "$out/$side-$steps.txt"
   done
   "$py" python/reference/perf_where.py --minus "$out/$side-$short.txt" \
@@ -44,4 +47,3 @@ for k in sorted(set(ours) | set(theirs), key=lambda k: -max(ours.get(k, 0), thei
     print(f"{k:54} {ours.get(k, 0) / 499:>12.2f} {theirs.get(k, 0) / 499:>12.2f}")
 print(f"{'total':54} {sum(ours.values()) / 499:>12.2f} {sum(theirs.values()) / 499:>12.2f}")
 TABLE
-rm -rf "$out"

@@ -354,6 +354,18 @@ char* accel_autocast_state(int device_type, bool* enabled, int* dtype) {
   })
 }
 
+// ---- pinned host memory ---------------------------------------------------------
+// Without the `device` argument that tch always passes (deprecated in torch 2.11, with a
+// warning on every call): the current accelerator's pinned memory.
+
+char* accel_is_pinned(at::Tensor* tensor, bool* pinned) {
+  ACCEL_TRY(*pinned = tensor->is_pinned())
+}
+
+char* accel_pin_memory(at::Tensor* tensor, at::Tensor** pinned) {
+  ACCEL_TRY(*pinned = new at::Tensor(tensor->pin_memory()))
+}
+
 // ---- storage -------------------------------------------------------------------
 
 char* accel_storage_nbytes(at::Tensor* tensor, uint64_t* nbytes) {

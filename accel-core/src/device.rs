@@ -22,7 +22,9 @@ use tch::{Device, Tensor};
 pub trait ToDevice: Sized {
     /// `self`, with every tensor on `device` (tensors already there are not copied). A
     /// tensor in pinned host memory goes to a CUDA device with an asynchronous copy, queued
-    /// on the current (compute) stream like the kernels that read it.
+    /// on the current (compute) stream like the kernels that read it (torch's
+    /// `non_blocking=True`): a program refilling its own pinned buffer in place must wait for
+    /// the stream first.
     fn to_device(self, device: Device) -> Self;
 
     /// `self`, with every CPU tensor in page-locked (pinned) host memory when `device` is a
@@ -40,7 +42,10 @@ impl ToDevice for Tensor {
     fn to_device(self, device: Device) -> Self {
         if self.device() == device {
             self
-        } else if self.device() == Device::Cpu && device.is_cuda() && self.is_pinned(device) {
+        } else if self.device() == Device::Cpu
+            && device.is_cuda()
+            && crate::shim::is_pinned(&self).unwrap_or(false)
+        {
             // The caching host allocator records the copy's stream, so the pinned block is
             // not reused before the copy has read it.
             self.to_device_(device, self.kind(), true, false)
@@ -53,7 +58,7 @@ impl ToDevice for Tensor {
         if self.device() != Device::Cpu || !device.is_cuda() {
             return self;
         }
-        match self.f_pin_memory(device) {
+        match crate::shim::pin_memory(&self) {
             Ok(pinned) => pinned,
             Err(e) => {
                 static SAID: std::sync::Once = std::sync::Once::new();

@@ -10,7 +10,7 @@ mod to_device;
 use proc_macro::TokenStream;
 
 /// Implements `accel_core::ToDevice` for a struct or enum by moving every field to the
-/// device. Fields marked `#[to_device(skip)]` are kept as they are (for fields that hold
+/// device (`to_device`), or pinning it for a GPU (`pin_memory`). Fields marked `#[to_device(skip)]` are kept as they are (for fields that hold
 /// no tensor and do not implement `ToDevice`). Type parameters get a `ToDevice` bound.
 ///
 /// ```text

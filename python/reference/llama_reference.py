@@ -139,6 +139,8 @@ def memory(args):
     model = load(args.model)
     params = sum(p.numel() for p in model.parameters())
     backward = torch.Tensor.backward
+    if args.lora_r and args.checkpointing:
+        raise SystemExit("memory: --lora-r runs without --checkpointing (the bench's LoRA rows)")
     if args.lora_r:
         # transformers + peft + Accelerate, as a LoRA fine-tune is written; on CPU
         # Accelerate prepares the model as DDP (over the process group made above).
@@ -151,7 +153,7 @@ def memory(args):
         acc = Accelerator(cpu=True)
         trained = [p for p in model.parameters() if p.requires_grad]
         params = sum(p.numel() for p in trained)
-        opt = torch.optim.AdamW(trained, lr=1e-4, eps=1e-8, fused=True)
+        opt = torch.optim.AdamW(trained, lr=1e-4, eps=1e-8, weight_decay=0.0, fused=True)
         model, opt = acc.prepare(model, opt)
         backward = acc.backward
         strategy = f"accelerate ({acc.distributed_type}) + peft lora r{args.lora_r}"
@@ -170,12 +172,14 @@ def memory(args):
             fully_shard(model.model.embed_tokens)
             fully_shard(model.lm_head)
             fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, fused=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, weight_decay=0.0,
+                                fused=True)
         strategy = "ddp" if args.ddp else "fsdp2"
     load_peak = status_bytes("VmHWM:") - baseline
     ids = load_file(args.data)["input_ids"]
     rank, world = dist.get_rank(), dist.get_world_size()
     model.train()
+    t0 = time.perf_counter()
     for step in range(args.steps):
         rows = [(step * world + rank) * args.batch_size + i for i in range(args.batch_size)]
         batch = ids[[r % ids.shape[0] for r in rows]]
@@ -205,8 +209,9 @@ p = argparse.ArgumentParser()
 p.add_argument("mode", choices=["make", "tokens", "logits", "train", "load", "memory"])
 p.add_argument("--size", default="small", choices=["small", "100m"])
 p.add_argument("--checkpointing", action="store_true")
-p.add_argument("--ddp", action="store_true", help="memory: torch DDP instead of FSDP2")
-p.add_argument("--lora-r", type=int, help="memory: a peft LoRA (q_proj, v_proj) under Accelerate")
+how = p.add_mutually_exclusive_group()
+how.add_argument("--ddp", action="store_true", help="memory: torch DDP instead of FSDP2")
+how.add_argument("--lora-r", type=int, help="memory: a peft LoRA (q_proj, v_proj) under Accelerate")
 p.add_argument("--out")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--tied", action="store_true")

@@ -2,7 +2,8 @@
 
     perf script -i RUN.data -F comm,pid,ip,sym,dso | python perf_where.py [--minus SHORT.txt --steps K]
 
-Each sample is put in one category: by the kernel path it was taken on (page faults, direct
+Samples of the launchers (accel launch, torchrun's agent) are left out. Each sample of a
+rank is put in one category: by the kernel path it was taken on (page faults, direct
 copies between processes, sockets, scheduling) or by the user-space symbol it landed in
 (matrix products, element-wise kernels, copies, the optimizer, the Python interpreter).
 With --minus, the samples of a shorter run of the same program are subtracted and the
@@ -37,12 +38,18 @@ USER = [
 ]
 
 
+# The launchers' processes (accel launch; torchrun's agent and its thread), not the ranks.
+LAUNCHERS = {"accel", "torchrun", "pt_elastic"}
+
+
 def categorize(lines):
     counts = collections.Counter()
     sample = []
+    launcher = False
 
     def flush():
-        if not sample:
+        if not sample or launcher:
+            sample.clear()
             return
         leaf = sample[0]
         if "[kernel" in leaf:
@@ -67,6 +74,8 @@ def categorize(lines):
             sample.append(line.strip())
         else:  # a sample's header (comm pid) or the blank line after its frames
             flush()
+            if line.strip():
+                launcher = line.split()[0] in LAUNCHERS
     flush()
     return counts
 

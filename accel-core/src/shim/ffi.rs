@@ -75,6 +75,11 @@ unsafe extern "C" {
     ) -> *mut c_char;
 
     pub(crate) fn accel_storage_nbytes(tensor: *mut C_tensor, nbytes: *mut u64) -> *mut c_char;
+    pub(crate) fn accel_is_pinned(tensor: *mut C_tensor, pinned: *mut bool) -> *mut c_char;
+    pub(crate) fn accel_pin_memory(
+        tensor: *mut C_tensor,
+        pinned: *mut *mut C_tensor,
+    ) -> *mut c_char;
     pub(crate) fn accel_tensor_impl(tensor: *mut C_tensor, id: *mut usize) -> *mut c_char;
     pub(crate) fn accel_storage_free(tensor: *mut C_tensor) -> *mut c_char;
     pub(crate) fn accel_storage_allocate(tensor: *mut C_tensor, nbytes: u64) -> *mut c_char;

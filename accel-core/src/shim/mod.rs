@@ -76,6 +76,25 @@ pub fn set_grad(tensor: &Tensor, grad: Option<&Tensor>) -> Result<()> {
     check(unsafe { ffi::accel_set_grad(raw(tensor), grad) }, "set_grad")
 }
 
+/// Whether `tensor` lives in page-locked host memory (`Tensor.is_pinned()`; tch's
+/// `is_pinned(device)` passes the argument torch 2.11 deprecates, with a warning each call).
+pub fn is_pinned(tensor: &Tensor) -> Result<bool> {
+    let mut pinned = false;
+    // SAFETY: live tensor; out-pointer to a local.
+    check(unsafe { ffi::accel_is_pinned(raw(tensor), &mut pinned) }, "is_pinned")?;
+    Ok(pinned)
+}
+
+/// A copy of the CPU tensor `tensor` in page-locked host memory (`Tensor.pin_memory()`), for
+/// asynchronous copies to the GPU; an error without one.
+pub fn pin_memory(tensor: &Tensor) -> Result<Tensor> {
+    let mut pinned = std::ptr::null_mut();
+    // SAFETY: live tensor; out-pointer to a local, holding a fresh `new at::Tensor` on success.
+    check(unsafe { ffi::accel_pin_memory(raw(tensor), &mut pinned) }, "pin_memory")?;
+    // SAFETY: the shim handed us ownership of a valid at::Tensor.
+    Ok(unsafe { Tensor::from_ptr(pinned) })
+}
+
 /// Bytes held by the storage behind `tensor` (0 after [`free_storage`]).
 pub fn storage_nbytes(tensor: &Tensor) -> Result<u64> {
     let mut nbytes = 0;

@@ -97,7 +97,7 @@ impl ShardedModel {
                 // Offloaded from a GPU: page-locked host memory, which the copies of the
                 // gradient shards down and the parameter shards up use at full speed.
                 Ok(match (options.offload, p.tensor.device()) {
-                    (true, gpu @ Device::Cuda(_)) => master.f_pin_memory(gpu)?,
+                    (true, Device::Cuda(_)) => crate::shim::pin_memory(&master)?,
                     _ => master,
                 })
             })?

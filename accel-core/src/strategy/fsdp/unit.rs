@@ -23,8 +23,8 @@ use crate::error::{Error, Result};
 pub(crate) struct UnitHandle {
     pub prefix: String,
     binding: OnceLock<(Weak<ShardedModel>, usize)>,
-    /// Activation checkpointing, as the first accelerator that prepared the unit's model has
-    /// it (off until then; under every strategy, not only zero3).
+    /// Activation checkpointing, as the unit's accelerator has it when it first prepares the
+    /// unit's model (off until then; under every strategy, not only zero3).
     checkpointing: OnceLock<bool>,
 }
 
@@ -47,7 +47,10 @@ pub(crate) fn in_model<'a>(names: &'a [&'a str]) -> impl Fn(&str) -> bool + 'a {
 
 /// The [`Unit`]s made for an accelerator whose models it has not prepared yet. Every
 /// [`Accelerator`](crate::Accelerator) has one (`Unit::new(&accelerator, ..)` reaches it
-/// through `AsRef`); programs do not use it otherwise.
+/// through `AsRef`). A model built with no accelerator at all (a raw loop) gives its units
+/// `&PendingUnits::default()`: they are never bound and run their module unchanged. A unit
+/// made for one accelerator and prepared by another is not bound either (no error: it is
+/// the module unchanged, gathered with the root under zero3).
 #[derive(Debug, Default)]
 pub struct PendingUnits {
     units: Mutex<Vec<Weak<UnitHandle>>>,
@@ -92,7 +95,8 @@ impl PendingUnits {
                 return Err(Error::Config(format!(
                     "two units named `{}` wait to be prepared ({:p} and {:p}), and accel cannot \
                      tell which model each belongs to: prepare each model before building the \
-                     next, or give their VarStore paths different names",
+                     next, make them for different accelerators, or give their VarStore paths \
+                     different names",
                     a.prefix,
                     Arc::as_ptr(a),
                     Arc::as_ptr(b)
