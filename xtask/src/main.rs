@@ -735,16 +735,49 @@ fn scale_bench() -> Result<(), String> {
             report.figure(&format!("scale_{n}_torch_us"), theirs_us);
         }
     }
+    write_block_results(SCALE_RESULTS, "cargo xtask bench scale", &report.figures, &report.text)
+}
+
+/// Today's date (UTC), as `date -u +%Y-%m-%d` gives it.
+fn today() -> String {
+    Command::new("date")
+        .args(["-u", "+%Y-%m-%d"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// This machine's CPU, from /proc/cpuinfo.
+fn cpu_name() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split_once(':')))
+        .map(|(_, name)| name.trim().to_owned())
+        .unwrap_or_else(|| "unknown CPU".into())
+}
+
+/// Writes `file` (under bench/): the date, the machine, the command, the figures and the
+/// printed report, which `cargo xtask bench readme` shows in docs/performance.md's block of
+/// the same name.
+fn write_block_results(
+    file: &str,
+    command: &str,
+    figures: &serde_json::Map<String, serde_json::Value>,
+    text: &str,
+) -> Result<(), String> {
     let results = serde_json::json!({
-        "date": Command::new("date").args(["-u", "+%Y-%m-%d"]).output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default(),
-        "command": "cargo xtask bench scale",
-        "figures": report.figures,
-        "report": report.text,
+        "date": today(),
+        "cpu": cpu_name(),
+        "cores": std::thread::available_parallelism().map(usize::from).unwrap_or(1),
+        "command": command,
+        "figures": figures,
+        "report": text,
     });
-    let path = root.join(SCALE_RESULTS);
+    let path = root().join(file);
     std::fs::write(&path, serde_json::to_string_pretty(&results).expect("json") + "\n")
         .map_err(|e| format!("{}: {e}", path.display()))?;
-    eprintln!("xtask: wrote {SCALE_RESULTS}");
+    eprintln!("xtask: wrote {file}");
     Ok(())
 }
 
@@ -798,11 +831,20 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
     eprintln!(
         "xtask: counting instructions under callgrind (6 runs per model, about 3-6 minutes each) ..."
     );
+    // Rows of earlier runs, kept for the models this run does not count.
+    let path = root().join(OVERHEAD_RESULTS);
+    let earlier: serde_json::Value = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let mut kept = earlier["models"].as_object().cloned().unwrap_or_default();
+    let mut figures = earlier["figures"].as_object().cloned().unwrap_or_default();
+    let header = format!("{:<12} {:<10} {:>16} {:>12}", "model", "mode", "instructions", "vs raw");
     println!(
         "\nInstructions per training step (callgrind, 1 process, CPU, one thread; the difference \
          of two runs of different lengths, per step)"
     );
-    println!("{:<12} {:<10} {:>16} {:>12}", "model", "mode", "instructions", "vs raw");
+    println!("{header}");
     // (model, program, its fixed flags, the flag of the run length, the two lengths)
     type Model = (&'static str, &'static str, &'static [&'static str], &'static str, [usize; 2]);
     let models: [Model; 2] = [
@@ -817,6 +859,7 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
             continue;
         }
         let mut raw = f64::NAN;
+        let mut rows = Vec::new();
         for (mode, extra) in
             [("raw", Some("--raw")), ("explicit", None), ("attribute", Some("--attribute"))]
         {
@@ -830,17 +873,50 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
             if mode == "raw" {
                 raw = per_step;
             }
-            println!(
-                "{model:<12} {mode:<10} {per_step:>16.0} {:>+11.2}%",
-                100.0 * (per_step / raw - 1.0)
+            let percent = 100.0 * (per_step / raw - 1.0);
+            let row = format!("{model:<12} {mode:<10} {per_step:>16.0} {percent:>+11.2}%");
+            println!("{row}");
+            rows.push(row);
+            figures.insert(format!("{model}.{mode}.instructions"), serde_json::json!(per_step));
+            figures.insert(
+                format!("{model}.{mode}.percent_over_raw"),
+                serde_json::json!((percent * 1000.0).round() / 1000.0),
             );
         }
+        kept.insert(model.into(), serde_json::json!({ "date": today(), "rows": rows }));
     }
-    Ok(())
+    // The page's block: every model counted so far, each with the date of its count.
+    let mut text = format!(
+        "Instructions per training step (callgrind, 1 process, one thread; the difference of \
+         two runs of different lengths, per step)\n{header}\n"
+    );
+    for (model, rows) in &kept {
+        for row in rows["rows"].as_array().into_iter().flatten() {
+            text.push_str(row.as_str().unwrap_or_default());
+            text.push('\n');
+        }
+        text.push_str(&format!("({model}: counted {})\n", rows["date"].as_str().unwrap_or("?")));
+    }
+    write_block_results(OVERHEAD_RESULTS, "cargo xtask bench overhead", &figures, &text)?;
+    // The models' rows, for the next run that counts only some of them.
+    let mut results: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&path).map_err(|e| format!("{OVERHEAD_RESULTS}: {e}"))?,
+    )
+    .map_err(|e| format!("{OVERHEAD_RESULTS}: {e}"))?;
+    results["models"] = serde_json::Value::Object(kept);
+    std::fs::write(&path, serde_json::to_string_pretty(&results).expect("json") + "\n")
+        .map_err(|e| format!("{OVERHEAD_RESULTS}: {e}"))
 }
 
 /// Where the scale benchmark's results are kept.
 const SCALE_RESULTS: &str = "bench/scale.json";
+
+/// Where the Llama benchmark's results are kept.
+const LLAMA_RESULTS: &str = "bench/llama.json";
+
+/// Where the overhead benchmark's results are kept, per model (each run of
+/// `cargo xtask bench overhead [model]` replaces its models' rows).
+const OVERHEAD_RESULTS: &str = "bench/overhead.json";
 
 /// Where the speed benchmark's results are kept (docs/performance.md's bench block is made
 /// from it).
@@ -864,14 +940,9 @@ fn write_results(report: &Report) -> Result<(), String> {
     };
     let dirty = !capture("git", &["status", "--porcelain", "--untracked-files=no"]).is_empty();
     let commit = capture("git", &["rev-parse", "--short=12", "HEAD"]);
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let cpu = cpuinfo
-        .lines()
-        .find_map(|l| l.strip_prefix("model name").and_then(|r| r.split_once(':')))
-        .map(|(_, name)| name.trim().to_owned())
-        .unwrap_or_else(|| "unknown CPU".into());
+    let cpu = cpu_name();
     let results = serde_json::json!({
-        "date": capture("date", &["-u", "+%Y-%m-%d"]),
+        "date": today(),
         "commit": if dirty { format!("{commit} (with uncommitted changes)") } else { commit },
         "cpu": cpu,
         "cores": std::thread::available_parallelism().map(usize::from).unwrap_or(1),
@@ -922,23 +993,29 @@ fn readme_from_results() -> Result<(), String> {
         return Err(format!("{BENCH_PAGE} has no {BEGIN} … {END} block"));
     };
     let mut updated = format!("{}{block}{}", &page[..start], &page[end + END.len()..]);
-    // The scale block, where `cargo xtask bench scale` has run.
-    const SCALE_BEGIN: &str = "<!-- scale:begin -->";
-    const SCALE_END: &str = "<!-- scale:end -->";
-    if let (Ok(text), Some(start), Some(end)) = (
-        std::fs::read_to_string(root.join(SCALE_RESULTS)),
-        updated.find(SCALE_BEGIN),
-        updated.find(SCALE_END),
-    ) {
-        let scale: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| format!("{SCALE_RESULTS}: {e}"))?;
+    // The blocks of the other benchmarks, where they have run.
+    for (name, file) in
+        [("scale", SCALE_RESULTS), ("llama", LLAMA_RESULTS), ("overhead", OVERHEAD_RESULTS)]
+    {
+        let (begin, end) = (format!("<!-- {name}:begin -->"), format!("<!-- {name}:end -->"));
+        let (Ok(text), Some(start), Some(stop)) =
+            (std::fs::read_to_string(root.join(file)), updated.find(&begin), updated.find(&end))
+        else {
+            continue;
+        };
+        let results: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{file}: {e}"))?;
+        let field = |k: &str| results[k].as_str().unwrap_or("?").to_owned();
         let block = format!(
-            "{SCALE_BEGIN}\n`cargo xtask bench scale` on {}, same machine. Generated from \
-             `{SCALE_RESULTS}` by `cargo xtask bench readme`.\n\n```\n{}```\n{SCALE_END}",
-            scale["date"].as_str().unwrap_or("?"),
-            scale["report"].as_str().unwrap_or("")
+            "{begin}\n`{}` on {}, {} ({} cores). Generated from `{file}` by `cargo xtask bench \
+             readme`.\n\n```\n{}```\n{end}",
+            field("command"),
+            field("date"),
+            field("cpu"),
+            results["cores"],
+            field("report")
         );
-        updated = format!("{}{block}{}", &updated[..start], &updated[end + SCALE_END.len()..]);
+        updated = format!("{}{block}{}", &updated[..start], &updated[stop + end.len()..]);
     }
     std::fs::write(&path, updated).map_err(|e| format!("{BENCH_PAGE}: {e}"))?;
     eprintln!("xtask: {BENCH_PAGE}'s bench block now shows {RESULTS}");
@@ -1134,31 +1211,34 @@ fn llama_memory_bench() -> Result<(), String> {
         "xtask: measuring the Llama: loading and training on 4 processes (several minutes) ..."
     );
     let model_bytes = 106.0e6 * 4.0;
+    let mut report = Report { text: String::new(), figures: Default::default() };
     let ddp = load_peak(&mut ours(4, "ddp", "0", false), 4)?;
     let zero3 = load_peak(&mut ours(4, "zero3", "0", false), 4)?;
-    println!(
-        "\nLlama, 106M parameters (405 MiB in fp32; vocabulary 32000, width 768, 8 layers; every \
+    report.say(
+        "Llama, 106M parameters (405 MiB in fp32; vocabulary 32000, width 768, 8 layers; every \
          layer, the embedding and the head a unit), 4 processes, CPU, 1 thread per process;\n\
-         peak resident memory per process above its baseline (max over ranks)"
+         peak resident memory per process above its baseline (max over ranks)",
     );
-    println!(
+    report.say(format!(
         "loading (`prepare_model_from_checkpoint`, each process reading its own shard under \
          zero3): ddp {:.0} MiB, zero3 {:.0} MiB — zero3 saves {:.0} MiB, {:.0}% of the model's bytes",
         ddp / MIB,
         zero3 / MIB,
         (ddp - zero3) / MIB,
         100.0 * (ddp - zero3) / model_bytes
-    );
-    println!(
+    ));
+    report.figure("load_4_ddp_mib", ddp / MIB);
+    report.figure("load_4_zero3_mib", zero3 / MIB);
+    report.say(
         "fine-tuning (AdamW, batch 2 x 128 tokens per process, steps 2-3; accel beside torch's \
          FSDP2 (fully_shard per decoder layer, the embedding and the head, as Accelerate's \
          FSDP2 plugin wraps) and DDP — Accelerate itself runs its FSDP plugin as DDP on CPU; \
-         LoRA r8 on q_proj and v_proj, the base frozen, beside transformers + peft + Accelerate):"
+         LoRA r8 on q_proj and v_proj, the base frozen, beside transformers + peft + Accelerate):",
     );
-    println!(
+    report.say(format!(
         "{:<3} {:<34} {:>10} {:>8} {:>9} {:>8}",
         "N", "", "peak MiB", "step s", "tokens/s", "vs torch"
-    );
+    ));
     for n in [2usize, 4] {
         let tokens = (2 * 128 * n) as f64;
         let rows = [
@@ -1182,18 +1262,26 @@ fn llama_memory_bench() -> Result<(), String> {
             let (their_peak, their_step, _) = memory_figures(&mut their_command, n)?;
             let speed = tokens / step;
             let their_speed = tokens / their_step;
-            println!(
+            report.say(format!(
                 "{n:<3} {name:<34} {:>10.0} {step:>8.2} {speed:>9.1} {:>7.2}x",
                 peak / MIB,
                 speed / their_speed
-            );
-            println!(
+            ));
+            report.say(format!(
                 "{n:<3} {their_name:<34} {:>10.0} {their_step:>8.2} {their_speed:>9.1}",
                 their_peak / MIB
-            );
+            ));
+            for (who, peak, speed) in [(name, peak, speed), (their_name, their_peak, their_speed)] {
+                let key: String = who
+                    .chars()
+                    .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+                    .collect();
+                report.figure(&format!("{n}.{key}.peak_mib"), peak / MIB);
+                report.figure(&format!("{n}.{key}.tokens_per_s"), speed);
+            }
         }
     }
-    Ok(())
+    write_block_results(LLAMA_RESULTS, "cargo xtask bench llama", &report.figures, &report.text)
 }
 
 /// The main job: the `train` example on 2 processes of this machine, on CPU.
