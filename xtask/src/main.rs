@@ -1006,13 +1006,15 @@ fn readme_from_results() -> Result<(), String> {
         let results: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| format!("{file}: {e}"))?;
         let field = |k: &str| results[k].as_str().unwrap_or("?").to_owned();
+        let machine = match (results["cpu"].as_str(), results["cores"].as_u64()) {
+            (Some(cpu), Some(cores)) => format!("{cpu} ({cores} cores)"),
+            _ => "machine not recorded".into(),
+        };
         let block = format!(
-            "{begin}\n`{}` on {}, {} ({} cores). Generated from `{file}` by `cargo xtask bench \
+            "{begin}\n`{}` on {}, {machine}. Generated from `{file}` by `cargo xtask bench \
              readme`.\n\n```\n{}```\n{end}",
             field("command"),
             field("date"),
-            field("cpu"),
-            results["cores"],
             field("report")
         );
         updated = format!("{}{block}{}", &updated[..start], &updated[stop + end.len()..]);
