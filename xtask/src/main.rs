@@ -883,7 +883,10 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
                 serde_json::json!((percent * 1000.0).round() / 1000.0),
             );
         }
-        kept.insert(model.into(), serde_json::json!({ "date": today(), "rows": rows }));
+        kept.insert(
+            model.into(),
+            serde_json::json!({ "date": today(), "cpu": cpu_name(), "rows": rows }),
+        );
     }
     // The page's block: every model counted so far, each with the date of its count.
     let mut text = format!(
@@ -895,7 +898,11 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
             text.push_str(row.as_str().unwrap_or_default());
             text.push('\n');
         }
-        text.push_str(&format!("({model}: counted {})\n", rows["date"].as_str().unwrap_or("?")));
+        text.push_str(&format!(
+            "({model}: counted {} on {})\n",
+            rows["date"].as_str().unwrap_or("?"),
+            rows["cpu"].as_str().unwrap_or("a machine not recorded")
+        ));
     }
     write_block_results(OVERHEAD_RESULTS, "cargo xtask bench overhead", &figures, &text)?;
     // The models' rows, for the next run that counts only some of them.
