@@ -155,22 +155,37 @@ fn main() -> Result<()> {
     let Some(data) = &args.data else { bail!("give --eval (with --logits-out) or --data") };
 
     let model = Llama::from_pretrained(&acc, &vs, &args.model)?;
-    let load_peak = rss().1 - baseline;
-    if args.steps == 0 {
-        report(&acc, &vs, load_peak, None, None);
+    if !fine_tune_and_report(&args, &acc, &model, &vs, data, baseline)? {
         return Ok(());
     }
-    let started = fine_tune(&args, &acc, &model, &vs, data)?;
-    report(&acc, &vs, load_peak, Some(rss().1 - baseline), step_time(&args, started));
     let out = args.out.as_ref().expect("clap requires --out with --data");
     model.save_pretrained(&acc, &vs, out, args.max_shard_size)?;
     acc.end_training()?;
     Ok(())
 }
 
-/// The seconds per step after the first.
-fn step_time(args: &Args, started: Option<std::time::Instant>) -> Option<f64> {
-    started.filter(|_| args.steps > 1).map(|t| t.elapsed().as_secs_f64() / (args.steps - 1) as f64)
+/// [`fine_tune`] (nothing with `--steps 0`), then this process's report: memory above
+/// `baseline` after loading and while training, and the seconds per step after the first.
+/// Whether it trained.
+fn fine_tune_and_report(
+    args: &Args,
+    acc: &Accelerator,
+    model: &Llama,
+    trained: &tch::nn::VarStore,
+    data: &PathBuf,
+    baseline: f64,
+) -> Result<bool> {
+    let load_peak = rss().1 - baseline;
+    if args.steps == 0 {
+        report(acc, trained, load_peak, None, None);
+        return Ok(false);
+    }
+    let started = fine_tune(args, acc, model, trained, data)?;
+    let step_s = started
+        .filter(|_| args.steps > 1)
+        .map(|t| t.elapsed().as_secs_f64() / (args.steps - 1) as f64);
+    report(acc, trained, load_peak, Some(rss().1 - baseline), step_s);
+    Ok(true)
 }
 
 /// This process's JSON line: its trained parameters, memory peaks and time per step.
@@ -313,13 +328,9 @@ fn with_lora(
         bail!("lora_dropout is {}; this trainer implements none", lora_config.dropout);
     }
     acc.prepare_model(&adapters)?;
-    let load_peak = rss().1 - baseline;
-    if args.steps == 0 {
-        report(acc, &adapters, load_peak, None, None);
+    if !fine_tune_and_report(args, acc, &model, &adapters, data, baseline)? {
         return Ok(());
     }
-    let started = fine_tune(args, acc, &model, &adapters, data)?;
-    report(acc, &adapters, load_peak, Some(rss().1 - baseline), step_time(args, started));
     let out = args.out.as_ref().expect("clap requires --out with --data");
     lora::save_adapter(acc, &adapters, lora_config, &args.model.display().to_string(), out)?;
     acc.end_training()?;

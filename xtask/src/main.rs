@@ -735,7 +735,7 @@ fn scale_bench() -> Result<(), String> {
             report.figure(&format!("scale_{n}_torch_us"), theirs_us);
         }
     }
-    write_block_results(SCALE_RESULTS, "cargo xtask bench scale", &report.figures, &report.text)
+    write_block_results(SCALE_RESULTS, "cargo xtask bench scale", &report, None)
 }
 
 /// Today's date (UTC), as `date -u +%Y-%m-%d` gives it.
@@ -757,23 +757,26 @@ fn cpu_name() -> String {
         .unwrap_or_else(|| "unknown CPU".into())
 }
 
-/// Writes `file` (under bench/): the date, the machine, the command, the figures and the
-/// printed report, which `cargo xtask bench readme` shows in docs/performance.md's block of
-/// the same name.
+/// Writes `file` (under bench/): the date, the machine, the command, the report's figures and
+/// text, which `cargo xtask bench readme` shows in docs/performance.md's block of the same
+/// name, and `models` when given (the overhead bench's rows per model).
 fn write_block_results(
     file: &str,
     command: &str,
-    figures: &serde_json::Map<String, serde_json::Value>,
-    text: &str,
+    report: &Report,
+    models: Option<serde_json::Map<String, serde_json::Value>>,
 ) -> Result<(), String> {
-    let results = serde_json::json!({
+    let mut results = serde_json::json!({
         "date": today(),
         "cpu": cpu_name(),
         "cores": std::thread::available_parallelism().map(usize::from).unwrap_or(1),
         "command": command,
-        "figures": figures,
-        "report": text,
+        "figures": report.figures,
+        "report": report.text,
     });
+    if let Some(models) = models {
+        results["models"] = serde_json::Value::Object(models);
+    }
     let path = root().join(file);
     std::fs::write(&path, serde_json::to_string_pretty(&results).expect("json") + "\n")
         .map_err(|e| format!("{}: {e}", path.display()))?;
@@ -838,13 +841,14 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
     let mut kept = earlier["models"].as_object().cloned().unwrap_or_default();
-    let mut figures = earlier["figures"].as_object().cloned().unwrap_or_default();
-    let header = format!("{:<12} {:<10} {:>16} {:>12}", "model", "mode", "instructions", "vs raw");
-    println!(
-        "\nInstructions per training step (callgrind, 1 process, CPU, one thread; the difference \
-         of two runs of different lengths, per step)"
+    let figures = earlier["figures"].as_object().cloned().unwrap_or_default();
+    let mut report = Report { text: String::new(), figures };
+    let title = format!(
+        "Instructions per training step (callgrind, 1 process, one thread; the difference of \
+         two runs of different lengths, per step)\n{:<12} {:<10} {:>16} {:>12}",
+        "model", "mode", "instructions", "vs raw"
     );
-    println!("{header}");
+    println!("\n{title}");
     // (model, program, its fixed flags, the flag of the run length, the two lengths)
     type Model = (&'static str, &'static str, &'static [&'static str], &'static str, [usize; 2]);
     let models: [Model; 2] = [
@@ -877,11 +881,8 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
             let row = format!("{model:<12} {mode:<10} {per_step:>16.0} {percent:>+11.2}%");
             println!("{row}");
             rows.push(row);
-            figures.insert(format!("{model}.{mode}.instructions"), serde_json::json!(per_step));
-            figures.insert(
-                format!("{model}.{mode}.percent_over_raw"),
-                serde_json::json!((percent * 1000.0).round() / 1000.0),
-            );
+            report.figure(&format!("{model}.{mode}.instructions"), per_step);
+            report.figure(&format!("{model}.{mode}.percent_over_raw"), percent);
         }
         kept.insert(
             model.into(),
@@ -889,10 +890,9 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
         );
     }
     // The page's block: every model counted so far, each with the date of its count.
-    let mut text = format!(
-        "Instructions per training step (callgrind, 1 process, one thread; the difference of \
-         two runs of different lengths, per step)\n{header}\n"
-    );
+    let text = &mut report.text;
+    text.push_str(&title);
+    text.push('\n');
     for (model, rows) in &kept {
         for row in rows["rows"].as_array().into_iter().flatten() {
             text.push_str(row.as_str().unwrap_or_default());
@@ -904,15 +904,8 @@ fn overhead_bench(only: Option<&str>) -> Result<(), String> {
             rows["cpu"].as_str().unwrap_or("a machine not recorded")
         ));
     }
-    write_block_results(OVERHEAD_RESULTS, "cargo xtask bench overhead", &figures, &text)?;
-    // The models' rows, for the next run that counts only some of them.
-    let mut results: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&path).map_err(|e| format!("{OVERHEAD_RESULTS}: {e}"))?,
-    )
-    .map_err(|e| format!("{OVERHEAD_RESULTS}: {e}"))?;
-    results["models"] = serde_json::Value::Object(kept);
-    std::fs::write(&path, serde_json::to_string_pretty(&results).expect("json") + "\n")
-        .map_err(|e| format!("{OVERHEAD_RESULTS}: {e}"))
+    // The models' rows kept too, for the next run that counts only some of them.
+    write_block_results(OVERHEAD_RESULTS, "cargo xtask bench overhead", &report, Some(kept))
 }
 
 /// Where the scale benchmark's results are kept.
@@ -1220,7 +1213,7 @@ fn llama_memory_bench() -> Result<(), String> {
         "xtask: measuring the Llama: loading and training on 4 processes (several minutes) ..."
     );
     let model_bytes = 106.0e6 * 4.0;
-    let mut report = Report { text: String::new(), figures: Default::default() };
+    let mut report = Report::default();
     let ddp = load_peak(&mut ours(4, "ddp", "0", false), 4)?;
     let zero3 = load_peak(&mut ours(4, "zero3", "0", false), 4)?;
     report.say(
@@ -1290,7 +1283,7 @@ fn llama_memory_bench() -> Result<(), String> {
             }
         }
     }
-    write_block_results(LLAMA_RESULTS, "cargo xtask bench llama", &report.figures, &report.text)
+    write_block_results(LLAMA_RESULTS, "cargo xtask bench llama", &report, None)
 }
 
 /// The main job: the `train` example on 2 processes of this machine, on CPU.

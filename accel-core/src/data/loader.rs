@@ -356,10 +356,10 @@ impl<D: Dataset> DataLoader<D> {
                     .name(format!("accel-data-{w}"))
                     .spawn(move || {
                         for indices in mine {
-                            let batch = match &finish {
-                                Some(finish) => dataset.batch(&indices).map(|b| finish(b)),
-                                None => dataset.batch(&indices),
-                            };
+                            let batch = dataset.batch(&indices).map(|b| match &finish {
+                                Some(finish) => finish(b),
+                                None => b,
+                            });
                             let failed = batch.is_err();
                             if tx.send(batch).is_err() || failed {
                                 break;
