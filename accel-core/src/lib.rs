@@ -100,9 +100,9 @@ pub use accelerator::helpers::{
 };
 pub use accelerator::{
     AcceleratedOptimizer, Accelerator, AcceleratorBuilder, AdoptOptimizer, DataPosition, DrawnLoop,
-    DriveOptimizer, Driven, ExitGuard, ForwardGuard, IntoAccelOptimizer, Lent, PreparedBatches,
-    PreparedIter, PreparedLoader, StepCounters, StepGuard, Steps, TrackerRef, current,
-    split_between,
+    DriveOptimizer, Driven, ExitGuard, ForwardGuard, IntoAccelOptimizer, IoCounts, Lent,
+    PreparedBatches, PreparedIter, PreparedLoader, StepCounters, StepGuard, Steps, TrackerRef,
+    current, split_between,
 };
 pub use checkpoint::{HfCheckpoint, merge_weights};
 pub use config::{Config, DataSharding, Fp8Recipe, LogWith, Precision, Strategy};

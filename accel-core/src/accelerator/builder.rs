@@ -443,6 +443,7 @@ impl AcceleratorBuilder {
                 warned_autocast: Default::default(),
                 units: Default::default(),
                 strategy_ended: Default::default(),
+                io: Default::default(),
                 trigger: Default::default(),
                 buffers: Mutex::new(Vec::new()),
                 loop_exit: Arc::default(),

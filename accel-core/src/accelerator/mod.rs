@@ -40,6 +40,7 @@ pub use data::{DataPosition, PreparedBatches, PreparedIter, PreparedLoader};
 pub use drawn::{DrawnLoop, Steps};
 pub use driven::{DriveOptimizer, Driven, Lent};
 pub use optimizer::AcceleratedOptimizer;
+pub(crate) use optimizer::Slot;
 pub use step::{ForwardGuard, StepGuard};
 pub use tracking::TrackerRef;
 
@@ -133,6 +134,8 @@ pub(crate) struct Inner {
     pub(crate) units: crate::strategy::fsdp::PendingUnits,
     /// Whether the strategy's `end_training` ran (it runs once).
     pub(crate) strategy_ended: std::sync::atomic::AtomicBool,
+    /// What this process read and placed (`io_counts`).
+    pub(crate) io: Io,
     /// Each prepared model's buffers, kept equal across the data-parallel processes.
     buffers: Mutex<Vec<crate::strategy::buffers::BufferSync>>,
     /// Where the body last left a prepared loop early (`leaving_loop`).
@@ -141,6 +144,29 @@ pub(crate) struct Inner {
     pub(crate) drawn: Mutex<drawn::Drawn>,
     /// "`train` at src/main.rs:12" under `#[accelerate]`, else "an accelerator".
     pub(crate) run_name: String,
+}
+
+/// The counters behind [`IoCounts`].
+#[derive(Debug, Default)]
+pub(crate) struct Io {
+    pub(crate) checkpoint_bytes_read: std::sync::atomic::AtomicU64,
+    pub(crate) bytes_placed: std::sync::atomic::AtomicU64,
+}
+
+/// What one process has read from checkpoint files and placed on its device so far
+/// ([`Accelerator::io_counts`]): the bytes that sharding's memory promise is about. Under
+/// zero3 on N processes each reads about 1/N of a checkpoint's sharded state when it
+/// resumes, and places about 1/N of the model (plus the units it keeps whole) when it
+/// prepares one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct IoCounts {
+    /// Bytes read from checkpoint files: `load_state`, `load_latest_checkpoint`,
+    /// `load_checkpoint_in_model` (the checks of the blocks nobody else read included).
+    pub checkpoint_bytes_read: u64,
+    /// Bytes of model variables that `prepare_model` placed on the process's device
+    /// (moved there, or kept there as its shard).
+    pub bytes_placed_on_device: u64,
 }
 
 /// Distributed training for one process of a run; cheap to clone (a shared handle).
@@ -489,6 +515,15 @@ impl Accelerator {
             .map(|(p, v)| Ok((p.name.clone(), self.inner.parallel.whole(&p.tensor, &v)?)))
             .collect::<Result<Vec<_>>>()?;
         self.inner.parallel.pipeline_whole(mine)
+    }
+
+    /// The bytes this process has read from checkpoints and placed on its device so far.
+    pub fn io_counts(&self) -> IoCounts {
+        use std::sync::atomic::Ordering::Relaxed;
+        IoCounts {
+            checkpoint_bytes_read: self.inner.io.checkpoint_bytes_read.load(Relaxed),
+            bytes_placed_on_device: self.inner.io.bytes_placed.load(Relaxed),
+        }
     }
 
     /// Whether the current micro-step ends an accumulation window (optimizers step).

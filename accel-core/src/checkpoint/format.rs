@@ -14,14 +14,29 @@ use crate::optim::SchedulerState;
 use crate::precision::ScalerState;
 
 pub(crate) const FORMAT: &str = "accel-checkpoint";
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 3;
+/// The oldest format this version reads (2: one CRC32 per file, no block checksums).
+const OLDEST_READ: u32 = 2;
 pub(crate) const MANIFEST: &str = "manifest.json";
 
-/// Size and checksum of one file of a checkpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// Size and checksums of one file of a checkpoint: of the whole, and of each `block`-byte
+/// block (the last one shorter), so that a process reading part of the file checks what it
+/// reads without reading the rest. Format 2 had the whole file's only (`block` 0).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct FileRecord {
     pub bytes: u64,
     pub crc32: u32,
+    #[serde(default)]
+    pub block: u64,
+    #[serde(default)]
+    pub blocks: Vec<u32>,
+}
+
+impl FileRecord {
+    /// The units a reader checks the file in: its blocks, or the whole (format 2) as one.
+    pub fn checked_units(&self) -> usize {
+        if self.block == 0 { 1 } else { self.blocks.len() }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -110,11 +125,11 @@ impl Manifest {
                 format!("world_size {} is not a number of processes", manifest.world_size),
             ));
         }
-        if manifest.format != FORMAT || manifest.version != VERSION {
+        if manifest.format != FORMAT || !(OLDEST_READ..=VERSION).contains(&manifest.version) {
             return Err(bad(
                 &path,
                 format!(
-                    "format {} v{} is not {FORMAT} v{VERSION}",
+                    "format {} v{} is not {FORMAT} v{OLDEST_READ} to v{VERSION}",
                     manifest.format, manifest.version
                 ),
             ));
@@ -130,21 +145,12 @@ impl Manifest {
         sync(&path)
     }
 
-    /// Checks that every file the manifest lists is there whole (size and CRC32), without
-    /// reading tensors: what `load_latest_checkpoint` asks of a candidate.
-    pub fn verify(&self, dir: &Path) -> Result<()> {
-        for (name, record) in &self.files {
-            let path = dir.join(name);
-            check_bytes(&path, &std::fs::read(&path).map_err(|e| io_error(&path, e))?, record)?;
-        }
-        Ok(())
-    }
-
     /// The tensors of file `name` of the checkpoint, checked against this manifest.
     pub fn read_file(&self, dir: &Path, name: &str) -> Result<BTreeMap<String, Tensor>> {
         let path = dir.join(name);
         let record = self.files.get(name).ok_or_else(|| bad(&path, "missing from the manifest"))?;
-        read_tensors(&path, record)
+        let counter = super::ranges::ReadCounter::new(0);
+        super::ranges::FileReader::open(&path, Some(record), &counter)?.read_all()
     }
 
     /// The tensors saved in pieces whose key `keep` accepts, put back together whole
@@ -221,69 +227,12 @@ pub(crate) fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result
         .collect::<Result<_>>()?;
     Tensor::write_safetensors(&cpu, path).map_err(|e| bad(path, format!("cannot write: {e}")))?;
     sync(path)?;
-    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
-    Ok(FileRecord { bytes: bytes.len() as u64, crc32: crc32fast::hash(&bytes) })
-}
-
-/// Checks a file against its manifest record, then reads its tensors.
-pub(crate) fn read_tensors(path: &Path, record: &FileRecord) -> Result<BTreeMap<String, Tensor>> {
-    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
-    check_bytes(path, &bytes, record)?;
-    parse_tensors(path, &bytes)
+    super::ranges::checksums(path)
 }
 
 /// The largest safetensors header accepted: a checkpoint's lists each tensor's name, dtype,
 /// shape and offsets (~100 bytes), so this allows well over 100,000 tensors.
 pub(crate) const MAX_HEADER_BYTES: u64 = 16 << 20;
-
-/// The tensors of a safetensors file's bytes (those whose CRC was checked, not a second
-/// read of the file). The header's length is checked before anything is sized by it; the
-/// safetensors crate checks the rest (JSON, dtypes, shapes against offsets, overflow).
-pub(crate) fn parse_tensors(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, Tensor>> {
-    let Some(prefix) = bytes.first_chunk::<8>() else {
-        return Err(bad(path, "not a safetensors file: shorter than its 8-byte header length"));
-    };
-    let header = u64::from_le_bytes(*prefix);
-    let available = bytes.len() as u64 - 8;
-    if header > MAX_HEADER_BYTES || header > available {
-        return Err(bad(
-            path,
-            format!(
-                "not a safetensors file: its header claims {header} bytes ({available} follow; \
-                 at most {MAX_HEADER_BYTES} accepted)"
-            ),
-        ));
-    }
-    let file = safetensors::SafeTensors::deserialize(bytes)
-        .map_err(|e| bad(path, format!("not a safetensors file: {e:?}")))?;
-    file.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let tensor = Tensor::try_from(view).map_err(|e| {
-                bad(path, format!("tensor `{name}`: {}", crate::error::torch_text(&e)))
-            })?;
-            Ok((name, tensor))
-        })
-        .collect()
-}
-
-/// A file's bytes against its manifest record.
-fn check_bytes(path: &Path, bytes: &[u8], record: &FileRecord) -> Result<()> {
-    if bytes.len() as u64 != record.bytes {
-        return Err(bad(
-            path,
-            format!(
-                "the file has {} bytes, the manifest says {}: it is truncated or was replaced",
-                bytes.len(),
-                record.bytes
-            ),
-        ));
-    }
-    if crc32fast::hash(bytes) != record.crc32 {
-        return Err(bad(path, "the file's CRC32 does not match the manifest: it is corrupted"));
-    }
-    Ok(())
-}
 
 /// Flushes a file's data, or a folder's entries, to the disk (fsync).
 pub(crate) fn sync(path: &Path) -> Result<()> {
@@ -465,12 +414,10 @@ pub(crate) fn numbered_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
-
     use rand::{Rng, SeedableRng};
     use tch::{Device, Kind, Tensor};
 
-    use super::parse_tensors;
+    use super::super::ranges::{FileReader, ReadCounter};
 
     /// Property: a safetensors file with its header length, its JSON header (digits mostly:
     /// shapes and offsets) or its length mutated parses or is a named error — never a panic,
@@ -486,9 +433,13 @@ mod tests {
         ];
         Tensor::write_safetensors(&tensors, &path).unwrap();
         let original = std::fs::read(&path).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
         let header = u64::from_le_bytes(*original.first_chunk::<8>().unwrap()) as usize + 8;
-        assert_eq!(parse_tensors(Path::new("t"), &original).unwrap().len(), 2);
+        let counter = ReadCounter::new(0);
+        let parse = |bytes: &[u8]| {
+            std::fs::write(&path, bytes).unwrap();
+            FileReader::open(&path, None, &counter).and_then(|mut r| r.read_all())
+        };
+        assert_eq!(parse(&original).unwrap().len(), 2);
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         let (mut parsed, mut refused) = (0, 0);
         for round in 0..3000 {
@@ -507,7 +458,7 @@ mod tests {
                     }
                 }
             }
-            let outcome = std::panic::catch_unwind(|| parse_tensors(Path::new("t"), &bytes));
+            let outcome = std::panic::catch_unwind(|| parse(&bytes));
             match outcome
                 .unwrap_or_else(|_| panic!("panicked on {:?}", String::from_utf8_lossy(&bytes)))
             {
@@ -530,6 +481,7 @@ mod tests {
                 }
             }
         }
+        std::fs::remove_dir_all(&dir).unwrap();
         assert!(parsed > 0 && refused > 1000, "parsed {parsed}, refused {refused}");
     }
 }

@@ -8,107 +8,41 @@ use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use tch::{Kind, Tensor};
+use std::sync::atomic::Ordering;
 
-use super::format::{MAX_HEADER_BYTES, bad, io_error};
+use tch::Tensor;
+
+use super::format::{bad, io_error};
+use super::load::held;
+use super::ranges::{FileReader, ReadCounter, TensorEntry, filled};
 use crate::accelerator::Accelerator;
 use crate::error::{Error, Result};
 use crate::strategy::Placement;
 
-/// Where one tensor lies in its file.
+/// Where one tensor lies: its file, and its place there.
 #[derive(Debug, Clone)]
 struct Entry {
     file: PathBuf,
-    kind: Kind,
-    shape: Vec<i64>,
-    /// Offset of its first byte in the file.
-    start: u64,
-}
-
-impl Entry {
-    fn numel(&self) -> i64 {
-        self.shape.iter().product()
-    }
+    place: TensorEntry,
 }
 
 /// A Hugging Face checkpoint: where each tensor is, by name.
 #[derive(Debug)]
 pub struct HfCheckpoint {
     entries: BTreeMap<String, Entry>,
+    /// Bytes read from its files so far.
+    read: ReadCounter,
 }
 
-fn kind_of(dtype: &str) -> Option<Kind> {
-    Some(match dtype {
-        "F64" => Kind::Double,
-        "F32" => Kind::Float,
-        "F16" => Kind::Half,
-        "BF16" => Kind::BFloat16,
-        "I64" => Kind::Int64,
-        "I32" => Kind::Int,
-        "I16" => Kind::Int16,
-        "I8" => Kind::Int8,
-        "U8" => Kind::Uint8,
-        "BOOL" => Kind::Bool,
-        _ => return None,
-    })
-}
-
-/// The header of a safetensors file: each tensor's dtype, shape and byte range.
+/// The tensors a safetensors file's header lists.
 fn read_header(path: &Path) -> Result<BTreeMap<String, Entry>> {
-    let mut file = std::fs::File::open(path).map_err(|e| io_error(path, e))?;
-    let size = file.metadata().map_err(|e| io_error(path, e))?.len();
-    let mut prefix = [0u8; 8];
-    file.read_exact(&mut prefix)
-        .map_err(|_| bad(path, "not a safetensors file: shorter than its 8-byte header length"))?;
-    let header = u64::from_le_bytes(prefix);
-    if header > MAX_HEADER_BYTES || header > size - 8 {
-        return Err(bad(
-            path,
-            format!("not a safetensors file: its header claims {header} bytes of {}", size - 8),
-        ));
-    }
-    let mut text = vec![0u8; header as usize];
-    file.read_exact(&mut text).map_err(|e| io_error(path, e))?;
-    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&text)
-        .map_err(|e| bad(path, format!("not a safetensors file: its header: {e}")))?;
-    let data_start = 8 + header;
-    let mut entries = BTreeMap::new();
-    for (name, info) in json {
-        if name == "__metadata__" {
-            continue;
-        }
-        let dtype = info["dtype"].as_str().unwrap_or_default();
-        let kind = kind_of(dtype).ok_or_else(|| {
-            bad(path, format!("tensor `{name}` has dtype {dtype:?}, unsupported"))
-        })?;
-        let shape: Vec<i64> = info["shape"]
-            .as_array()
-            .map(|a| a.iter().filter_map(|d| d.as_i64()).collect())
-            .ok_or_else(|| bad(path, format!("tensor `{name}` has no shape")))?;
-        let offsets: Vec<u64> = info["data_offsets"]
-            .as_array()
-            .map(|a| a.iter().filter_map(|d| d.as_u64()).collect())
-            .unwrap_or_default();
-        let [begin, end] = offsets[..] else {
-            return Err(bad(path, format!("tensor `{name}` has no data_offsets")));
-        };
-        let numel: i64 = shape.iter().product();
-        let expected = numel as u64 * kind.elt_size_in_bytes() as u64;
-        if end < begin || end - begin != expected || data_start + end > size {
-            return Err(bad(
-                path,
-                format!(
-                    "tensor `{name}` ({dtype} {shape:?}) claims bytes {begin}..{end}, which do \
-                     not fit it or the file ({size} bytes)"
-                ),
-            ));
-        }
-        entries.insert(
-            name,
-            Entry { file: path.to_path_buf(), kind, shape, start: data_start + begin },
-        );
-    }
-    Ok(entries)
+    let counter = ReadCounter::new(0);
+    let reader = FileReader::open(path, None, &counter)?;
+    Ok(reader
+        .entries
+        .into_iter()
+        .map(|(name, place)| (name, Entry { file: path.to_path_buf(), place }))
+        .collect())
 }
 
 impl HfCheckpoint {
@@ -126,13 +60,13 @@ impl HfCheckpoint {
                         "holds neither model.safetensors.index.json nor model.safetensors",
                     ));
                 }
-                return Ok(Self { entries: read_header(&single)? });
+                return Ok(Self { entries: read_header(&single)?, read: ReadCounter::new(0) });
             }
             index
         } else if path.extension().is_some_and(|e| e == "json") {
             path.to_path_buf()
         } else {
-            return Ok(Self { entries: read_header(path)? });
+            return Ok(Self { entries: read_header(path)?, read: ReadCounter::new(0) });
         };
         let text = std::fs::read_to_string(&index).map_err(|e| io_error(&index, e))?;
         let json: serde_json::Value =
@@ -154,7 +88,7 @@ impl HfCheckpoint {
             })?;
             entries.insert(name.clone(), entry.clone());
         }
-        Ok(Self { entries })
+        Ok(Self { entries, read: ReadCounter::new(0) })
     }
 
     /// The names of its tensors.
@@ -164,7 +98,7 @@ impl HfCheckpoint {
 
     /// The shape of tensor `name`, if it holds one.
     pub fn shape(&self, name: &str) -> Option<&[i64]> {
-        self.entries.get(name).map(|e| e.shape.as_slice())
+        self.entries.get(name).map(|e| e.place.shape.as_slice())
     }
 
     fn entry(&self, name: &str) -> Result<&Entry> {
@@ -174,23 +108,31 @@ impl HfCheckpoint {
         })
     }
 
-    /// Elements `start..start + count` of tensor `name` flattened, read from its file alone.
+    /// Elements `start..start + count` of tensor `name` flattened, read from its file alone
+    /// (fewer where the tensor ends first).
     pub fn read_range(&self, name: &str, start: i64, count: i64) -> Result<Tensor> {
         let e = self.entry(name)?;
-        let elt = e.kind.elt_size_in_bytes() as u64;
-        let count = count.min(e.numel() - start).max(0);
-        let mut bytes = vec![0u8; count as usize * elt as usize];
+        let elt = e.place.kind.elt_size_in_bytes() as u64;
+        let count = count.min(e.place.numel() - start).max(0);
         let mut file = std::fs::File::open(&e.file).map_err(|err| io_error(&e.file, err))?;
-        file.seek(SeekFrom::Start(e.start + start as u64 * elt))
-            .and_then(|_| file.read_exact(&mut bytes))
-            .map_err(|err| io_error(&e.file, err))?;
-        Ok(Tensor::f_from_data_size(&bytes, &[count], e.kind)?)
+        filled(count, e.place.kind, |bytes| {
+            file.seek(SeekFrom::Start(e.place.start + start as u64 * elt))
+                .and_then(|_| file.read_exact(bytes))
+                .map_err(|err| io_error(&e.file, err))?;
+            self.read.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+            Ok(())
+        })
     }
 
     /// Tensor `name`, whole.
     pub fn read(&self, name: &str) -> Result<Tensor> {
         let e = self.entry(name)?;
-        Ok(self.read_range(name, 0, e.numel())?.f_reshape(e.shape.as_slice())?)
+        Ok(self.read_range(name, 0, e.place.numel())?.f_reshape(e.place.shape.as_slice())?)
+    }
+
+    /// Bytes read from its files so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.read.load(Ordering::Relaxed)
     }
 }
 
@@ -238,28 +180,36 @@ impl Accelerator {
         let strategy = self.strategy();
         tch::no_grad(|| -> Result<()> {
             for p in &params {
-                if prepared.is_some() {
-                    let (local, placement) = strategy.parameter(p)?;
-                    if let Placement::Chunk { index, count, numel, .. } = placement {
-                        // Only this process's bytes: chunk `index` of `count`, zero-padded.
-                        let chunk = (numel + count as i64 - 1) / count as i64;
-                        let part = checkpoint.read_range(&p.name, index as i64 * chunk, chunk)?;
-                        let mut local = local.f_reshape([-1])?;
-                        let _ = local.f_zero_()?;
-                        let n = part.numel() as i64;
-                        local.f_narrow(0, 0, n)?.f_copy_(&part.f_to_kind(local.kind())?)?;
-                        continue;
-                    }
-                    let whole = checkpoint.read(&p.name)?.f_to_kind(p.tensor.kind())?;
-                    let mine = self.inner.parallel.cut(&p.tensor, &whole)?;
-                    strategy.load_parameter(p, &mine)?;
-                } else {
+                if prepared.is_none() {
                     let whole = checkpoint.read(&p.name)?;
                     p.tensor.shallow_clone().f_copy_(&whole)?;
+                    continue;
+                }
+                // Only this process's elements: its chunk under zero2/zero3 (zero-padded),
+                // its slice under tensor parallelism.
+                let (local, placement) = strategy.parameter(p)?;
+                let whole = placement == Placement::Replicated;
+                let shape = self.inner.parallel.whole_shape(&p.tensor)?;
+                let held = held(&self.inner.parallel.placement(&p.tensor, placement)?, &shape);
+                let mut runs = Vec::new();
+                for &(start, len) in &held.runs {
+                    runs.push(checkpoint.read_range(&p.name, start, len)?.f_to_kind(local.kind())?);
+                }
+                let mut value = Tensor::f_zeros([held.numel], (local.kind(), tch::Device::Cpu))?;
+                if !runs.is_empty() {
+                    let read = Tensor::f_cat(&runs, 0)?;
+                    value.f_narrow(0, 0, read.numel() as i64)?.f_copy_(&read)?;
+                }
+                value = value.f_view(held.shape.as_slice())?;
+                if whole {
+                    strategy.load_parameter(p, &value)?;
+                } else {
+                    strategy.load_part(p, &value.f_view(local.size().as_slice())?)?;
                 }
             }
             Ok(())
         })?;
+        self.inner.io.checkpoint_bytes_read.fetch_add(checkpoint.bytes_read(), Ordering::Relaxed);
         if prepared.is_some() {
             strategy.after_load()?;
         }

@@ -6,30 +6,32 @@
 //! What each process holds of each tensor comes from the strategy (a
 //! [`Placement`](crate::strategy::Placement)): replicated tensors go to the model and
 //! optimizer files, written by the main process; tensors a process holds alone or in chunks
-//! go to its shard file, and the manifest says where each piece is. Loading puts every tensor
-//! back together whole, then cuts it again as the strategy of the loading run places it, so a
-//! checkpoint loads into any number of processes and any strategy. Nothing here branches on
-//! which strategy saved or loads.
+//! go to its shard file, and the manifest says where each piece is. Loading (load.rs) reads
+//! in each process only the elements the loading run's strategy places there, from wherever
+//! the saving run put them (ranges.rs reads and checks byte ranges), so a checkpoint loads
+//! into any number of processes and any strategy without any process holding the whole.
+//! Nothing here branches on which strategy saved or loads.
 
 mod format;
 mod hf;
+mod load;
 mod model;
+mod ranges;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use tch::{Device, Tensor};
+use tch::Tensor;
 
 use crate::accelerator::Accelerator;
 use crate::error::{Error, Result};
-use crate::optim::OptimizerState;
-use crate::shim::{rng_state, set_rng_state};
+use crate::shim::rng_state;
 use crate::strategy::Placement;
 use format::{
     FileRecord, FolderLock, Manifest, OptimizerRecord, SavedPiece, bad, device_name, io_error,
-    model_file, numbered_checkpoints, optimizer_file, publish, recover_interrupted, rng_devices,
-    rng_file, shard_file, temporary_dir, temporary_dir_path, write_tensors,
+    model_file, numbered_checkpoints, optimizer_file, publish, rng_devices, rng_file, shard_file,
+    temporary_dir, temporary_dir_path, write_tensors,
 };
 pub use hf::HfCheckpoint;
 pub use model::merge_weights;
@@ -121,7 +123,7 @@ struct Part {
 }
 
 /// Files a process wrote, and the pieces in its shard file (what the main process gathers).
-type Written = (Vec<(String, u64, u32)>, Vec<(String, PieceReport)>);
+type Written = (Vec<(String, FileRecord)>, Vec<(String, PieceReport)>);
 
 impl Accelerator {
     /// Sorts every tensor of the training state by where it goes.
@@ -330,11 +332,11 @@ impl Accelerator {
             .collect::<Result<_>>()?;
         let name = rng_file(self.process_index());
         let record = write_tensors(&tmp.join(&name), &rng)?;
-        let mut files = vec![(name, record.bytes, record.crc32)];
+        let mut files = vec![(name, record)];
         if !part.shard.is_empty() {
             let name = shard_file(self.process_index());
             let record = write_tensors(&tmp.join(&name), &part.shard)?;
-            files.push((name, record.bytes, record.crc32));
+            files.push((name, record));
         }
         Ok((files, part.reports.clone()))
     }
@@ -345,8 +347,8 @@ impl Accelerator {
         let mut files: BTreeMap<String, FileRecord> = BTreeMap::new();
         let mut collected: BTreeMap<String, Option<Collected>> = BTreeMap::new();
         for (rank, (own_files, reports)) in written.into_iter().enumerate() {
-            for (name, bytes, crc32) in own_files {
-                files.insert(name, FileRecord { bytes, crc32 });
+            for (name, record) in own_files {
+                files.insert(name, record);
             }
             for (key, report) in reports {
                 Collected::add(collected.entry(key).or_default(), rank, report);
@@ -412,228 +414,6 @@ impl Accelerator {
         manifest.write(tmp)
     }
 
-    /// Restores a state saved by [`save_state`](Self::save_state) into the prepared model,
-    /// optimizers, schedules, scaler, loaders and generators. The model and optimizer
-    /// tensors are all read and checked against the manifest and the prepared objects
-    /// before anything changes.
-    pub fn load_state(&self, dir: impl AsRef<Path>) -> Result<()> {
-        let dir = dir.as_ref();
-        if let Some(message) = recover_interrupted(dir)? {
-            eprintln!("accel: {message}");
-        }
-        let manifest = Manifest::read(dir)?;
-        let mut registry = self.registry();
-        let expect = |what: &str, saved: usize, here: usize| -> Result<()> {
-            if saved == here {
-                Ok(())
-            } else {
-                Err(bad(
-                    dir,
-                    format!(
-                        "it holds {saved} {what}, this run prepared {here}; prepare the same objects before load_state"
-                    ),
-                ))
-            }
-        };
-        expect("models", manifest.models, registry.models.len())?;
-        expect("optimizers", manifest.optimizers.len(), registry.optimizers.len())?;
-        expect("data loaders", manifest.loaders.len(), registry.loaders.len())?;
-        expect(
-            "states registered for checkpointing",
-            manifest.custom.len(),
-            registry.custom.len(),
-        )?;
-        if manifest.scaler.is_some() != self.loss_scale().is_some() {
-            return Err(bad(
-                dir,
-                "it was saved with another precision (fp16 loss scaler present in one of the two)",
-            ));
-        }
-        let file = |name: String| -> Result<(PathBuf, BTreeMap<String, Tensor>)> {
-            Ok((dir.join(&name), manifest.read_file(dir, &name)?))
-        };
-
-        // Read and check everything before changing anything: every tensor whole first.
-        let mut pieces = manifest.whole_pieces(dir, |_| true)?;
-        let mut models = Vec::new();
-        for (i, params) in registry.models.iter().enumerate() {
-            let (path, mut tensors) = file(model_file(i))?;
-            for p in params {
-                let shape = self.inner.parallel.whole_shape(&p.tensor)?;
-                if let Some(whole) = pieces.remove(&format!("model_{i}/{}", p.name)) {
-                    let numel: i64 = shape.iter().product();
-                    if whole.numel() as i64 != numel {
-                        return Err(bad(
-                            dir,
-                            format!(
-                                "`{}` has {} elements saved, the model's has {numel}",
-                                p.name,
-                                whole.numel(),
-                            ),
-                        ));
-                    }
-                    tensors.insert(p.name.clone(), whole.f_view(shape.as_slice())?);
-                }
-                let saved = tensors.get(&p.name).ok_or_else(|| {
-                    bad(&path, format!("has no tensor `{}`, which the model has", p.name))
-                })?;
-                if saved.size() != shape || saved.kind() != p.tensor.kind() {
-                    return Err(bad(
-                        &path,
-                        format!(
-                            "tensor `{}` is {:?} {:?}, the model's is {:?} {:?}",
-                            p.name,
-                            saved.kind(),
-                            saved.size(),
-                            p.tensor.kind(),
-                            shape
-                        ),
-                    ));
-                }
-            }
-            // (A pipeline stage holds some of the model only.)
-            let whole_model = self.inner.mesh.whole_model_per_process();
-            let extra = tensors.keys().find(|k| params.iter().all(|p| &p.name != *k));
-            if let (Some(extra), true) = (extra, whole_model) {
-                return Err(bad(
-                    &path,
-                    format!("holds tensor `{extra}`, which the model does not have"),
-                ));
-            }
-            models.push(tensors);
-        }
-        let mut optimizer_states = Vec::new();
-        for (i, (record, optimizer)) in
-            manifest.optimizers.iter().zip(&registry.optimizers).enumerate()
-        {
-            let (path, mut tensors) = file(optimizer_file(i))?;
-            let prefix = format!("optimizer_{i}/");
-            let keys: Vec<String> =
-                pieces.keys().filter(|k| k.starts_with(&prefix)).cloned().collect();
-            for key in keys {
-                let whole = pieces.remove(&key).expect("listed above");
-                tensors.insert(key[prefix.len()..].to_string(), whole);
-            }
-            let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
-            // Each whole state tensor cut as this run places its parameter: this tensor
-            // rank's slice first, then the strategy's share of that.
-            let params: BTreeMap<String, Tensor> =
-                slot.optimizer.param_names().into_iter().zip(slot.optimizer.params()).collect();
-            let originals = slot.named_trainable();
-            for (key, tensor) in tensors.iter_mut() {
-                let Some((param, _)) = key.rsplit_once('/') else { continue };
-                if tensor.dim() == 0 {
-                    continue;
-                }
-                if let Some(original) = originals.get(param) {
-                    let shape = self.inner.parallel.whole_shape(original)?;
-                    if tensor.numel() as i64 == shape.iter().product::<i64>() {
-                        *tensor =
-                            self.inner.parallel.cut(original, &tensor.f_view(shape.as_slice())?)?;
-                    }
-                }
-                let placement = slot.plan().state_placement_of(param, tensor.numel() as i64);
-                *tensor = placement.cut(tensor, params.get(param))?;
-            }
-            if slot.optimizer.name() != record.name {
-                return Err(bad(
-                    &path,
-                    format!(
-                        "holds {} state, the optimizer is {}",
-                        record.name,
-                        slot.optimizer.name()
-                    ),
-                ));
-            }
-            if slot.scheduler.is_some() != record.scheduler.is_some() {
-                return Err(bad(
-                    &path,
-                    "a learning-rate schedule is set in only one of the saved and the current run",
-                ));
-            }
-            optimizer_states
-                .push((path, OptimizerState { tensors, groups: record.groups.clone() }));
-        }
-        // A process the saving run did not have keeps its own generators (the run can
-        // continue, but no longer bit-identically: the data order per process changed anyway).
-        let rng = if self.process_index() < manifest.world_size {
-            file(rng_file(self.process_index()))?.1
-        } else {
-            BTreeMap::new()
-        };
-        if manifest.world_size != self.num_processes() {
-            self.print(format!(
-                "accel: {} was saved by {} process(es), this run has {}: sharded state is \
-                 resharded; random generators are restored for the first {} process(es) only",
-                dir.display(),
-                manifest.world_size,
-                self.num_processes(),
-                manifest.world_size.min(self.num_processes())
-            ));
-        }
-
-        // The optimizers' states are checked in full too, before any weight changes.
-        for (optimizer, (path, state)) in registry.optimizers.iter().zip(&optimizer_states) {
-            let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
-            slot.optimizer.check_state(state).map_err(|e| match e {
-                Error::Checkpoint { message, .. } => bad(path, message),
-                other => other,
-            })?;
-        }
-
-        // Apply: the registered states first (a state that does not read back as its type
-        // is an error before any tensor changes).
-        for (i, (custom, saved)) in registry.custom.iter().zip(&manifest.custom).enumerate() {
-            let mut custom = custom.lock().unwrap_or_else(|e| e.into_inner());
-            custom.load(saved.clone()).map_err(|e| {
-                bad(dir, format!("registered state #{i} (register_for_checkpointing): {e}"))
-            })?;
-        }
-        let strategy = self.strategy();
-        for (params, tensors) in registry.models.iter().zip(&models) {
-            for p in params {
-                let mine = self.inner.parallel.cut(&p.tensor, &tensors[&p.name])?;
-                strategy.load_parameter(p, &mine)?;
-            }
-        }
-        strategy.after_load()?;
-        for ((optimizer, record), (path, state)) in
-            registry.optimizers.iter().zip(&manifest.optimizers).zip(&optimizer_states)
-        {
-            let mut slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
-            slot.optimizer.load_state(state).map_err(|e| match e {
-                Error::Checkpoint { message, .. } => bad(path, message),
-                other => other,
-            })?;
-            let slot = &mut *slot;
-            if let (Some(s), Some(saved)) = (slot.scheduler.as_mut(), &record.scheduler) {
-                s.load_state(saved.clone(), slot.optimizer.as_mut())?;
-            }
-            slot.step_was_skipped = record.step_was_skipped;
-        }
-        if let Some(saved) = manifest.scaler {
-            self.restore_scaler(saved)?;
-        }
-        for (position, saved) in registry.loaders.iter().zip(&manifest.loaders) {
-            *position.lock().unwrap_or_else(|e| e.into_inner()) = *saved;
-        }
-        // Each dealt loop's next pass resumes where it stood (see `prepare_iter`).
-        registry.resumed_epoch = manifest.loops.values().map(|p| p.epoch).max().unwrap_or(0);
-        registry.resume_loops = manifest.loops.clone();
-        for name in &manifest.rng_devices {
-            let device = match name.strip_prefix("cuda:").and_then(|i| i.parse().ok()) {
-                Some(i) if tch::Cuda::is_available() => Device::Cuda(i),
-                Some(_) => continue,
-                None => Device::Cpu,
-            };
-            if let Some(state) = rng.get(name) {
-                set_rng_state(device, state)?;
-            }
-        }
-        self.restore_counters(manifest.counters);
-        Ok(())
-    }
-
     /// Saves the state into the next `checkpoint_{i}` folder of the directory given to
     /// [`crate::AcceleratorBuilder::checkpoints`], then removes the oldest beyond the limit.
     /// Returns the new folder.
@@ -659,43 +439,5 @@ impl Accelerator {
             }
         }
         Ok(dir)
-    }
-
-    /// Loads the newest complete `checkpoint_{i}` of the checkpoint directory; returns it,
-    /// or `None` when there is none yet (a fresh run). A newer one that is incomplete or
-    /// corrupt (a run stopped while writing it, a damaged file) is skipped with a warning
-    /// naming it and why.
-    pub fn load_latest_checkpoint(&self) -> Result<Option<PathBuf>> {
-        let Some(root) = self.checkpoint_dir() else { return Ok(None) };
-        if !root.exists() {
-            return Ok(None);
-        }
-        let candidates = numbered_checkpoints(root)?;
-        // The main process chooses, so that every process loads the same one.
-        let mut chosen = None;
-        if self.is_main_process() {
-            for (_, dir) in candidates.iter().rev() {
-                if let Some(message) = recover_interrupted(dir)? {
-                    eprintln!("accel: {message}");
-                }
-                match Manifest::read(dir).and_then(|m| m.verify(dir)) {
-                    Ok(()) => {
-                        chosen = Some(dir.clone());
-                        break;
-                    }
-                    Err(e) => eprintln!("accel: skipping checkpoint {}: {e}", dir.display()),
-                }
-            }
-        }
-        if let Some(group) = self.process_group() {
-            chosen = group.broadcast_object(self.is_main_process().then_some(&chosen), 0)?;
-        }
-        match chosen {
-            Some(dir) => {
-                self.load_state(&dir)?;
-                Ok(Some(dir))
-            }
-            None => Ok(None),
-        }
     }
 }

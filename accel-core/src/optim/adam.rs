@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
 use super::{
-    Optimizer, OptimizerState, Param, ParamGroup, groups_from_json, groups_to_json, restore_slot,
+    Optimizer, OptimizerState, Param, ParamGroup, Restore, groups_from_json, groups_to_json,
 };
 use crate::error::{Error, Result};
 use crate::shim::{AdamWStep, fused_adam, fused_adamw};
@@ -168,9 +168,9 @@ impl AdamCore {
         state
     }
 
-    fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
+    fn load_state(&mut self, groups: &serde_json::Value, tensors: Restore<'_>) -> Result<()> {
         // Everything is read and checked before anything changes.
-        let (hypers, moments) = self.restored(state)?;
+        let (hypers, moments) = self.restored(groups, tensors)?;
         for (group, hyper) in self.groups.iter_mut().zip(hypers) {
             group.hyper = hyper;
         }
@@ -178,26 +178,35 @@ impl AdamCore {
         Ok(())
     }
 
-    /// The hyper-parameters and moments `state` holds, checked against the parameters.
-    fn restored(&self, state: &OptimizerState) -> Result<(Vec<AdamConfig>, Vec<Option<Moments>>)> {
-        let hypers: Vec<AdamConfig> =
-            groups_from_json(self.name, &state.groups, self.groups.len())?;
+    /// The hyper-parameters and moments a state holds, checked against the parameters.
+    fn restored(
+        &self,
+        groups: &serde_json::Value,
+        mut tensors: Restore<'_>,
+    ) -> Result<(Vec<AdamConfig>, Vec<Option<Moments>>)> {
+        let hypers: Vec<AdamConfig> = groups_from_json(self.name, groups, self.groups.len())?;
         let mut all = Vec::new();
         for (group, hyper) in self.groups.iter().zip(&hypers) {
             for param in &group.params {
                 let key = |slot: &str| format!("{}/{slot}", param.name);
-                all.push(if state.tensors.contains_key(&key("step")) {
-                    let m = Moments::zeros(&param.tensor, hyper.amsgrad, hyper.fused)?;
-                    restore_slot(state, self.name, &key("step"), &m.step)?;
-                    restore_slot(state, self.name, &key("exp_avg"), &m.exp_avg)?;
-                    restore_slot(state, self.name, &key("exp_avg_sq"), &m.exp_avg_sq)?;
-                    if let Some(max) = &m.max_exp_avg_sq {
-                        restore_slot(state, self.name, &key("max_exp_avg_sq"), max)?;
-                    }
-                    Some(m)
-                } else {
-                    None
-                });
+                if !tensors.has(&key("step")) {
+                    all.push(None);
+                    continue;
+                }
+                // Where `Moments::zeros` keeps each slot.
+                let (p, kind) = (&param.tensor, param.tensor.kind());
+                let step_device = if hyper.fused { p.device() } else { Device::Cpu };
+                let mut slot = |name: &str, shape: &[i64], like: (Kind, Device)| {
+                    tensors.slot(self.name, &key(name), shape, like)
+                };
+                let step = slot("step", &[], (Kind::Float, step_device))?;
+                let exp_avg = slot("exp_avg", &p.size(), (kind, p.device()))?;
+                let exp_avg_sq = slot("exp_avg_sq", &p.size(), (kind, p.device()))?;
+                let max_exp_avg_sq = match hyper.amsgrad {
+                    true => Some(slot("max_exp_avg_sq", &p.size(), (kind, p.device()))?),
+                    false => None,
+                };
+                all.push(Some(Moments { step, exp_avg, exp_avg_sq, max_exp_avg_sq }));
             }
         }
         Ok((hypers, all))
@@ -341,10 +350,13 @@ macro_rules! adam_optimizer {
                 Ok(self.0.state())
             }
             fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
-                self.0.load_state(state)
+                self.0.load_state(&state.groups, Restore::Copy(&state.tensors))
+            }
+            fn take_state(&mut self, state: OptimizerState) -> Result<()> {
+                self.0.load_state(&state.groups, Restore::Take(state.tensors))
             }
             fn check_state(&self, state: &OptimizerState) -> Result<()> {
-                self.0.restored(state).map(|_| ())
+                self.0.restored(&state.groups, Restore::Check(&state.tensors)).map(|_| ())
             }
             fn retain(&mut self, keep: &dyn Fn(usize) -> bool) -> Result<()> {
                 super::retain_params(&mut self.0.groups, &mut self.0.moments, keep);

@@ -15,7 +15,7 @@ mod sgd;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use tch::Tensor;
+use tch::{Device, Kind, Tensor};
 
 use crate::error::{Error, Result};
 
@@ -129,6 +129,12 @@ pub trait Optimizer: Send {
     fn check_state(&self, state: &OptimizerState) -> Result<()> {
         let _ = state;
         Ok(())
+    }
+    /// [`load_state`](Optimizer::load_state) of a state handed over: an optimizer may keep
+    /// its tensors instead of copying them (what loading a checkpoint calls, so that the
+    /// state read and the state kept are never both in memory). Copies by default.
+    fn take_state(&mut self, state: OptimizerState) -> Result<()> {
+        self.load_state(&state)
     }
     /// Keeps only the parameters whose index (in [`Optimizer::params`] order) `keep`
     /// accepts, with their state: how ZeRO stage 1 gives each process its share.
@@ -306,31 +312,69 @@ pub fn clip_grad_norm_sharded(
     Ok(total)
 }
 
-/// Copies the saved state tensor `key` into `into`, checking that it exists with the same
-/// shape.
-pub(crate) fn restore_slot(
-    state: &OptimizerState,
-    optimizer: &'static str,
-    key: &str,
-    into: &Tensor,
-) -> Result<()> {
-    let saved = state.tensors.get(key).ok_or_else(|| Error::Checkpoint {
-        path: None,
-        message: format!("{optimizer} state has no tensor `{key}`"),
-    })?;
-    if saved.size() != into.size() {
-        return Err(Error::Checkpoint {
-            path: None,
-            message: format!(
-                "{optimizer} state tensor `{key}` has shape {:?}, the optimizer expects {:?}",
-                saved.size(),
-                into.size()
-            ),
-        });
+/// Saved state tensors as an optimizer takes them back: each checked for the shape its slot
+/// must have, then copied (from a state the caller keeps: [`Optimizer::load_state`]), moved
+/// (from one handed over, [`Optimizer::take_state`]: a state read from a checkpoint becomes
+/// the optimizer's without a second copy in memory), or only checked
+/// ([`Optimizer::check_state`], which allocates nothing).
+pub(crate) enum Restore<'a> {
+    Check(&'a BTreeMap<String, Tensor>),
+    Copy(&'a BTreeMap<String, Tensor>),
+    Take(BTreeMap<String, Tensor>),
+}
+
+impl Restore<'_> {
+    fn tensors(&self) -> &BTreeMap<String, Tensor> {
+        match self {
+            Restore::Check(t) | Restore::Copy(t) => t,
+            Restore::Take(t) => t,
+        }
     }
-    let mut into = into.shallow_clone();
-    tch::no_grad(|| into.f_copy_(saved))?;
-    Ok(())
+
+    /// Whether the state has tensor `key`.
+    pub(crate) fn has(&self, key: &str) -> bool {
+        self.tensors().contains_key(key)
+    }
+
+    /// Saved tensor `key` as the slot `like` (its shape, dtype and device) keeps it; an
+    /// undefined tensor when only checking.
+    pub(crate) fn slot(
+        &mut self,
+        optimizer: &'static str,
+        key: &str,
+        shape: &[i64],
+        like: (Kind, Device),
+    ) -> Result<Tensor> {
+        let saved = self.tensors().get(key).ok_or_else(|| Error::Checkpoint {
+            path: None,
+            message: format!("{optimizer} state has no tensor `{key}`"),
+        })?;
+        if saved.size() != shape {
+            return Err(Error::Checkpoint {
+                path: None,
+                message: format!(
+                    "{optimizer} state tensor `{key}` has shape {:?}, the optimizer expects \
+                     {shape:?}",
+                    saved.size(),
+                ),
+            });
+        }
+        let (kind, device) = like;
+        Ok(match self {
+            Restore::Check(_) => Tensor::new(),
+            Restore::Copy(_) => {
+                tch::no_grad(|| saved.f_to_device(device)?.f_to_kind(kind)?.f_detach_copy())?
+            }
+            Restore::Take(tensors) => {
+                let saved = tensors.remove(key).expect("found above");
+                if saved.kind() == kind && saved.device() == device && saved.is_contiguous() {
+                    saved.f_detach()?
+                } else {
+                    tch::no_grad(|| saved.f_to_device(device)?.f_to_kind(kind)?.f_contiguous())?
+                }
+            }
+        })
+    }
 }
 
 /// Reads the serde form of hyper-parameters back.

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use super::{
-    Optimizer, OptimizerState, Param, ParamGroup, groups_from_json, groups_to_json, restore_slot,
+    Optimizer, OptimizerState, Param, ParamGroup, Restore, groups_from_json, groups_to_json,
 };
 use crate::error::{Error, Result};
 use crate::shim::{SgdStep, fused_sgd};
@@ -89,20 +89,32 @@ impl Sgd {
 impl Sgd {
     /// The hyper-parameters and momentum buffers `state` holds, checked against this
     /// optimizer's parameters.
-    fn restored(&self, state: &OptimizerState) -> Result<(Vec<SgdConfig>, Vec<Option<Tensor>>)> {
-        let hypers: Vec<SgdConfig> = groups_from_json("SGD", &state.groups, self.groups.len())?;
+    fn restored(
+        &self,
+        groups: &serde_json::Value,
+        mut tensors: Restore<'_>,
+    ) -> Result<(Vec<SgdConfig>, Vec<Option<Tensor>>)> {
+        let hypers: Vec<SgdConfig> = groups_from_json("SGD", groups, self.groups.len())?;
         let mut buffers = Vec::new();
         for param in self.groups.iter().flat_map(|g| &g.params) {
             let key = format!("{}/momentum_buffer", param.name);
-            buffers.push(if state.tensors.contains_key(&key) {
-                let fresh = param.tensor.f_detach_copy()?;
-                restore_slot(state, "SGD", &key, &fresh)?;
-                Some(fresh)
-            } else {
-                None
+            let like = (param.tensor.kind(), param.tensor.device());
+            buffers.push(match tensors.has(&key) {
+                true => Some(tensors.slot("SGD", &key, &param.tensor.size(), like)?),
+                false => None,
             });
         }
         Ok((hypers, buffers))
+    }
+
+    fn restore(&mut self, groups: &serde_json::Value, tensors: Restore<'_>) -> Result<()> {
+        // Everything is read and checked before anything changes.
+        let (hypers, buffers) = self.restored(groups, tensors)?;
+        for (group, hyper) in self.groups.iter_mut().zip(hypers) {
+            group.hyper = hyper;
+        }
+        self.momentum_buffers = buffers;
+        Ok(())
     }
 }
 
@@ -252,15 +264,12 @@ impl Optimizer for Sgd {
     }
 
     fn load_state(&mut self, state: &OptimizerState) -> Result<()> {
-        // Everything is read and checked before anything changes.
-        let (hypers, buffers) = self.restored(state)?;
-        for (group, hyper) in self.groups.iter_mut().zip(hypers) {
-            group.hyper = hyper;
-        }
-        self.momentum_buffers = buffers;
-        Ok(())
+        self.restore(&state.groups, Restore::Copy(&state.tensors))
+    }
+    fn take_state(&mut self, state: OptimizerState) -> Result<()> {
+        self.restore(&state.groups, Restore::Take(state.tensors))
     }
     fn check_state(&self, state: &OptimizerState) -> Result<()> {
-        self.restored(state).map(|_| ())
+        self.restored(&state.groups, Restore::Check(&state.tensors)).map(|_| ())
     }
 }

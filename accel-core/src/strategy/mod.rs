@@ -288,6 +288,18 @@ pub trait Strategy: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Sets what this process holds of the model parameter `param` from `part`: its value as
+    /// [`parameter`](Self::parameter) places it (a chunk, for a [`Placement::Chunk`]).
+    /// Loading a checkpoint calls this instead of [`load_parameter`](Self::load_parameter)
+    /// wherever the placement is not [`Placement::Replicated`], so that no process reads
+    /// the whole of a tensor it keeps a piece of. By default `part` is copied into the
+    /// tensor `parameter` returns.
+    fn load_part(&self, param: &Param, part: &Tensor) -> Result<()> {
+        let (local, _) = self.parameter(param)?;
+        tch::no_grad(|| local.shallow_clone().f_copy_(part))?;
+        Ok(())
+    }
+
     /// After [`load_parameter`](Self::load_parameter) of every parameter.
     fn after_load(&self) -> Result<()> {
         Ok(())

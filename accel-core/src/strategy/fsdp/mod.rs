@@ -202,6 +202,16 @@ impl Strategy for Sharded {
         })
     }
 
+    fn load_part(&self, param: &Param, part: &Tensor) -> Result<()> {
+        let (model, master) = self.master_of(&param.tensor)?.ok_or_else(|| Error::Checkpoint {
+            path: None,
+            message: format!("`{}` is not sharded here, yet was loaded as a shard", param.name),
+        })?;
+        let _ = model;
+        tch::no_grad(|| master.shallow_clone().f_copy_(part))?;
+        Ok(())
+    }
+
     fn after_load(&self) -> Result<()> {
         // The whole parameters follow their new master shards.
         for model in self.models().iter() {
