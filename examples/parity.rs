@@ -92,6 +92,10 @@ struct Args {
     /// Continue from a state saved by `--state` (any strategy, any number of processes).
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// After `--resume`, each process writes what it read and placed
+    /// (`Accelerator::io_counts`) as JSON to `{this}.{rank}.json`.
+    #[arg(long, requires = "resume")]
+    io_counts: Option<PathBuf>,
     /// Tensor-parallel ranks: the MLP's layers in Megatron pairs (column-parallel, then
     /// row-parallel; a layer whose width they do not divide stays whole).
     #[arg(long, default_value_t = 1)]
@@ -220,6 +224,10 @@ fn main() -> Result<()> {
 
     if let Some(dir) = &args.resume {
         acc.load_state(dir)?;
+        if let Some(prefix) = &args.io_counts {
+            let path = format!("{}.{}.json", prefix.display(), acc.process_index());
+            std::fs::write(path, serde_json::to_string(&acc.io_counts())?)?;
+        }
     }
     let mut log = acc.is_main_process().then(|| std::fs::File::create(&args.losses)).transpose()?;
     let mut write = |step: u64, loss: f64| -> Result<()> {

@@ -652,6 +652,159 @@ fn sharded_checkpoints_resume_exactly_and_load_into_another_world_size_and_strat
     assert!(diff <= 1e-6, "a 2-process zero1 state continued as zero1 and ddp on 3: {diff}");
 }
 
+/// Sharded resume as a preempted large run needs it: a zero3/fsdp state saved on N
+/// processes continues on M (N, M in 1, 2, 4) to the weights of the uninterrupted run, each
+/// process reading only the bytes of its own new shard (counted: at most its share of the
+/// shard files plus the main process's small files, far below the whole a process read
+/// before), and a corrupt byte is found by the process that reads it and stops every
+/// process before anything changed.
+#[test]
+fn sharded_resume_reads_each_process_share_and_continues_on_any_number_of_processes() {
+    let dir = scratch("sharded-resume");
+    make_weights_and_samples(&dir, 7, "192,192", 48);
+    let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
+    // Split batches: the same global batches of 8 on 1, 2 and 4 processes.
+    let args = |strategy: &str, optimizer: &str, tag: &str, extra: &[String]| -> Vec<String> {
+        let mut program = vec![example("parity")];
+        program.extend(
+            [
+                "--init",
+                w.to_str().unwrap(),
+                "--data",
+                d.to_str().unwrap(),
+                "--hidden",
+                "192,192",
+                "--optimizer",
+                optimizer,
+                "--lr",
+                if optimizer == "sgd" { "0.05" } else { "1e-2" },
+                "--weight-decay",
+                "0",
+                "--batch-size",
+                "8",
+                "--split-batches",
+                "--accumulate",
+                "2",
+                "--epochs",
+                "2",
+                "--strategy",
+                strategy,
+                "--out",
+                dir.join(format!("{tag}.safetensors")).to_str().unwrap(),
+                "--losses",
+                dir.join(format!("{tag}.jsonl")).to_str().unwrap(),
+            ]
+            .map(String::from),
+        );
+        program.extend(extra.iter().cloned());
+        program
+    };
+    let state = |optimizer: &str, n: usize| dir.join(format!("state-{optimizer}-{n}"));
+    for optimizer in ["adamw", "sgd"] {
+        launch(1, args("zero3", optimizer, &format!("straight-{optimizer}"), &[]));
+        let straight = read_weights(&dir.join(format!("straight-{optimizer}.safetensors")));
+        let sizes: &[usize] = if optimizer == "sgd" { &[2] } else { &[1, 2, 4] };
+        for &n in sizes {
+            let save = ["--state".into(), state(optimizer, n).display().to_string()];
+            let save = [&save[..], &["--stop-after".into(), "6".into()]].concat();
+            launch(n, args("zero3", optimizer, &format!("first-{optimizer}-{n}"), &save));
+        }
+        let pairs: &[(usize, usize, &str)] = if optimizer == "sgd" {
+            &[(2, 4, "fsdp")]
+        } else {
+            &[
+                (1, 2, "zero3"),
+                (1, 4, "fsdp"),
+                (2, 1, "fsdp"),
+                (2, 4, "zero3"),
+                (4, 1, "zero3"),
+                (4, 2, "fsdp"),
+                (4, 4, "zero3"),
+            ]
+        };
+        for &(n, m, strategy) in pairs {
+            let tag = format!("{optimizer}-{n}-into-{m}");
+            let counts = dir.join(format!("io-{tag}"));
+            let extra = [
+                "--resume".into(),
+                state(optimizer, n).display().to_string(),
+                "--io-counts".into(),
+                counts.display().to_string(),
+            ];
+            launch(m, args(strategy, optimizer, &tag, &extra));
+            let resumed = read_weights(&dir.join(format!("{tag}.safetensors")));
+            let diff = max_diff(&straight, &resumed);
+            assert!(diff <= 1e-6, "{optimizer}: saved on {n}, resumed on {m} ({strategy}): {diff}");
+
+            // What each process read: its share of the shard files, the main process's files
+            // (replicated tensors: biases and step counts here are small) and its own random
+            // generators, plus whole blocks where its ranges start and end.
+            let files: BTreeMap<String, u64> = std::fs::read_dir(state(optimizer, n))
+                .unwrap()
+                .map(|e| e.unwrap())
+                .map(|e| (e.file_name().into_string().unwrap(), e.metadata().unwrap().len()))
+                .collect();
+            let shards: u64 =
+                files.iter().filter(|(f, _)| f.starts_with("shard_")).map(|(_, b)| b).sum();
+            let small: u64 = files
+                .iter()
+                .filter(|(f, _)| f.starts_with("model") || f.starts_with("optimizer"))
+                .map(|(_, b)| b)
+                .sum();
+            let rng = files["rng_state_0.safetensors"];
+            // Saved on one process, the main process's files hold everything.
+            let (state, replicated) = (shards + small, if shards > 0 { small } else { 0 });
+            let share = state / m as u64;
+            let bound = share + share / 4 + replicated + 2 * rng + 64 * 1024;
+            if m > 1 {
+                assert!(bound < state, "{tag}: the bound {bound} of {state} has no teeth");
+            }
+            for rank in 0..m {
+                let io: serde_json::Value = serde_json::from_str(
+                    &std::fs::read_to_string(format!("{}.{rank}.json", counts.display())).unwrap(),
+                )
+                .unwrap();
+                let read = io["checkpoint_bytes_read"].as_u64().unwrap();
+                assert!(
+                    read <= bound,
+                    "{tag}: rank {rank} read {read} bytes of the {state} of the checkpoint; its \
+                     share is {share}, the bound {bound}"
+                );
+            }
+        }
+    }
+
+    // A byte flipped in the middle of shard_1 (a moment of the second process's shard): the
+    // process that reads it names the file, every process stops, and says so.
+    let shard = state("adamw", 2).join("shard_1.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let middle = bytes.len() / 2 + 3;
+    bytes[middle] ^= 0x10;
+    std::fs::write(&shard, bytes).unwrap();
+    let extra = ["--resume".into(), state("adamw", 2).display().to_string()];
+    let output = Command::new(build_dir().join("accel"))
+        .args(["launch", "--num-processes", "2", "--main-process-port", "0", "--cpu"])
+        .args(args("zero3", "adamw", "corrupt", &extra))
+        .env("ACCEL_TIMEOUT_SECS", "60")
+        .output()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!output.status.success(), "a corrupt shard loaded:\n{said}");
+    let line = |rank: usize| {
+        said.lines()
+            .find(|l| l.starts_with(&format!("[rank{rank}]")) && l.contains("Error"))
+            .unwrap_or_else(|| panic!("rank {rank} reported no error:\n{said}"))
+            .to_owned()
+    };
+    assert!(line(1).contains("shard_1.safetensors") && line(1).contains("corrupted"), "{said}");
+    assert!(line(0).contains("process 1") && line(0).contains("corrupted"), "{said}");
+    assert!(!dir.join("corrupt.safetensors").exists(), "the run went on:\n{said}");
+}
+
 #[test]
 fn mixed_precision_inside_sharding_trains_like_ddp() {
     let dir = scratch("zero-mixed");

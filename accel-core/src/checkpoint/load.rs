@@ -340,46 +340,59 @@ impl Accelerator {
             let (models, optimizers, rng) = parts?;
             Ok(Loaded { manifest, models, optimizers, rng })
         })();
-        // The blocks no process read are checked now, each by one process. Every process
-        // takes part, whatever its reading met, so that none waits for another.
-        let mine = self.unread_blocks_to_check(&units, checked);
-        let outcome = outcome.and_then(|loaded| {
+        // Every process learns what the others read, and whether they could: a failure on
+        // one is a failure on all. Every process takes part, whatever its reading met.
+        let (loaded, all_checked) = self.agree(dir, outcome, checked)?;
+        // The blocks no process read are checked now, each by one process, and agreed on.
+        let mine = self.unread_blocks(&units, &all_checked);
+        let verified = (|| -> Result<()> {
             let mut files = Files::new(dir, &loaded.manifest, counter);
-            for (name, blocks) in mine? {
+            for (name, blocks) in mine {
                 files.get(&name)?.verify(&blocks)?;
             }
-            drop(files);
-            Ok(loaded)
-        });
-        let Some(group) = self.process_group() else { return outcome };
+            Ok(())
+        })();
+        self.agree(dir, verified.map(|()| loaded), BTreeMap::new()).map(|(loaded, _)| loaded)
+    }
+
+    /// Shares each process's outcome (and the blocks it checked): an error on any process is
+    /// an error on every one, naming the process that met it. A collective.
+    #[allow(clippy::type_complexity)]
+    fn agree<T>(
+        &self,
+        dir: &Path,
+        outcome: Result<T>,
+        checked: BTreeMap<String, Vec<usize>>,
+    ) -> Result<(T, Vec<BTreeMap<String, Vec<usize>>>)> {
+        let Some(group) = self.process_group() else {
+            return outcome.map(|t| (t, vec![checked]));
+        };
         let message = outcome.as_ref().err().map(ToString::to_string);
-        let all: Vec<Option<String>> = group.all_gather_objects(&message)?;
-        match (outcome, all.iter().enumerate().find_map(|(r, m)| Some((r, m.as_ref()?)))) {
+        let all: Vec<(Option<String>, BTreeMap<String, Vec<usize>>)> =
+            group.all_gather_objects(&(message, checked))?;
+        let failed = all.iter().enumerate().find_map(|(r, (m, _))| Some((r, m.as_ref()?)));
+        match (outcome, failed) {
             (Err(e), _) => Err(e),
             (Ok(_), Some((rank, m))) => {
                 Err(bad(dir, format!("process {rank} could not load its part, so none did: {m}")))
             }
-            (Ok(loaded), None) => Ok(loaded),
+            (Ok(t), None) => Ok((t, all.into_iter().map(|(_, c)| c).collect())),
         }
     }
 
-    /// The blocks this process checks of those no process read (all of them with one
-    /// process): every process reports what it read, and the rest is dealt out in turn.
-    /// A collective (every process calls it, even one whose reading failed).
-    fn unread_blocks_to_check(
+    /// The blocks this process checks of those no process read (`checked`: what each
+    /// read), dealt out in turn.
+    fn unread_blocks(
         &self,
         files: &[(String, usize)],
-        checked: BTreeMap<String, Vec<usize>>,
-    ) -> Result<Vec<(String, Vec<usize>)>> {
-        let (all, rank, size) = match self.process_group() {
-            Some(group) => (group.all_gather_objects(&checked)?, group.rank(), group.size()),
-            None => (vec![checked], 0, 1),
-        };
+        checked: &[BTreeMap<String, Vec<usize>>],
+    ) -> Vec<(String, Vec<usize>)> {
+        let (rank, size) = (self.process_index(), checked.len().max(1));
         let mut mine: Vec<(String, Vec<usize>)> = Vec::new();
         let mut turn = 0usize;
         for (name, blocks) in files {
             let read: std::collections::BTreeSet<usize> =
-                all.iter().filter_map(|c| c.get(name)).flatten().copied().collect();
+                checked.iter().filter_map(|c| c.get(name)).flatten().copied().collect();
             let mut own = Vec::new();
             for b in (0..*blocks).filter(|b| !read.contains(b)) {
                 if turn % size == rank {
@@ -391,7 +404,7 @@ impl Accelerator {
                 mine.push((name.clone(), own));
             }
         }
-        Ok(mine)
+        mine
     }
 
     /// This process's part of every model variable and optimizer state tensor, and its
@@ -610,7 +623,7 @@ impl Accelerator {
                 _ => Placement::Replicated,
             };
             let mut value = files.read_held(source, kind, &held(&placement, &whole_shape))?;
-            if let Some(like) = param.and_then(|p| params.get(p)) {
+            if let Some(like) = param.and_then(|p| params.get(p)).filter(|_| !scalar) {
                 if !matches!(placement, Placement::Chunk { .. })
                     && like.numel() == value.numel()
                     && like.size() != value.size()
