@@ -382,6 +382,17 @@ char* accel_storage_free(at::Tensor* tensor) {
   })
 }
 
+// A tensor with `device_like`'s dtype and device and `shape_like`'s sizes whose storage
+// holds no memory: a zero3 parameter placed on its device already released, so that it is
+// never whole there (accel_storage_allocate gives it memory when it is gathered).
+char* accel_released(at::Tensor* device_like, at::Tensor* shape_like, at::Tensor** out) {
+  ACCEL_TRY({
+    at::Tensor t = at::empty({0}, device_like->options());
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(shape_like->sizes());
+    *out = new at::Tensor(t);
+  })
+}
+
 // Gives the storage fresh, uninitialised memory of `nbytes` from its own allocator, on
 // the storage's own device (CUDA's allocator serves the current device, which may be
 // another one on this thread).

@@ -15,6 +15,23 @@ use crate::precision::Float8Linear;
 use crate::precision::fp8::shapes_suit;
 
 impl Accelerator {
+    /// The layer `make(path)` builds under `path`, as a [`Unit`](crate::Unit) made for this
+    /// accelerator: under zero3/fsdp its parameters live as shards and are gathered only
+    /// around its forward and backward; under every other strategy it is the layer
+    /// unchanged. `#[accelerate]` writes this around each layer added to an `nn::seq()` in
+    /// the function it annotates (`.add(nn::linear(path, ..))`), so that unchanged code is
+    /// sharded. Such units yield to `ShardOptions::min_unit_params` (a layer smaller than it
+    /// stays whole); two of one name wait unbound rather than fail.
+    pub fn unit<'a, P: std::borrow::Borrow<nn::Path<'a>>, M>(
+        &self,
+        path: P,
+        make: impl FnOnce(P) -> M,
+    ) -> crate::Unit<M> {
+        let prefix = path.borrow().components().collect::<Vec<_>>().join(".");
+        let layer = make(path);
+        crate::Unit::named(self, prefix, layer, true)
+    }
+
     /// A linear layer with `tch::nn::linear`'s variables and initialisation, whose matmuls
     /// run in fp8 when the run's precision is fp8 (torchao's `Float8Linear`, with the
     /// configured [`Fp8Recipe`](crate::Fp8Recipe)); in any other precision it computes

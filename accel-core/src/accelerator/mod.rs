@@ -345,6 +345,8 @@ impl Accelerator {
             state: &self.inner.state,
             device: self.inner.device,
             units: &self.inner.units,
+            announce: self.is_main_process() && !builder::quiet(),
+            placed: &self.inner.io.bytes_placed,
         }
     }
 
@@ -369,7 +371,9 @@ impl Accelerator {
     /// Places the model's variables on this process's device (in place: tensors keep their
     /// identity, so the model's layers see the move), registers them for checkpoints, and
     /// hands them to the strategy: with several processes DDP broadcasts rank 0's values and
-    /// averages every sync step's gradients (see `strategy/ddp`), ZeRO shards them.
+    /// averages every sync step's gradients (see `strategy/ddp`), ZeRO shards them. Under
+    /// zero3 only this process's shards and the parameters no unit holds reach the device:
+    /// a model built on the CPU is never whole on a GPU.
     pub fn prepare_model(&self, vs: &tch::nn::VarStore) -> Result<()> {
         self.prepare_model_with(vs, self.inner.model_options)
     }
@@ -382,14 +386,10 @@ impl Accelerator {
         options: impl Into<ModelOptions>,
     ) -> Result<()> {
         let params = crate::optim::sorted_variables(vs);
-        if vs.device() != self.device() {
-            tch::no_grad(|| -> Result<()> {
-                for p in &params {
-                    let moved = p.tensor.f_to_device(self.device())?;
-                    p.tensor.shallow_clone().set_data(&moved);
-                }
-                Ok(())
-            })?;
+        let cx = self.strategy_context();
+        // A sharded strategy places only shards on the device (never the whole model).
+        if !self.inner.strategy.places_parameters() {
+            crate::strategy::place_whole(&cx, &params)?;
         }
         // Gradients left by an earlier run (another accelerator's step, say) would be added
         // to this run's first ones: the model starts without any, as a fresh one does.
@@ -401,7 +401,6 @@ impl Accelerator {
         self.inner.parallel.check_model(&params)?;
         self.filter_fp8_layers(&params)?;
         let options = options.into();
-        let cx = self.strategy_context();
         // The model's units learn from its accelerator whether to checkpoint activations
         // (before zero3 takes them to bind).
         let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();

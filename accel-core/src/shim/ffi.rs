@@ -76,6 +76,11 @@ unsafe extern "C" {
 
     pub(crate) fn accel_storage_nbytes(tensor: *mut C_tensor, nbytes: *mut u64) -> *mut c_char;
     pub(crate) fn accel_is_pinned(tensor: *mut C_tensor, pinned: *mut bool) -> *mut c_char;
+    pub(crate) fn accel_released(
+        device_like: *mut C_tensor,
+        shape_like: *mut C_tensor,
+        out: *mut *mut C_tensor,
+    ) -> *mut c_char;
     pub(crate) fn accel_pin_memory(
         tensor: *mut C_tensor,
         pinned: *mut *mut C_tensor,

@@ -95,6 +95,17 @@ pub fn pin_memory(tensor: &Tensor) -> Result<Tensor> {
     Ok(unsafe { Tensor::from_ptr(pinned) })
 }
 
+/// A tensor of `shape_like`'s sizes, with `device_like`'s dtype and device, whose storage
+/// holds no memory (as after [`free_storage`]): a parameter placed on a device released,
+/// without ever being whole there. Nothing may read it before [`allocate_storage`].
+pub fn released(device_like: &Tensor, shape_like: &Tensor) -> Result<Tensor> {
+    let mut out = std::ptr::null_mut();
+    // SAFETY: live tensors; out-pointer to a local, holding a fresh `new at::Tensor` on success.
+    check(unsafe { ffi::accel_released(raw(device_like), raw(shape_like), &mut out) }, "released")?;
+    // SAFETY: the shim handed us ownership of a valid at::Tensor.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
 /// Bytes held by the storage behind `tensor` (0 after [`free_storage`]).
 pub fn storage_nbytes(tensor: &Tensor) -> Result<u64> {
     let mut nbytes = 0;

@@ -236,7 +236,16 @@ impl Strategy for Auto {
                 super::builtin(choice.strategy, &self.mesh, sharding, self.local_processes);
             let _ = self.chosen.set(chosen);
         }
-        self.inner()?.prepare_model(cx, params, options)
+        let inner = self.inner()?;
+        if !inner.places_parameters() {
+            super::place_whole(cx, params)?;
+        }
+        inner.prepare_model(cx, params, options)
+    }
+
+    fn places_parameters(&self) -> bool {
+        // Decided when the model is prepared: `prepare_model` places them as chosen.
+        true
     }
 
     fn prepare_optimizer(
@@ -279,6 +288,10 @@ impl Strategy for Auto {
 
     fn load_parameter(&self, param: &Param, whole: &Tensor) -> Result<()> {
         self.inner()?.load_parameter(param, whole)
+    }
+
+    fn load_part(&self, param: &Param, part: &Tensor) -> Result<()> {
+        self.inner()?.load_part(param, part)
     }
 
     fn after_load(&self) -> Result<()> {

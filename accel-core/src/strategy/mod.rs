@@ -18,6 +18,7 @@ pub mod tp;
 pub mod zero1;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tch::{Device, Tensor};
 
@@ -107,6 +108,10 @@ pub struct Context<'a> {
     pub(crate) device: Device,
     /// The units made for this accelerator, waiting for their model (zero3 binds them).
     pub(crate) units: &'a fsdp::PendingUnits,
+    /// Whether this process speaks for the run (the main process, not quiet).
+    pub(crate) announce: bool,
+    /// Bytes of model variables placed on the device (`Accelerator::io_counts`).
+    pub(crate) placed: &'a std::sync::atomic::AtomicU64,
 }
 
 impl Context<'_> {
@@ -124,6 +129,30 @@ impl Context<'_> {
     pub fn sync_gradients(&self) -> bool {
         self.state.sync_gradients()
     }
+}
+
+/// `tensor` on `device` (itself where it is there already), its bytes counted as placed on
+/// the process's device (`Accelerator::io_counts`, where the memory a strategy promises is
+/// checked: under zero3 only shards and the units kept whole reach the device).
+pub(crate) fn place(tensor: &Tensor, device: Device, placed: &AtomicU64) -> Result<Tensor> {
+    let bytes = tensor.numel() * tensor.kind().elt_size_in_bytes();
+    placed.fetch_add(bytes as u64, Ordering::Relaxed);
+    Ok(tensor.f_to_device(device)?)
+}
+
+/// Moves every variable of a model whole to the process's device, in place (tensors keep
+/// their identity, so the model's layers see the move): what every strategy but the sharded
+/// ones needs before [`Strategy::prepare_model`].
+pub(crate) fn place_whole(cx: &Context<'_>, params: &[Param]) -> Result<()> {
+    tch::no_grad(|| -> Result<()> {
+        for p in params {
+            let moved = place(&p.tensor, cx.device, cx.placed)?;
+            if p.tensor.device() != cx.device {
+                p.tensor.shallow_clone().set_data(&moved);
+            }
+        }
+        Ok(())
+    })
 }
 
 /// Per-model settings of the built-in strategies (given to
@@ -208,8 +237,16 @@ pub trait Strategy: Send + Sync + 'static {
     /// Its name, for messages.
     fn name(&self) -> String;
 
-    /// Prepares a model: `params` are all its variables (sorted by name, on the process's
-    /// device). Broadcast them, hook their gradients, shard them.
+    /// Whether [`prepare_model`](Self::prepare_model) places the model's variables on the
+    /// process's device itself (a sharded strategy moves only shards there). Otherwise the
+    /// accelerator moves every variable there whole first.
+    fn places_parameters(&self) -> bool {
+        false
+    }
+
+    /// Prepares a model: `params` are all its variables (sorted by name; on the process's
+    /// device unless [`places_parameters`](Self::places_parameters)). Broadcast them, hook
+    /// their gradients, shard them.
     fn prepare_model(
         &self,
         cx: &Context<'_>,

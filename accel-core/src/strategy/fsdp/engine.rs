@@ -4,11 +4,12 @@
 //! and release after, prefetch in the order of the first pass. See README.md.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Device, Kind, Tensor};
 
-use super::flat::{Engine, Shard, UnitState};
+use super::flat::{Engine, Frozen, Shard, UnitState};
 use super::layout::{chunk_of, size_based_units, unit_of};
 use super::unit::{PendingUnits, in_model};
 use super::{ShardOptions, Stage};
@@ -17,9 +18,100 @@ use crate::error::{Error, Result};
 use crate::optim::Param;
 use crate::shim::{self, PostAccumulateGradHook, add_grad_hook, add_post_accumulate_grad_hook};
 
+/// Elements of the variables under `prefix` (`sizes`: each variable's name and size).
+fn unit_size(sizes: &[(&str, i64)], prefix: &str) -> i64 {
+    sizes
+        .iter()
+        .filter(|(name, _)| name.starts_with(prefix) && name[prefix.len()..].starts_with('.'))
+        .map(|(_, n)| n)
+        .sum()
+}
+
+/// Under zero3: what of the model stays whole on every process because no unit is released
+/// at rest, when that is more than the largest unit (or there is no unit at all).
+fn whole_notice(params: &[Param], engine: &Engine) -> Option<String> {
+    let bytes = |s: usize| {
+        let shard = &engine.shards[s];
+        shard.numel as usize * shard.kind.elt_size_in_bytes()
+    };
+    let largest = engine
+        .units
+        .iter()
+        .filter(|u| u.managed)
+        .map(|u| {
+            u.members
+                .iter()
+                .chain(u.frozen.iter().flat_map(|f| &f.members))
+                .map(|&s| bytes(s))
+                .sum()
+        })
+        .max()
+        .unwrap_or(0usize);
+    let whole: Vec<&Param> = params
+        .iter()
+        .filter(|p| {
+            let id = shim::tensor_id(&p.tensor).ok();
+            let released = engine
+                .units
+                .iter()
+                .filter(|u| u.managed)
+                .any(|u| u.members.iter().any(|&s| Some(engine.shards[s].id) == id));
+            p.tensor.requires_grad() && !released
+        })
+        .collect();
+    let total: usize =
+        whole.iter().map(|p| p.tensor.numel() * p.tensor.kind().elt_size_in_bytes()).sum();
+    if whole.is_empty() || total <= largest {
+        return None;
+    }
+    let mut names: Vec<&str> = whole.iter().take(3).map(|p| p.name.as_str()).collect();
+    if whole.len() > 3 {
+        names.push("...");
+    }
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    Some(format!(
+        "zero3: {} parameter(s) ({:.1} MiB: {}) belong to no Unit, so every process keeps them \
+         whole, as under zero2{}. Wrap each layer as a unit: \
+         `accel_core::Unit::new(&accelerator, &path, layer)`; #[accelerate] does it by itself \
+         for layers added to an `nn::seq()` inside the annotated function (docs/strategies.md)",
+        whole.len(),
+        mib(total),
+        names.join(", "),
+        if largest > 0 {
+            format!(" (the largest unit holds {:.1} MiB)", mib(largest))
+        } else {
+            String::new()
+        }
+    ))
+}
+
+/// Makes `param` a parameter of `kind` on `device` whose memory is released (zero3's state
+/// at rest), never whole there. A parameter whose storage it shares with other tensors is
+/// refused: the others would keep the memory, and a tie would be silently broken.
+fn release_on(param: &Param, kind: Kind, device: Device) -> Result<()> {
+    let whole = (param.tensor.numel() * param.tensor.kind().elt_size_in_bytes()) as u64;
+    if !param.tensor.is_contiguous() || shim::storage_nbytes(&param.tensor)? != whole {
+        return Err(Error::Unsupported(format!(
+            "zero3: parameter `{}` is a view into a storage it shares with other tensors (often \
+             a tied weight, such as an embedding reused as the output layer, or a tensor cut \
+             from another with `narrow`/`view`), so its memory cannot be released on its own. \
+             Give it a storage of its own, or tie weights by using one module in both places \
+             and keep its users inside one Unit",
+            param.name
+        )));
+    }
+    let like = Tensor::f_empty([0], (kind, device))?;
+    let released = shim::released(&like, &param.tensor)?;
+    tch::no_grad(|| param.tensor.shallow_clone().set_data(&released));
+    Ok(())
+}
+
 /// A model whose gradients (zero2) or gradients and parameters (zero3) are sharded.
 pub(crate) struct ShardedModel {
     engine: Arc<Mutex<Engine>>,
+    /// Under zero3, what of the model no unit holds, where that is more than a unit: said
+    /// when the run starts.
+    pub(crate) whole_notice: Option<String>,
     _hooks: Mutex<Vec<PostAccumulateGradHook>>,
 }
 
@@ -36,6 +128,10 @@ fn lock(engine: &Mutex<Engine>) -> MutexGuard<'_, Engine> {
 impl ShardedModel {
     /// Broadcasts rank 0's values, keeps this rank's share of every trainable parameter as
     /// a master shard, releases the full parameters of zero3 units and hooks the rest.
+    /// Variables are placed on `device` one at a time as they are sharded: a zero3 unit's
+    /// parameters reach it as this rank's shards only (and, when rank 0's values are
+    /// broadcast from another device, whole for the moment of their broadcast), so the model
+    /// is never whole there. Bytes placed are counted in `placed`.
     ///
     /// `data` spans every data-parallel process (rank 0's values are broadcast over it);
     /// parameters are split across `group`, and under hybrid sharding `replicas` holds the
@@ -51,32 +147,119 @@ impl ShardedModel {
         stage: Stage,
         options: ShardOptions,
         broadcast: bool,
+        device: Device,
+        placed: &AtomicU64,
     ) -> Result<Arc<Self>> {
-        if broadcast {
-            tch::no_grad(|| -> Result<()> {
-                for p in params {
-                    data.broadcast(&p.tensor, 0)?;
-                }
-                Ok(())
-            })?;
-        }
         let (world, rank) = (group.size() as i64, group.rank() as i64);
         let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
+        let sizes: Vec<(&str, i64)> =
+            params.iter().map(|p| (p.name.as_str(), p.tensor.numel() as i64)).collect();
         let handles = units.take(in_model(&names))?;
+        // Units the attribute wrapped by itself yield to the size-based policy.
+        let handles: Vec<_> = handles
+            .into_iter()
+            .filter(|h| match (h.automatic, options.min_unit_params) {
+                (true, Some(min)) => unit_size(&sizes, &h.prefix) >= min,
+                _ => true,
+            })
+            .collect();
         let wrapped: BTreeSet<String> = handles.iter().map(|h| h.prefix.clone()).collect();
-        let sized = options.min_unit_params.map(|min| {
-            let trainable: Vec<(&str, i64)> = params
-                .iter()
-                .filter(|p| p.tensor.requires_grad())
-                .map(|p| (p.name.as_str(), p.tensor.numel() as i64))
-                .collect();
-            size_based_units(&trainable, min)
-        });
+        let sized = options.min_unit_params.map(|min| size_based_units(&sizes, min));
         let mut shards = Vec::new();
         let mut units: Vec<UnitState> = Vec::new();
-        for p in params.iter().filter(|p| p.tensor.requires_grad()) {
+        for p in params {
+            let trainable = p.tensor.requires_grad();
+            let prefix = unit_of(&p.name, options.units.as_deref(), &wrapped, sized.as_deref());
+            let managed = stage == Stage::Parameters && wrapped.contains(&prefix);
+            let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+            let count = |n: u64| placed.fetch_add(n, Ordering::Relaxed);
+            // A parameter released at rest never reaches the device whole; any other is
+            // kept there whole.
+            if !managed {
+                if p.tensor.device() != device {
+                    let moved = tch::no_grad(|| p.tensor.f_to_device(device))?;
+                    p.tensor.shallow_clone().set_data(&moved);
+                }
+                count(bytes(&p.tensor));
+            }
+            // Rank 0's values: where the parameter is, or on the device for the moment of the
+            // broadcast (a collective on the device's communicator).
+            let start = tch::no_grad(|| -> Result<Tensor> {
+                let start = match (p.tensor.device() == device, broadcast) {
+                    (false, true) => {
+                        count(bytes(&p.tensor));
+                        p.tensor.f_to_device(device)?
+                    }
+                    _ => p.tensor.shallow_clone(),
+                };
+                if broadcast {
+                    data.broadcast(&start, 0)?;
+                }
+                Ok(start)
+            })?;
+            // A frozen parameter is sharded only where its unit is released at rest (zero3);
+            // elsewhere it stays whole, as every process needs it whole anyway.
+            if !trainable && !managed {
+                continue;
+            }
             let (numel, kind) = (p.tensor.numel() as i64, p.tensor.kind());
             let chunk = (numel + world - 1) / world;
+            let u = match units.iter().position(|u| u.prefix == prefix) {
+                Some(u) => u,
+                None => {
+                    units.push(UnitState {
+                        prefix,
+                        members: Vec::new(),
+                        offsets: Vec::new(),
+                        segment: 0,
+                        managed,
+                        // A zero3 unit's parameters are placed released (below).
+                        gathered: !managed,
+                        fired: Vec::new(),
+                        ready: 0,
+                        reducing: None,
+                        reduced: false,
+                        prefetched: None,
+                        frozen: None,
+                    });
+                    units.len() - 1
+                }
+            };
+            let unit = &mut units[u];
+            if !trainable {
+                // Frozen, in a zero3 unit: this rank's chunk in its own dtype (one dtype per
+                // unit's frozen buffer; another stays whole).
+                let frozen = unit.frozen.get_or_insert_with(|| Frozen {
+                    members: Vec::new(),
+                    offsets: Vec::new(),
+                    segment: 0,
+                    kind,
+                    prefetched: None,
+                });
+                if frozen.kind != kind {
+                    continue;
+                }
+                let master = tch::no_grad(|| -> Result<Tensor> {
+                    let flat = start.f_detach()?.f_reshape([-1])?;
+                    let mine = chunk_of(&flat, rank as usize, world as usize)?;
+                    Ok(mine.f_to_device(device)?.f_detach_copy()?)
+                })?;
+                count(bytes(&master));
+                release_on(p, kind, device)?;
+                frozen.members.push(shards.len());
+                frozen.offsets.push(frozen.segment);
+                frozen.segment += chunk;
+                shards.push(Shard {
+                    name: p.name.clone(),
+                    param: p.tensor.shallow_clone(),
+                    id: shim::tensor_id(&p.tensor)?,
+                    master,
+                    numel,
+                    chunk,
+                    kind,
+                });
+                continue;
+            }
             // Zero2 in fp32 keeps whole parameters anyway: a share that needs no padding can
             // be a view of its own parameter instead of a copy (ZeRO-2's 4Ψ + 12Ψ/N, not 16Ψ/N).
             let in_place = stage == Stage::Gradients
@@ -85,51 +268,34 @@ impl ShardedModel {
                 && p.tensor.is_contiguous()
                 && (rank + 1) * chunk <= numel;
             let master = tch::no_grad(|| -> Result<Tensor> {
-                let flat = p.tensor.f_detach()?.f_reshape([-1])?;
                 if in_place {
-                    return Ok(flat.f_narrow(0, chunk * rank, chunk)?);
+                    return Ok(p.tensor.f_detach()?.f_reshape([-1])?.f_narrow(
+                        0,
+                        chunk * rank,
+                        chunk,
+                    )?);
                 }
-                let device = if options.offload { Device::Cpu } else { p.tensor.device() };
+                let flat = start.f_detach()?.f_reshape([-1])?;
+                let at = if options.offload { Device::Cpu } else { device };
                 let master = chunk_of(&flat, rank as usize, world as usize)?
                     .f_to_kind(Kind::Float)?
-                    .f_to_device(device)?
+                    .f_to_device(at)?
                     .f_detach_copy()?;
+                if !options.offload {
+                    count(bytes(&master));
+                }
                 // Offloaded from a GPU: page-locked host memory, which the copies of the
                 // gradient shards down and the parameter shards up use at full speed.
-                Ok(match (options.offload, p.tensor.device()) {
+                Ok(match (options.offload, device) {
                     (true, Device::Cuda(_)) => crate::shim::pin_memory(&master)?,
                     _ => master,
                 })
             })?
             .set_requires_grad(true);
-            let prefix = unit_of(&p.name, options.units.as_deref(), &wrapped, sized.as_deref());
-            let u = match units.iter().position(|u| u.prefix == prefix) {
-                Some(u) => u,
-                None => {
-                    let managed = stage == Stage::Parameters && wrapped.contains(&prefix);
-                    units.push(UnitState {
-                        prefix,
-                        members: Vec::new(),
-                        offsets: Vec::new(),
-                        segment: 0,
-                        managed,
-                        gathered: true,
-                        fired: Vec::new(),
-                        ready: 0,
-                        reducing: None,
-                        reduced: false,
-                        prefetched: None,
-                    });
-                    units.len() - 1
-                }
-            };
-            let unit = &mut units[u];
-            if let (true, Some(compute)) = (unit.managed, options.param_dtype) {
+            if unit.managed {
                 // FSDP's MixedPrecision(param_dtype): the module computes (and its gradients
-                // come out) in `compute`; the fp32 master above is what the optimizer steps.
-                let mut param = p.tensor.shallow_clone();
-                let low = tch::no_grad(|| p.tensor.f_detach()?.f_to_kind(compute))?;
-                param.f_set_data(&low)?;
+                // come out) in `param_dtype`; the fp32 master above is what the optimizer steps.
+                release_on(p, options.param_dtype.unwrap_or(kind), device)?;
             }
             unit.members.push(shards.len());
             unit.offsets.push(unit.segment);
@@ -145,8 +311,7 @@ impl ShardedModel {
                 kind,
             });
         }
-        let device = params.first().map_or(Device::Cpu, |p| p.tensor.device());
-        let mut engine = Engine {
+        let engine = Engine {
             group,
             device,
             replicas,
@@ -159,11 +324,6 @@ impl ShardedModel {
             order: Vec::new(),
             order_known: false,
         };
-        for u in 0..engine.units.len() {
-            if engine.units[u].managed {
-                engine.release(u)?;
-            }
-        }
         let engine = Arc::new(Mutex::new(engine));
         let mut hooks = Vec::new();
         let layout: Vec<(usize, usize, Tensor)> = {
@@ -198,7 +358,13 @@ impl ShardedModel {
             };
             hooks.push(add_post_accumulate_grad_hook(&param, hook)?);
         }
-        let model = Arc::new(Self { engine, _hooks: Mutex::new(hooks) });
+        let whole_notice =
+            (stage == Stage::Parameters).then(|| whole_notice(params, &lock(&engine)));
+        let model = Arc::new(Self {
+            engine,
+            whole_notice: whole_notice.flatten(),
+            _hooks: Mutex::new(hooks),
+        });
         for handle in &handles {
             if let Some(unit) = model.unit(&handle.prefix) {
                 handle.bind(&model, unit);
@@ -386,6 +552,9 @@ impl ShardedModel {
             for (s, full) in engine.units[u].members.iter().zip(full) {
                 let shard = &engine.shards[*s];
                 out.push((shard.id, full.f_to_kind(shard.kind)?));
+            }
+            for (s, full) in engine.gathered_frozen(u)? {
+                out.push((engine.shards[s].id, full));
             }
         }
         Ok(out)

@@ -45,6 +45,21 @@ pub(super) struct UnitState {
     pub(super) reduced: bool,
     /// An all-gather launched ahead of this unit's use (prefetch).
     pub(super) prefetched: Option<(Work, Tensor)>,
+    /// Its frozen parameters, sharded too when the unit is released at rest.
+    pub(super) frozen: Option<Frozen>,
+}
+
+/// A zero3 unit's parameters that get no gradient (LoRA's frozen base): sharded as its
+/// trainable ones are, in their own dtype, all-gathered with the unit in a flat buffer of
+/// their own and never reduced (no gradient, no optimizer state). Their shards are what a
+/// checkpoint keeps of them.
+pub(super) struct Frozen {
+    /// Indexes into `shards`.
+    pub(super) members: Vec<usize>,
+    pub(super) offsets: Vec<i64>,
+    pub(super) segment: i64,
+    pub(super) kind: Kind,
+    pub(super) prefetched: Option<(Work, Tensor)>,
 }
 
 pub(super) struct Engine {
@@ -83,6 +98,11 @@ impl Engine {
     pub(super) fn reduce(&mut self, u: usize) -> Result<()> {
         let world = self.group.size() as i64;
         let unit = &mut self.units[u];
+        if unit.members.is_empty() {
+            // Frozen only: nothing to reduce; released once its backward is done.
+            unit.reduced = true;
+            return if unit.managed { self.release(u) } else { Ok(()) };
+        }
         let kind = match (self.options.reduce_dtype, unit.members.first()) {
             (Some(kind), _) => kind,
             (None, Some(&s)) => self.shards[s].param.kind(),
@@ -173,6 +193,52 @@ impl Engine {
         Ok(buffer)
     }
 
+    /// The flat buffer of unit `u`'s frozen parameters holding this rank's shards.
+    fn own_frozen_buffer(&self, u: usize) -> Result<Option<Tensor>> {
+        let Some(frozen) = &self.units[u].frozen else { return Ok(None) };
+        let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
+        let buffer = Tensor::f_empty([world * frozen.segment], (frozen.kind, self.device))?;
+        let mine = buffer.f_narrow(0, rank * frozen.segment, frozen.segment)?;
+        for (&s, &offset) in frozen.members.iter().zip(&frozen.offsets) {
+            let shard = &self.shards[s];
+            mine.f_narrow(0, offset, shard.chunk)?.f_copy_(&shard.master)?;
+        }
+        Ok(Some(buffer))
+    }
+
+    /// The flat buffer of unit `u`'s frozen parameters with every rank's shards (the
+    /// prefetched one, or gathered now); `None` for a unit without any.
+    fn frozen_gathered(&mut self, u: usize) -> Result<Option<Tensor>> {
+        if let Some((work, buffer)) =
+            self.units[u].frozen.as_mut().and_then(|f| f.prefetched.take())
+        {
+            work.wait()?;
+            return Ok(Some(buffer));
+        }
+        let Some(buffer) = self.own_frozen_buffer(u)? else { return Ok(None) };
+        self.group.all_gather_in_place_async(&buffer)?.wait()?;
+        Ok(Some(buffer))
+    }
+
+    /// Unit `u`'s frozen parameters as new tensors, whole (their own dtype).
+    pub(super) fn gathered_frozen(&mut self, u: usize) -> Result<Vec<(usize, Tensor)>> {
+        let Some(buffer) = self.frozen_gathered(u)? else { return Ok(Vec::new()) };
+        let frozen = self.units[u].frozen.as_ref().expect("gathered above");
+        let world = self.group.size() as i64;
+        frozen
+            .members
+            .iter()
+            .zip(&frozen.offsets)
+            .map(|(&s, &offset)| {
+                let shard = &self.shards[s];
+                let whole = Tensor::f_empty([shard.numel], (frozen.kind, self.device))?;
+                let columns = columns(&buffer, world, frozen.segment, offset, shard.chunk)?;
+                copy_from_columns(&columns, &whole, shard.numel, shard.chunk)?;
+                Ok((s, whole.f_view(shard.param.size().as_slice())?))
+            })
+            .collect()
+    }
+
     /// The unit's flat buffer with every rank's master shards, all-gathered in `kind` (or
     /// the prefetched one, if it is in `kind`).
     fn all_gathered(&mut self, u: usize, kind: Kind) -> Result<Tensor> {
@@ -184,7 +250,10 @@ impl Engine {
             }
         }
         let buffer = self.own_shards_buffer(u, kind)?;
-        self.group.all_gather_in_place_async(&buffer)?.wait()?;
+        // (A unit of frozen parameters only has nothing here to gather.)
+        if self.units[u].segment > 0 {
+            self.group.all_gather_in_place_async(&buffer)?.wait()?;
+        }
         Ok(buffer)
     }
 
@@ -211,21 +280,28 @@ impl Engine {
     /// they were released).
     pub(super) fn gather(&mut self, u: usize) -> Result<()> {
         let buffer = self.all_gathered(u, self.compute_kind(u))?;
+        let frozen = self.frozen_gathered(u)?;
         let unit = &self.units[u];
         let world = self.group.size() as i64;
+        let mut parts = vec![(&unit.members, &unit.offsets, unit.segment, &buffer)];
+        if let (Some(f), Some(buffer)) = (&unit.frozen, &frozen) {
+            parts.push((&f.members, &f.offsets, f.segment, buffer));
+        }
         tch::no_grad(|| -> Result<()> {
-            for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
-                let shard = &self.shards[s];
-                let param = &shard.param;
-                if !unit.gathered {
-                    let bytes = param.numel() * param.kind().elt_size_in_bytes();
-                    shim::allocate_storage(param, bytes as u64)?;
+            for (members, offsets, segment, buffer) in parts {
+                for (&s, &offset) in members.iter().zip(offsets) {
+                    let shard = &self.shards[s];
+                    let param = &shard.param;
+                    if !unit.gathered {
+                        let bytes = param.numel() * param.kind().elt_size_in_bytes();
+                        shim::allocate_storage(param, bytes as u64)?;
+                    }
+                    // Through `.data`: autograd saved these parameters in the forward, and a
+                    // write that bumped their version would make backward refuse them.
+                    let target = param.f_data()?.f_view([-1])?;
+                    let columns = columns(buffer, world, segment, offset, shard.chunk)?;
+                    copy_from_columns(&columns, &target, shard.numel, shard.chunk)?;
                 }
-                // Through `.data`: autograd saved these parameters in the forward, and a
-                // write that bumped their version would make backward refuse them.
-                let target = param.f_data()?.f_view([-1])?;
-                let columns = columns(&buffer, world, unit.segment, offset, shard.chunk)?;
-                copy_from_columns(&columns, &target, shard.numel, shard.chunk)?;
             }
             Ok(())
         })?;
@@ -236,13 +312,27 @@ impl Engine {
     /// Launches the all-gather of a released zero3 unit without waiting; `gather` uses it.
     pub(super) fn prefetch(&mut self, u: usize) -> Result<()> {
         let unit = &self.units[u];
-        if !unit.managed || unit.gathered || unit.prefetched.is_some() {
+        let frozen_pending = unit.frozen.as_ref().is_some_and(|f| f.prefetched.is_some());
+        if !unit.managed || unit.gathered || unit.prefetched.is_some() || frozen_pending {
             return Ok(());
         }
-        let buffer = self.own_shards_buffer(u, self.compute_kind(u))?;
-        let work = self.group.all_gather_in_place_async(&buffer)?;
-        self.units[u].prefetched = Some((work, buffer));
+        if unit.segment > 0 {
+            let buffer = self.own_shards_buffer(u, self.compute_kind(u))?;
+            let work = self.group.all_gather_in_place_async(&buffer)?;
+            self.units[u].prefetched = Some((work, buffer));
+        }
+        if let Some(buffer) = self.own_frozen_buffer(u)? {
+            let work = self.group.all_gather_in_place_async(&buffer)?;
+            self.units[u].frozen.as_mut().expect("has frozen").prefetched = Some((work, buffer));
+        }
         Ok(())
+    }
+
+    /// The members of unit `u` whose memory it releases: trainable, then frozen.
+    fn released_members(&self, u: usize) -> Vec<usize> {
+        let unit = &self.units[u];
+        let frozen = unit.frozen.iter().flat_map(|f| f.members.iter());
+        unit.members.iter().chain(frozen).copied().collect()
     }
 
     /// Keeps the first failure and stops this model's collectives (see `failed`).
@@ -274,12 +364,15 @@ impl Engine {
     pub(super) fn fill_locally(&mut self, u: usize) -> Result<()> {
         // Not waited for: the peers it needs may be gone.
         self.units[u].prefetched = None;
-        let unit = &self.units[u];
-        if unit.gathered {
+        if let Some(f) = &mut self.units[u].frozen {
+            f.prefetched = None;
+        }
+        if self.units[u].gathered {
             return Ok(());
         }
+        let members = self.released_members(u);
         tch::no_grad(|| -> Result<()> {
-            for &s in &unit.members {
+            for &s in &members {
                 let param = &self.shards[s].param;
                 let bytes = param.numel() * param.kind().elt_size_in_bytes();
                 shim::allocate_storage(param, bytes as u64)?;
@@ -296,17 +389,20 @@ impl Engine {
         if self.failed {
             // Nothing more is computed that matters; waiting on a prefetch could hang.
             self.units[u].prefetched = None;
+            if let Some(f) = &mut self.units[u].frozen {
+                f.prefetched = None;
+            }
             return Ok(());
         }
-        if let Some((work, _)) = self.units[u].prefetched.take() {
+        let frozen = self.units[u].frozen.as_mut().and_then(|f| f.prefetched.take());
+        for (work, _) in self.units[u].prefetched.take().into_iter().chain(frozen) {
             // Gathered ahead but not used: finish the collective (every rank launched it).
             work.wait()?;
         }
-        let unit = &mut self.units[u];
-        if !unit.gathered {
+        if !self.units[u].gathered {
             return Ok(());
         }
-        for &s in &unit.members {
+        for s in self.released_members(u) {
             let param = &self.shards[s].param;
             let whole = param.numel() * param.kind().elt_size_in_bytes();
             if !param.is_contiguous() || shim::storage_nbytes(param)? != whole as u64 {
@@ -320,7 +416,7 @@ impl Engine {
             // allocates it again (a [`Unit`] does before its forward and its backward).
             unsafe { shim::free_storage(param)? };
         }
-        unit.gathered = false;
+        self.units[u].gathered = false;
         Ok(())
     }
 }

@@ -116,6 +116,10 @@ impl Strategy for Sharded {
         }
     }
 
+    fn places_parameters(&self) -> bool {
+        true
+    }
+
     fn prepare_model(&self, cx: &Context<'_>, params: &[Param], o: &ModelOptions) -> Result<()> {
         let model = ShardedModel::new(
             params,
@@ -126,7 +130,12 @@ impl Strategy for Sharded {
             self.stage,
             self.options.clone(),
             o.sync_module_states,
+            cx.device,
+            cx.placed,
         )?;
+        if let (true, Some(notice)) = (cx.announce, &model.whole_notice) {
+            println!("accel: {notice}");
+        }
         self.models().push(model);
         Ok(())
     }

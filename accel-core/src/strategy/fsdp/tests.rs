@@ -97,8 +97,19 @@ fn sharded(
 ) -> Arc<ShardedModel> {
     let group: Arc<dyn Communicator> = Arc::new(group.clone());
     let stage = Stage::Parameters;
-    ShardedModel::new(params, pending, group.as_ref(), group.clone(), None, stage, options, true)
-        .unwrap()
+    ShardedModel::new(
+        params,
+        pending,
+        group.as_ref(),
+        group.clone(),
+        None,
+        stage,
+        options,
+        true,
+        tch::Device::Cpu,
+        &Default::default(),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -240,9 +251,20 @@ fn units_bind_to_the_model_of_the_accelerator_they_were_made_for() {
         let stage = Stage::Parameters;
         let options = ShardOptions::default();
         let params = model(rank);
-        ShardedModel::new(&params, &both, group.as_ref(), group.clone(), None, stage, options, true)
-            .unwrap_err()
-            .to_string()
+        ShardedModel::new(
+            &params,
+            &both,
+            group.as_ref(),
+            group.clone(),
+            None,
+            stage,
+            options,
+            true,
+            tch::Device::Cpu,
+            &Default::default(),
+        )
+        .unwrap_err()
+        .to_string()
     });
     for e in results {
         assert!(e.contains("two units named `blocks.0`"), "{e}");

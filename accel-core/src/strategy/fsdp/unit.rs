@@ -22,6 +22,9 @@ use crate::error::{Error, Result};
 #[derive(Debug)]
 pub(crate) struct UnitHandle {
     pub prefix: String,
+    /// Made by `#[accelerate]` around a layer of an `nn::seq()` rather than by the user: it
+    /// yields to the size-based policy, and two of one name are left unbound, not an error.
+    pub automatic: bool,
     binding: OnceLock<(Weak<ShardedModel>, usize)>,
     /// Activation checkpointing, as the unit's accelerator has it when it first prepares the
     /// unit's model (off until then; under every strategy, not only zero3).
@@ -82,7 +85,9 @@ impl PendingUnits {
     }
 
     /// The pending units whose prefix `matches`, taken out of the list. Two pending units
-    /// with one prefix cannot be told apart: an error.
+    /// with one prefix cannot be told apart: an error — unless the attribute made them, which
+    /// then stay unbound (their modules run unchanged), as does an automatic one beside one
+    /// the user made.
     pub(crate) fn take(&self, matches: impl Fn(&str) -> bool) -> Result<Vec<Arc<UnitHandle>>> {
         let mut pending = self.live();
         let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *pending)
@@ -90,6 +95,9 @@ impl PendingUnits {
             .partition(|h| h.upgrade().is_some_and(|h| matches(&h.prefix)));
         *pending = rest;
         let mine: Vec<Arc<UnitHandle>> = mine.iter().filter_map(Weak::upgrade).collect();
+        let shared = |h: &Arc<UnitHandle>| mine.iter().filter(|o| o.prefix == h.prefix).count() > 1;
+        let mine: Vec<Arc<UnitHandle>> =
+            mine.iter().filter(|h| !(h.automatic && shared(h))).cloned().collect();
         for (i, a) in mine.iter().enumerate() {
             if let Some(b) = mine[..i].iter().find(|b| b.prefix == a.prefix) {
                 return Err(Error::Config(format!(
@@ -146,8 +154,20 @@ impl<M> Unit<M> {
     /// the model after this (FSDP2's `fully_shard(module, mesh=...)`).
     pub fn new(accelerator: &impl AsRef<PendingUnits>, path: &tch::nn::Path, inner: M) -> Self {
         let prefix = path.components().collect::<Vec<_>>().join(".");
+        Self::named(accelerator, prefix, inner, false)
+    }
+
+    /// The unit of the variables under `prefix`; `automatic` for one `#[accelerate]` made
+    /// around a layer by itself (see `UnitHandle::automatic`).
+    pub(crate) fn named(
+        accelerator: &impl AsRef<PendingUnits>,
+        prefix: String,
+        inner: M,
+        automatic: bool,
+    ) -> Self {
         let handle = Arc::new(UnitHandle {
             prefix,
+            automatic,
             binding: OnceLock::new(),
             checkpointing: OnceLock::new(),
         });
