@@ -309,6 +309,103 @@ fn a_gather_that_fails_inside_module_forward_comes_back_as_an_error_not_a_panic(
     assert!(took < Duration::from_secs(9), "{took:?}");
 }
 
+/// What preparing a model places on the process's device, counted as it is placed: under
+/// zero3 a unit's parameters as this rank's chunks only (the block's 20 elements as 8 + 3),
+/// the root (which no unit holds) whole beside its chunk; zero2 keeps every parameter whole
+/// beside its chunk (a view of it where no padding is needed). A prepare that placed the unit
+/// whole would count its 80 bytes more.
+#[test]
+fn zero3_places_a_units_chunks_on_the_device_never_the_unit_whole() {
+    for (stage, expect) in [(Stage::Parameters, [104u64, 104]), (Stage::Gradients, [120, 164])] {
+        let placed = on_ranks(2, Duration::from_secs(20), move |group| {
+            let params = model(group.rank());
+            let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+            let _unit = Unit::new(&pending, &(vs.root() / "blocks" / 0), ());
+            let counter = std::sync::atomic::AtomicU64::new(0);
+            let group: Arc<dyn Communicator> = Arc::new(group.clone());
+            let options = ShardOptions::default();
+            let model = ShardedModel::new(
+                &params,
+                &pending,
+                group.as_ref(),
+                group.clone(),
+                None,
+                stage,
+                options,
+                true,
+                Device::Cpu,
+                &counter,
+            );
+            model.unwrap();
+            counter.load(std::sync::atomic::Ordering::Relaxed)
+        });
+        // Zero3: the block's 8 + 3 elements of chunks, the 10-element head and its 5-element
+        // chunk, in fp32. Zero2: the whole model (30 elements), plus rank 1's padded chunks of
+        // the block (8 + 3; rank 0's chunks and the head's are views of the parameters).
+        assert_eq!(placed, expect, "{stage:?}");
+    }
+}
+
+/// LoRA's case under zero3: a unit's frozen parameters are sharded too (released at rest,
+/// gathered with the unit in their own dtype, never given a gradient or reduced), and the
+/// trainable ones beside them get DDP's gradients; the whole frozen weight comes back
+/// unchanged.
+#[test]
+fn zero3_shards_a_units_frozen_parameters_and_gathers_them_with_it() {
+    fn frozen_value() -> Tensor {
+        values(&[5, 3], 3.0).to_kind(Kind::BFloat16)
+    }
+    let build = move |rank: usize| {
+        let mut params = model(rank);
+        // The block's weight is a frozen bf16 base; its bias trains.
+        params[1].tensor = frozen_value() + rank as f64;
+        params
+    };
+    let results = on_ranks(2, Duration::from_secs(20), move |group| {
+        let rank = group.rank();
+        let params = build(rank);
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let unit = Unit::new(&pending, &(vs.root() / "blocks" / 0), ());
+        let sharded = sharded(&params, &group, &pending, ShardOptions::default());
+        let bytes = |p: &Param| shim::storage_nbytes(&p.tensor).unwrap();
+        let (base, bias, head) = (&params[1], &params[0], &params[2]);
+        assert_eq!((bytes(base), bytes(bias)), (0, 0), "the whole unit is released at rest");
+        let master = |p: &Param| sharded.master_of(shim::tensor_id(&p.tensor).unwrap()).unwrap();
+        assert_eq!((master(base).size(), master(base).kind()), (vec![8], Kind::BFloat16));
+        let (x, y) = batch(rank);
+        let hidden = unit
+            .try_run(|()| {
+                assert_eq!(bytes(base), 30, "the frozen base gathered, in bf16");
+                x.linear(&base.tensor.to_kind(Kind::Float), Some(&bias.tensor)).relu()
+            })
+            .unwrap();
+        let loss = (hidden.linear::<Tensor>(&head.tensor, None) - y).square().mean(Kind::Float);
+        loss.backward();
+        sharded.finish().unwrap();
+        assert_eq!(bytes(base), 0, "released after its backward");
+        assert!(!master(base).grad().defined(), "a frozen shard has no gradient");
+        let whole = sharded.full_parameters().unwrap();
+        let id = shim::tensor_id(&base.tensor).unwrap();
+        let base_whole = whole.iter().find(|(i, _)| *i == id).unwrap().1.shallow_clone();
+        assert!(base_whole.equal(&frozen_value()), "rank 0's frozen base comes back whole");
+        Vec::<f32>::try_from(master(bias).grad()).unwrap()
+    });
+    // One process, both batches: the bias's gradient.
+    let params = build(0);
+    let total = (0..2).map(|r| {
+        let (x, y) = batch(r);
+        let base = params[1].tensor.to_kind(Kind::Float);
+        let hidden = x.linear(&base, Some(&params[0].tensor)).relu();
+        (hidden.linear::<Tensor>(&params[2].tensor, None) - y).square().mean(Kind::Float)
+    });
+    (total.fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, b| a + b) / 2.0).backward();
+    let full = Vec::<f32>::try_from(params[0].tensor.grad()).unwrap();
+    let sharded: Vec<f32> = results.concat();
+    for (a, b) in full.iter().zip(&sharded) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
+}
+
 #[test]
 fn param_dtype_gathers_and_computes_in_bf16_while_masters_and_full_weights_stay_fp32() {
     let results = on_ranks(2, Duration::from_secs(20), |group| {
