@@ -31,9 +31,31 @@ fn train(
         let device = accelerator.device();
         let vs = nn::VarStore::new(device);
         let net = nn::seq()
-            .add(nn::linear(vs.root() / "layers" / 0, 64, 128, Default::default()))
+            .add(
+                accelerator
+                    .unit(
+                        vs.root() / "layers" / 0,
+                        |__accel_path| nn::linear(
+                            __accel_path,
+                            64,
+                            128,
+                            Default::default(),
+                        ),
+                    ),
+            )
             .add_fn(|x| x.relu())
-            .add(nn::linear(vs.root() / "layers" / 1, 128, 10, Default::default()));
+            .add(
+                accelerator
+                    .unit(
+                        vs.root() / "layers" / 1,
+                        |__accel_path| nn::linear(
+                            __accel_path,
+                            128,
+                            10,
+                            Default::default(),
+                        ),
+                    ),
+            );
         let mut opt = accelerator.build_optimizer(nn::AdamW::default(), &vs, 3e-3)?;
         let mut last = f64::NAN;
         for _epoch in 0..epochs {

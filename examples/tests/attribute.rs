@@ -157,3 +157,67 @@ fn the_annotated_example_on_2_processes_equals_1_process_with_twice_the_batch() 
         assert!(diff <= 1e-5, "{name}: 1 process vs 2 processes differ by {diff}");
     }
 }
+
+/// `strategy = "fsdp"` on unchanged code: the layers of the `nn::seq()` built in the
+/// function become units by themselves, so that each of 2 processes places half the model
+/// on its device (a layer's chunk, not the layer), and the run still equals 1 process with
+/// twice the batch on every variable.
+#[test]
+fn fsdp_on_unchanged_code_shards_the_layers_of_its_nn_seq_and_equals_one_process() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("fsdp-unchanged");
+    std::fs::create_dir_all(&dir).unwrap();
+    let run_on = |processes: usize, steps: &str, batch: &str| {
+        let out = dir.join(format!("{processes}.safetensors"));
+        let program = [
+            example("fsdp_unchanged"),
+            "--width".into(),
+            "96".into(),
+            "--layers".into(),
+            "4".into(),
+            "--steps".into(),
+            steps.into(),
+            "--batch".into(),
+            batch.into(),
+            "--out".into(),
+            out.display().to_string(),
+        ];
+        let output = std::process::Command::new(build_dir().join("accel"))
+            .args(["launch", "--num-processes", &processes.to_string(), "--cpu"])
+            .args(["--main-process-port", "0"])
+            .args(program)
+            .env("ACCEL_TIMEOUT_SECS", "60")
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(output.status.success(), "{said}{}", String::from_utf8_lossy(&output.stderr));
+        let reports: Vec<serde_json::Value> = said
+            .lines()
+            .filter_map(|l| l.find('{').map(|at| &l[at..]))
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        assert_eq!(reports.len(), processes, "one report per process:\n{said}");
+        assert!(!said.contains("belong to no Unit"), "every layer is a unit:\n{said}");
+        let weights: std::collections::BTreeMap<String, Vec<f32>> = Tensor::read_safetensors(&out)
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| (n, Vec::<f32>::try_from(t.flatten(0, -1)).unwrap()))
+            .collect();
+        (reports, weights)
+    };
+    let (one, whole) = run_on(1, "4", "8");
+    let (two, split) = run_on(2, "8", "4");
+    assert_eq!(whole.len(), 8, "4 layers' weights and biases");
+    for (name, a) in &whole {
+        let diff = a.iter().zip(&split[name]).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(diff <= 1e-6, "{name}: 1 process vs 2 processes differ by {diff}");
+    }
+    let model = one[0]["parameters"].as_f64().unwrap() * 4.0;
+    assert_eq!(one[0]["placed_bytes"].as_f64().unwrap(), model, "1 process: the model, whole");
+    let layer = (96.0 * 96.0 + 96.0) * 4.0;
+    for report in &two {
+        let placed = report["placed_bytes"].as_f64().unwrap();
+        // Each layer's chunk (half of it, padding aside), never a layer whole.
+        assert!(placed <= model / 2.0 + 64.0, "placed {placed} of a {model}-byte model");
+        assert!(placed < model - layer, "a layer was placed whole: {placed} of {model}");
+    }
+}

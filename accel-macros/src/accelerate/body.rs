@@ -408,6 +408,45 @@ fn describe(init: &Expr) -> String {
     }
 }
 
+/// Whether `expr` builds on an `nn::seq()` / `nn::seq_t()`: that call itself, a chain of
+/// `.add(..)`/`.add_fn(..)` on one, or a variable in `bound` (bound to one).
+pub(crate) fn is_sequential(expr: &Expr, bound: &[syn::Ident]) -> bool {
+    match peel(expr) {
+        Expr::MethodCall(m) if ["add", "add_fn", "add_fn_t"].iter().any(|a| m.method == a) => {
+            is_sequential(&m.receiver, bound)
+        }
+        Expr::Call(c) => match &*c.func {
+            Expr::Path(p) => {
+                p.path.segments.last().is_some_and(|s| s.ident == "seq" || s.ident == "seq_t")
+                    && (p.path.segments.len() == 1
+                        || p.path.segments[p.path.segments.len() - 2].ident == "nn")
+            }
+            _ => false,
+        },
+        Expr::Path(p) => p.path.get_ident().is_some_and(|i| bound.contains(i)),
+        _ => false,
+    }
+}
+
+/// Variables bound in the body to an `nn::seq()` chain (`let mut net = nn::seq();`), whose
+/// later `.add(..)`s build the same model.
+pub(crate) fn sequentials(f: &ItemFn) -> Vec<syn::Ident> {
+    struct Finder(Vec<syn::Ident>);
+    impl<'a> Visit<'a> for Finder {
+        fn visit_local(&mut self, local: &'a syn::Local) {
+            if let (Some(ident), Some(init)) = (simple_binding(&local.pat), &local.init) {
+                if is_sequential(&init.expr, &self.0) {
+                    self.0.push(ident.clone());
+                }
+            }
+            syn::visit::visit_local(self, local);
+        }
+    }
+    let mut finder = Finder(Vec::new());
+    finder.visit_block(&f.block);
+    finder.0
+}
+
 /// VarStores created in the body (`let vs = ...VarStore::new(..)`) and taken as parameters.
 pub(crate) fn varstores(f: &ItemFn) -> Vec<syn::Ident> {
     struct Finder(Vec<syn::Ident>);

@@ -161,6 +161,22 @@ fn is_call_to(expr: &Expr, tail: &[&str]) -> bool {
     segs.len() >= tail.len() && segs[segs.len() - tail.len()..] == *tail
 }
 
+/// tch's layers (`nn::linear(path, ..)`, ...) that an `nn::seq()` takes as modules and that
+/// the attribute makes units of: their first argument is the path of their variables.
+const LAYERS: &[&str] = &[
+    "linear",
+    "conv",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "embedding",
+    "layer_norm",
+    "group_norm",
+];
+
 /// The rewrite of the body (its loops in loops.rs).
 pub(super) struct Rewriter<'c> {
     pub(super) cx: &'c Context,
@@ -180,6 +196,8 @@ pub(super) struct Rewriter<'c> {
     rewrote_device: bool,
     /// `let`s of each optimizer seen so far (to find the one an `Unseen` source names).
     lets_seen: HashMap<String, usize>,
+    /// Variables bound to an `nn::seq()` chain.
+    sequentials: Vec<syn::Ident>,
 }
 
 impl Rewriter<'_> {
@@ -247,6 +265,33 @@ impl Rewriter<'_> {
             __accel_lent.returned()?;
             __accel_value
         }))
+    }
+
+    /// A layer added to an `nn::seq()` (`nn::linear(path, ..)`, or the accelerator's fp8
+    /// `linear`), made a unit of the accelerator: under zero3/fsdp its parameters are then
+    /// sharded at rest, gathered around its forward and backward.
+    fn unit_around(&self, layer: &Expr) -> Option<Expr> {
+        let name = &self.cx.name;
+        let (first, rest, make) = match layer {
+            Expr::Call(c) if LAYERS.iter().any(|l| is_call_to(layer, &["nn", l])) => {
+                let func = &c.func;
+                let (first, rest) = (c.args.first()?, c.args.iter().skip(1));
+                (first, rest.collect::<Vec<_>>(), quote!(#func))
+            }
+            Expr::MethodCall(m)
+                if m.method == "linear"
+                    && matches!(&*m.receiver, Expr::Path(p) if p.path.is_ident(name)) =>
+            {
+                let (first, rest) = (m.args.first()?, m.args.iter().skip(1));
+                (first, rest.collect::<Vec<_>>(), quote!(#name.linear))
+            }
+            _ => return None,
+        };
+        let span = span_of(layer);
+        Some(parse_quote_spanned_expr(
+            span,
+            quote!(#name.unit(#first, |__accel_path| #make(__accel_path, #(#rest),*))),
+        ))
     }
 
     /// The name to suggest in messages for the model's VarStore.
@@ -515,6 +560,19 @@ impl VisitMut for Rewriter<'_> {
                 return;
             }
         }
+        // Each layer of an `nn::seq()` built here becomes a unit, so that zero3/fsdp shards
+        // unchanged code (under other strategies a unit is its layer).
+        if let Expr::MethodCall(m) = expr {
+            if m.method == "add"
+                && m.args.len() == 1
+                && body::is_sequential(&m.receiver, &self.sequentials)
+            {
+                if let Some(unit) = self.unit_around(&m.args[0]) {
+                    m.args[0] = unit;
+                    return;
+                }
+            }
+        }
         let name = self.cx.name.clone();
         let span = span_of(expr);
         // Where the function's loops draw their own batches, each process seeds its own
@@ -721,6 +779,7 @@ pub(crate) fn function(
         rewrote_build: false,
         rewrote_device: false,
         lets_seen: HashMap::new(),
+        sequentials: body::sequentials(&f),
     };
     rewriter.refuse_unreachable_optimizers();
     rewriter.errors.extend(hand_written_accumulation(&f.block, &optimizers, raw));

@@ -18,9 +18,31 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
         let vs = nn::VarStore::new(Device::Cpu);
         let head = vs.root().set_group(1);
         let net = nn::seq()
-            .add(nn::linear(vs.root() / "layers" / 0, 6, 16, Default::default()))
+            .add(
+                accelerator
+                    .unit(
+                        vs.root() / "layers" / 0,
+                        |__accel_path| nn::linear(
+                            __accel_path,
+                            6,
+                            16,
+                            Default::default(),
+                        ),
+                    ),
+            )
             .add_fn(|x| x.tanh())
-            .add(nn::linear(&head / "layers" / 1, 16, 3, Default::default()));
+            .add(
+                accelerator
+                    .unit(
+                        &head / "layers" / 1,
+                        |__accel_path| nn::linear(
+                            __accel_path,
+                            16,
+                            3,
+                            Default::default(),
+                        ),
+                    ),
+            );
         let mut opt = accelerator
             .build_optimizer(
                 nn::AdamW {

@@ -22,13 +22,57 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
         let gen_vs = nn::VarStore::new(Device::Cpu);
         let disc_vs = nn::VarStore::new(Device::Cpu);
         let generator = nn::seq()
-            .add(nn::linear(gen_vs.root() / "layers" / 0, 6, 16, Default::default()))
+            .add(
+                accelerator
+                    .unit(
+                        gen_vs.root() / "layers" / 0,
+                        |__accel_path| nn::linear(
+                            __accel_path,
+                            6,
+                            16,
+                            Default::default(),
+                        ),
+                    ),
+            )
             .add_fn(|x| x.tanh())
-            .add(nn::linear(gen_vs.root() / "layers" / 1, 16, 6, Default::default()));
+            .add(
+                accelerator
+                    .unit(
+                        gen_vs.root() / "layers" / 1,
+                        |__accel_path| nn::linear(
+                            __accel_path,
+                            16,
+                            6,
+                            Default::default(),
+                        ),
+                    ),
+            );
         let discriminator = nn::seq()
-            .add(nn::linear(disc_vs.root() / "layers" / 0, 6, 16, Default::default()))
+            .add(
+                accelerator
+                    .unit(
+                        disc_vs.root() / "layers" / 0,
+                        |__accel_path| nn::linear(
+                            __accel_path,
+                            6,
+                            16,
+                            Default::default(),
+                        ),
+                    ),
+            )
             .add_fn(|x| x.leaky_relu())
-            .add(nn::linear(disc_vs.root() / "layers" / 1, 16, 1, Default::default()));
+            .add(
+                accelerator
+                    .unit(
+                        disc_vs.root() / "layers" / 1,
+                        |__accel_path| nn::linear(
+                            __accel_path,
+                            16,
+                            1,
+                            Default::default(),
+                        ),
+                    ),
+            );
         let mut gen_opt = accelerator
             .build_optimizer(nn::Adam::default(), &gen_vs, 1e-2)?;
         let mut disc_opt = accelerator
