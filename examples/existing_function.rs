@@ -31,7 +31,7 @@ fn train(x: &Tensor, y: &Tensor, epochs: usize, batch_size: i64, out: &str) -> R
             last = loss.double_value(&[]);
         }
     }
-    if !out.is_empty() && std::env::var("RANK").map_or(true, |r| r == "0") {
+    if !out.is_empty() {
         vs.save(out)?;
     }
     Ok(last)

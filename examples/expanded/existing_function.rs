@@ -71,7 +71,7 @@ fn train(
                 last = loss.double_value(&[]);
             }
         }
-        if !out.is_empty() && std::env::var("RANK").map_or(true, |r| r == "0") {
+        if !out.is_empty() {
             accelerator.save_varstore(&vs, out)?;
         }
         Ok(last)

@@ -221,3 +221,26 @@ fn fsdp_on_unchanged_code_shards_the_layers_of_its_nn_seq_and_equals_one_process
         assert!(placed < model - layer, "a layer was placed whole: {placed} of {model}");
     }
 }
+
+/// A file the function saves (`vs.save(path)` each epoch) and then loads on every process:
+/// every process waits for the main process's write, so every load reads the last epoch's
+/// weights — 20 runs in a row on 2 and on 4 processes (the program fails, naming the
+/// process, when a load sees other weights).
+#[test]
+fn every_process_loads_what_the_function_saved_last() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("save-and-load");
+    std::fs::create_dir_all(&dir).unwrap();
+    for processes in [2, 4] {
+        for run_number in 0..20 {
+            let path = dir.join(format!("model-{processes}.ot"));
+            let _ = std::fs::remove_file(&path);
+            let program = vec![example("save_and_load"), path.display().to_string(), "2".into()];
+            let plan = LaunchPlan {
+                env: vec![("ACCEL_TIMEOUT_SECS".into(), "60".into())],
+                rank0_only: true,
+                ..LaunchPlan::local(processes, program)
+            };
+            assert_eq!(run(&plan).unwrap(), 0, "run {run_number} on {processes} processes");
+        }
+    }
+}

@@ -87,26 +87,38 @@ impl Accelerator {
     /// main process, to a temporary file beside `path` that is then renamed onto it, in the
     /// format tch picks from the extension (`.safetensors`, else libtorch's).
     ///
-    /// Where every process holds the whole model (DDP, zero1, zero2, zero3's unwrapped
-    /// units) the main process writes its own copy and the others do nothing, as with tch:
-    /// calling it on the main process only is fine. Where no process holds it whole (zero3
-    /// units, tensor or pipeline parallelism) it is gathered first, a collective that every
-    /// process must call; they return once the file is in place.
+    /// Every process calls it, and every process returns once the file is in place — as
+    /// Accelerate's `save_state` ends with `wait_for_everyone` — so that a `load` of `path`
+    /// that follows, on any process, reads what was written (not a file of an earlier save).
+    /// A failure to write is an error on every process. Where no process holds the model
+    /// whole (zero3 units, tensor or pipeline parallelism) it is gathered first.
     pub fn save_varstore(&self, vs: &VarStore, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        if self.holds_whole(vs)? {
-            if !self.is_main_process() {
-                return Ok(());
+        let written = if self.holds_whole(vs)? {
+            if self.is_main_process() {
+                let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+                named.sort_by(|a, b| a.0.cmp(&b.0));
+                write_atomically(path, &named)
+            } else {
+                Ok(())
             }
-            let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
-            named.sort_by(|a, b| a.0.cmp(&b.0));
-            return write_atomically(path, &named);
+        } else {
+            let whole = self.full_state_dict(vs)?;
+            if self.is_main_process() { write_atomically(path, &whole) } else { Ok(()) }
+        };
+        let Some(group) = self.process_group() else { return written };
+        // Every process waits for the main one's outcome (the barrier) and shares it.
+        let failed = written.as_ref().err().map(ToString::to_string);
+        let outcome: Option<String> =
+            group.broadcast_object(self.is_main_process().then_some(&failed), 0)?;
+        match (written, outcome) {
+            (Err(e), _) => Err(e),
+            (Ok(()), Some(m)) => Err(Error::Checkpoint {
+                path: Some(path.to_path_buf()),
+                message: format!("the main process could not write it: {m}"),
+            }),
+            (Ok(()), None) => Ok(()),
         }
-        let whole = self.full_state_dict(vs)?;
-        let written = if self.is_main_process() { write_atomically(path, &whole) } else { Ok(()) };
-        // Every process waits, whatever the main one met, so that none is left behind.
-        self.wait_for_everyone()?;
-        written
     }
 
     /// Whether this process holds every variable of `vs` whole, with its values: no tensor

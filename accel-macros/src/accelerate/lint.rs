@@ -8,6 +8,8 @@ use quote::ToTokens;
 use syn::visit::Visit;
 use syn::{Expr, ExprMethodCall};
 
+use super::body;
+
 /// Calls every process must make together.
 const COLLECTIVES: &[&str] = &[
     "wait_for_everyone",
@@ -39,6 +41,9 @@ const COLLECTIVES: &[&str] = &[
 const RANK_METHODS: &[&str] =
     &["is_main_process", "is_local_main_process", "process_index", "local_process_index"];
 const RANK_NAMES: &[&str] = &["rank", "local_rank", "global_rank", "process_index"];
+/// Environment variables the launchers set to a process's rank.
+const RANK_VARIABLES: &[&str] =
+    &["RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
 
 /// What makes `cond` differ between processes, as written (`accelerator.is_main_process()`).
 fn rank_dependence(cond: &Expr) -> Option<String> {
@@ -68,6 +73,20 @@ fn rank_dependence(cond: &Expr) -> Option<String> {
             }
             syn::visit::visit_expr_field(self, f);
         }
+        fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
+            // `std::env::var("RANK")`: the launcher's rank variables.
+            let reads_env = matches!(&*c.func, Expr::Path(p)
+                if p.path.segments.last().is_some_and(|s| s.ident == "var" || s.ident == "var_os")
+                    && p.path.segments.iter().any(|s| s.ident == "env"));
+            if let (true, None, Some(Expr::Lit(lit))) = (reads_env, &self.0, c.args.first()) {
+                if let syn::Lit::Str(name) = &lit.lit {
+                    if RANK_VARIABLES.contains(&name.value().as_str()) {
+                        self.0 = Some(format!("env::var({:?})", name.value()));
+                    }
+                }
+            }
+            syn::visit::visit_expr_call(self, c);
+        }
         fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
     }
     let mut finder = Finder(None);
@@ -75,15 +94,34 @@ fn rank_dependence(cond: &Expr) -> Option<String> {
     finder.0
 }
 
-/// Collective calls in `node` (not in closures, which may run anywhere).
-#[derive(Default)]
-struct Collectives(Vec<(Span, String)>);
+/// Collective calls in `node` (not in closures, which may run anywhere): the accelerator's,
+/// and `save` of one of the function's VarStores, which the attribute makes the
+/// accelerator's (every process waits until the file is written).
+struct Collectives<'v> {
+    found: Vec<(Span, String)>,
+    varstores: &'v [syn::Ident],
+}
 
-impl<'a> Visit<'a> for Collectives {
+impl<'a> Visit<'a> for Collectives<'_> {
     fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
         let method = m.method.to_string();
+        let varstore =
+            || body::place_key(&m.receiver).is_some_and(|k| self.varstores.iter().any(|v| *v == k));
         if COLLECTIVES.contains(&method.as_str()) {
-            self.0.push((m.method.span(), method));
+            self.found.push((
+                m.method.span(),
+                format!(
+                    "`{method}` is a collective: every process must call it, in the same order"
+                ),
+            ));
+        } else if method == "save" && varstore() {
+            self.found.push((
+                m.method.span(),
+                "`save` of the model's VarStore is, under #[accelerate], the accelerator's \
+                 `save_varstore`: the main process writes the file while every process waits \
+                 for it, so every process must call it (it is written once all the same)"
+                    .into(),
+            ));
         }
         syn::visit::visit_expr_method_call(self, m);
     }
@@ -92,20 +130,20 @@ impl<'a> Visit<'a> for Collectives {
 
 struct Lint {
     errors: Vec<syn::Error>,
+    varstores: Vec<syn::Ident>,
 }
 
 impl Lint {
     fn check_branches<'a>(&mut self, cond: &Expr, branches: impl IntoIterator<Item = &'a Expr>) {
         let Some(why) = rank_dependence(cond) else { return };
         for branch in branches {
-            let mut found = Collectives::default();
+            let mut found = Collectives { found: Vec::new(), varstores: &self.varstores };
             found.visit_expr(branch);
-            for (span, method) in found.0 {
+            for (span, what) in found.found {
                 self.errors.push(syn::Error::new(
                     span,
                     format!(
-                        "`{method}` is a collective: every process must call it, in the same \
-                         order. Here it is inside a branch on `{why}`, which only some \
+                        "{what}. Here it is inside a branch on `{why}`, which only some \
                          processes take, so the others would never join it and the run would \
                          hang until the timeout. Call it on every process (outside the branch); \
                          inside the branch, keep only what one process should do (print, log, \
@@ -137,7 +175,7 @@ impl<'a> Visit<'a> for Lint {
 
 /// One error per collective call inside a branch that depends on the process's rank.
 pub(crate) fn collectives_in_rank_branches(f: &syn::ItemFn) -> Vec<syn::Error> {
-    let mut lint = Lint { errors: Vec::new() };
+    let mut lint = Lint { errors: Vec::new(), varstores: body::varstores(f) };
     lint.visit_block(&f.block);
     lint.errors
 }
