@@ -289,8 +289,9 @@ fn fine_tune(
     Ok(started)
 }
 
-/// The base frozen and whole on every process, the adapters the only trained variables:
-/// evaluation with an adapter, a merge, or a LoRA fine-tune whose `--out` is PEFT's folder.
+/// The base frozen (whole on every process, or sharded under zero3/fsdp when training), the
+/// adapters the only trained variables: evaluation with an adapter, a merge, or a LoRA
+/// fine-tune whose `--out` is PEFT's folder.
 fn with_lora(
     args: &Args,
     acc: &Accelerator,
@@ -300,16 +301,23 @@ fn with_lora(
     baseline: f64,
 ) -> Result<()> {
     let configured = acc.config().strategy;
-    // The base is frozen and whole in every process; ddp replicates the adapters, zero3
-    // (and fsdp's full shard) shards them and their optimizer state.
+    // ddp replicates the frozen base and the adapters; zero3 (and fsdp's full shard) shards
+    // both, the base at rest (gathered a layer at a time), the adapters and their optimizer
+    // state.
     if !matches!(configured, Strategy::Single | Strategy::Ddp | Strategy::Zero3 | Strategy::Fsdp) {
         bail!(
-            "LoRA runs under single, ddp, zero3 or fsdp here, not {configured}: the frozen base \
-             stays whole in every process, and only those strategies are tested with it"
+            "LoRA runs under single, ddp, zero3 or fsdp here, not {configured}: only those \
+             strategies are tested with it"
         );
     }
-    let model = Llama::load_pretrained(acc, vs, &args.model)?;
-    vs.freeze();
+    let training = args.data.is_some() && args.merge_out.is_none() && args.eval.is_none();
+    let model = if training && matches!(configured, Strategy::Zero3 | Strategy::Fsdp) {
+        Llama::from_pretrained_frozen(acc, vs, &args.model)?
+    } else {
+        let model = Llama::load_pretrained(acc, vs, &args.model)?;
+        vs.freeze();
+        model
+    };
     let adapters = tch::nn::VarStore::new(acc.device());
     model.attach_lora(&adapters, lora_config, init)?;
     if let Some(dir) = &args.lora_adapter {

@@ -991,7 +991,10 @@ impl Llama {
             x = layer.run_on(&x, move |l, x| l.forward(x, &cos, &sin, &masks));
         }
         let x = rms_norm(&x, &self.norm, self.config.rms_norm_eps);
-        self.lm_head.as_ref().unwrap_or(&self.embed).run(|w| x.linear::<Tensor>(w, None))
+        self.lm_head
+            .as_ref()
+            .unwrap_or(&self.embed)
+            .run_with(&x, |w, x| x.linear::<Tensor>(w, None))
     }
 
     /// The model of Hugging Face folder `dir` (config.json, `model.safetensors` or an index
@@ -1007,6 +1010,24 @@ impl Llama {
         let dir = dir.as_ref();
         let model = Self::new(acc, &vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
         model.check_checkpoint(vs, dir)?;
+        acc.prepare_model_from_checkpoint(vs, dir)?;
+        Ok(model)
+    }
+
+    /// The base of a LoRA fine-tune: the model of folder `dir` (as
+    /// [`Llama::from_pretrained`]) with every variable frozen before `acc` prepares it, so
+    /// that under zero3/fsdp the base is sharded at rest — each process reads and keeps only
+    /// its shards, and gathers one layer at a time — and gets no gradient or optimizer
+    /// state. Attach the adapters to it ([`Llama::attach_lora`]) in a VarStore of their own.
+    pub fn from_pretrained_frozen(
+        acc: &accel_core::Accelerator,
+        vs: &mut tch::nn::VarStore,
+        dir: impl AsRef<Path>,
+    ) -> Result<Self> {
+        let dir = dir.as_ref();
+        let model = Self::new(acc, &vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
+        model.check_checkpoint(vs, dir)?;
+        vs.freeze();
         acc.prepare_model_from_checkpoint(vs, dir)?;
         Ok(model)
     }

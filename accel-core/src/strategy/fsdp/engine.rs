@@ -465,6 +465,35 @@ impl ShardedModel {
         Ok(())
     }
 
+    /// For a zero3 unit of frozen parameters only (LoRA's base, no gradient of its own whose
+    /// reduction would release it): releases it again once the gradient of its `input`
+    /// arrives, that is once its backward is done. Without an input that needs a gradient
+    /// it is released at the end of the backward pass.
+    pub(crate) fn release_after_backward_of(
+        self: &Arc<Self>,
+        unit: usize,
+        input: &Tensor,
+    ) -> Result<()> {
+        let frozen_only = {
+            let engine = lock(&self.engine);
+            engine.units[unit].managed && engine.units[unit].members.is_empty()
+        };
+        if !frozen_only || !input.requires_grad() {
+            return Ok(());
+        }
+        let model = self.clone();
+        add_grad_hook(input, move |_| {
+            let mut engine = lock(&model.engine);
+            if !engine.failed {
+                if let Err(e) = engine.release(unit) {
+                    engine.record(e);
+                }
+            }
+            None
+        })?;
+        Ok(())
+    }
+
     /// Keeps `error`, raised around unit `unit` where it could not be returned (inside
     /// autograd, or `Module::forward`), for the next accelerator call, and gives the unit
     /// zero-filled parameters so that the pass under way completes without collectives.
@@ -489,7 +518,8 @@ impl ShardedModel {
         let mut guard = lock(&self.engine);
         let engine = &mut *guard;
         engine.take_error()?;
-        if engine.units.iter().all(|u| u.ready == 0 && !u.reduced) {
+        let idle = |u: &UnitState| u.ready == 0 && !u.reduced && !(u.managed && u.gathered);
+        if engine.units.iter().all(idle) {
             return Ok(());
         }
         let unused: Vec<String> = engine

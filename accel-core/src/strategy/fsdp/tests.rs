@@ -406,6 +406,50 @@ fn zero3_shards_a_units_frozen_parameters_and_gathers_them_with_it() {
     }
 }
 
+/// A unit of frozen parameters only (a LoRA base layer) has no gradient whose reduction
+/// would release it after its backward: given its input, it is released as soon as the
+/// input's gradient arrives, before the backward pass ends — a frozen base is never
+/// gathered whole during backward.
+#[test]
+fn a_frozen_unit_is_released_as_soon_as_its_backward_is_done() {
+    on_ranks(2, Duration::from_secs(20), |group| {
+        let rank = group.rank();
+        let mut params = model(rank);
+        // blocks.0 frozen; the head trains (after it), an input that needs a gradient
+        // flows into the block.
+        params[0].tensor = params[0].tensor.detach();
+        params[1].tensor = params[1].tensor.detach();
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let unit = Unit::new(&pending, &(vs.root() / "blocks" / 0), ());
+        let sharded = sharded(&params, &group, &pending, ShardOptions::default());
+        let bytes = |p: &Param| shim::storage_nbytes(&p.tensor).unwrap();
+        let (weight, bias) = (params[1].tensor.shallow_clone(), params[0].tensor.shallow_clone());
+        let (x, y) = batch(rank);
+        let x = x.set_requires_grad(true);
+        let released_in_backward = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = released_in_backward.clone();
+        let weight_probe = std::sync::Mutex::new(params[1].tensor.shallow_clone());
+        // A hook on the input of the block's input: it runs after the block's backward.
+        let upstream = &x * 1.0;
+        let _hook = shim::add_grad_hook(&x, move |_| {
+            let released = shim::storage_nbytes(&weight_probe.lock().unwrap()).unwrap() == 0;
+            seen.store(released, std::sync::atomic::Ordering::SeqCst);
+            None
+        });
+        let hidden = unit.run_with(&upstream, |(), x| x.linear(&weight, Some(&bias)).relu());
+        let loss =
+            (hidden.linear::<Tensor>(&params[2].tensor, None) - y).square().mean(Kind::Float);
+        loss.backward();
+        assert!(
+            released_in_backward.load(std::sync::atomic::Ordering::SeqCst),
+            "released before the backward pass ended"
+        );
+        assert_eq!(bytes(&params[1]), 0);
+        sharded.finish().unwrap();
+        assert!(x.grad().defined(), "the gradient reached the input");
+    });
+}
+
 #[test]
 fn param_dtype_gathers_and_computes_in_bf16_while_masters_and_full_weights_stay_fp32() {
     let results = on_ranks(2, Duration::from_secs(20), |group| {

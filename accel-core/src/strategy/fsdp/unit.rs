@@ -210,6 +210,24 @@ impl<M> Unit<M> {
         }
         out
     }
+
+    /// [`run`](Self::run) of `forward(module, x)` on the unit's one input `x`: knowing it,
+    /// a unit whose parameters are all frozen (LoRA's base) is released again as soon as its
+    /// backward is done (when `x`'s gradient arrives), not at the end of the backward pass.
+    pub fn run_with(&self, x: &Tensor, forward: impl FnOnce(&M, &Tensor) -> Tensor) -> Tensor {
+        let out = self.run(|m| forward(m, x));
+        self.watch_input(x);
+        out
+    }
+
+    /// See [`run_with`](Self::run_with).
+    fn watch_input(&self, x: &Tensor) {
+        if let Some((model, unit)) = self.handle.model() {
+            if let Err(e) = model.release_after_backward_of(unit, x) {
+                model.record(unit, e);
+            }
+        }
+    }
 }
 
 impl<M: Send + 'static> Unit<M> {
@@ -225,19 +243,21 @@ impl<M: Send + 'static> Unit<M> {
         forward: impl Fn(&M, &Tensor) -> Tensor + Send + 'static,
     ) -> Tensor {
         if self.handle.checkpointing.get() != Some(&true) {
-            return self.run(|m| forward(m, x));
+            return self.run_with(x, |m, x| forward(m, x));
         }
         let module = Shared(self.inner.0.clone());
-        self.run(|_| {
+        let out = self.run(|_| {
             let recompute = move |x: &Tensor| forward(module.get(), x);
             crate::shim::checkpoint(x, recompute)
                 .unwrap_or_else(|e| panic!("activation checkpointing of unit: {e}"))
-        })
+        });
+        self.watch_input(x);
+        out
     }
 }
 
 impl<M: Module> Module for Unit<M> {
     fn forward(&self, xs: &Tensor) -> Tensor {
-        self.run(|m| m.forward(xs))
+        self.run_with(xs, |m, xs| m.forward(xs))
     }
 }
