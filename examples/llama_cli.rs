@@ -94,6 +94,14 @@ struct Args {
     /// `merge_and_unload`), for `from_pretrained`.
     #[arg(long, requires = "lora_adapter")]
     merge_out: Option<PathBuf>,
+    /// After the last step, save the training state here (`save_state`).
+    #[arg(long, requires = "data")]
+    save_state: Option<PathBuf>,
+    /// Before the first step, load the training state saved here (`load_state`, on any
+    /// number of processes); the report then says the peak while loading it
+    /// (`resume_peak_bytes`).
+    #[arg(long, requires = "data")]
+    resume: Option<PathBuf>,
 }
 
 fn input_ids(path: &PathBuf) -> Result<Tensor> {
@@ -177,14 +185,14 @@ fn fine_tune_and_report(
 ) -> Result<bool> {
     let load_peak = rss().1 - baseline;
     if args.steps == 0 {
-        report(acc, trained, load_peak, None, None);
+        report(acc, trained, load_peak, None, None, None);
         return Ok(false);
     }
-    let started = fine_tune(args, acc, model, trained, data)?;
+    let (started, resume_peak) = fine_tune(args, acc, model, trained, data, baseline)?;
     let step_s = started
         .filter(|_| args.steps > 1)
         .map(|t| t.elapsed().as_secs_f64() / (args.steps - 1) as f64);
-    report(acc, trained, load_peak, Some(rss().1 - baseline), step_s);
+    report(acc, trained, load_peak, Some(rss().1 - baseline), step_s, resume_peak);
     Ok(true)
 }
 
@@ -195,6 +203,7 @@ fn report(
     load_peak: f64,
     train_peak: Option<f64>,
     step_s: Option<f64>,
+    resume_peak: Option<f64>,
 ) {
     let params: i64 = trained.trainable_variables().iter().map(|t| t.numel() as i64).sum();
     println!(
@@ -206,6 +215,8 @@ fn report(
             "params": params,
             "load_peak_bytes": load_peak,
             "peak_bytes": train_peak.unwrap_or(load_peak),
+            "resume_peak_bytes": resume_peak,
+            "checkpoint_bytes_read": acc.io_counts().checkpoint_bytes_read,
             "step_s": step_s,
         })
     );
@@ -225,14 +236,16 @@ fn evaluate(acc: &Accelerator, model: &Llama, eval: &PathBuf, out: &PathBuf) -> 
 /// `--steps` AdamW steps on the variables of `trainable` (prepared), the rows of `data` dealt
 /// in order, epochs repeating; rank 0's loss of every step to `--losses`. Returns when the
 /// steps after the first began (the first makes the optimizer state; memory peaks are
-/// measured after it).
+/// measured after it), and with `--resume` the peak memory above `baseline` until the state
+/// was loaded.
 fn fine_tune(
     args: &Args,
     acc: &Accelerator,
     model: &Llama,
     trainable: &tch::nn::VarStore,
     data: &PathBuf,
-) -> Result<Option<std::time::Instant>> {
+    baseline: f64,
+) -> Result<(Option<std::time::Instant>, Option<f64>)> {
     if model.config.attention_dropout != 0.0 {
         bail!(
             "{}: attention_dropout is {}; this trainer implements none (set it to 0.0 to \
@@ -253,6 +266,13 @@ fn fine_tune(
     let options = LoaderOptions { batch_size: args.batch_size, ..Default::default() };
     let mut loader =
         acc.prepare_loader(DataLoader::new(TensorDataset::new(vec![ids])?, options)?)?;
+    let resume_peak = match &args.resume {
+        Some(dir) => {
+            acc.load_state(dir)?;
+            Some(rss().1 - baseline)
+        }
+        None => None,
+    };
     let mut log = match (&args.losses, acc.is_main_process()) {
         (Some(path), true) => Some(std::fs::File::create(path)?),
         _ => None,
@@ -285,8 +305,11 @@ fn fine_tune(
             }
         }
     }
+    if let Some(dir) = &args.save_state {
+        acc.save_state(dir)?;
+    }
     acc.wait_for_everyone()?;
-    Ok(started)
+    Ok((started, resume_peak))
 }
 
 /// The base frozen (whole on every process, or sharded under zero3/fsdp when training), the

@@ -176,6 +176,20 @@ def memory(args):
                                 fused=True)
         strategy = "ddp" if args.ddp else "fsdp2"
     load_peak = status_bytes("VmHWM:") - baseline
+    resume_peak = None
+    if args.resume:
+        # torch.distributed.checkpoint, as torchtitan resumes FSDP2: each rank reads its
+        # own shards' chunks into the state dicts, then sets them.
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(model, opt)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=args.resume)
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        del state, model_state, optim_state
+        resume_peak = status_bytes("VmHWM:") - baseline
     ids = load_file(args.data)["input_ids"]
     rank, world = dist.get_rank(), dist.get_world_size()
     model.train()
@@ -193,13 +207,21 @@ def memory(args):
                 f.write("5")
             t0 = time.perf_counter()
     dist.barrier()
+    peak = status_bytes("VmHWM:") - baseline
+    if args.save_state:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=args.save_state)
     print(json.dumps({
         "rank": rank,
         "strategy": strategy,
         "activation_checkpointing": args.checkpointing,
         "params": params,
         "load_peak_bytes": load_peak,
-        "peak_bytes": status_bytes("VmHWM:") - baseline,
+        "resume_peak_bytes": resume_peak,
+        "peak_bytes": peak,
         "step_s": (time.perf_counter() - t0) / max(args.steps - 1, 1),
     }))
     dist.destroy_process_group()
@@ -229,6 +251,8 @@ p.add_argument("--lr", type=float, default=1e-3)
 p.add_argument("--weight-decay", type=float, default=0.0)
 p.add_argument("--losses")
 p.add_argument("--lora-adapter", help="train: a PEFT adapter folder trained on the frozen base")
+p.add_argument("--save-state", help="memory: save the model and optimizer state here (DCP)")
+p.add_argument("--resume", help="memory: load the state saved there (DCP) before training")
 args = p.parse_args()
 modes = {"make": make, "tokens": tokens, "logits": logits, "train": train, "load": logits, "memory": memory}
 modes[args.mode](args)

@@ -1149,7 +1149,7 @@ fn load_peak(command: &mut Command, n: usize) -> Result<f64, String> {
 fn llama_memory_bench() -> Result<(), String> {
     cargo(
         &["build", "--release", "-p", "accel-core", "--bin", "accel", "-p", "accel-examples"],
-        &["--example".into(), "llama".into()],
+        &["--example".into(), "llama".into(), "--example".into(), "fsdp_unchanged".into()],
     )?;
     const MIB: f64 = 1024.0 * 1024.0;
     let root = root();
@@ -1231,6 +1231,8 @@ fn llama_memory_bench() -> Result<(), String> {
     ));
     report.figure("load_4_ddp_mib", ddp / MIB);
     report.figure("load_4_zero3_mib", zero3 / MIB);
+    resume_rows(&mut report, &dir, &ours, &theirs)?;
+    readme_example_rows(&mut report, &root)?;
     report.say(
         "fine-tuning (AdamW, batch 2 x 128 tokens per process, steps 2-3; accel beside torch's \
          FSDP2 (fully_shard per decoder layer, the embedding and the head, as Accelerate's \
@@ -1255,6 +1257,12 @@ fn llama_memory_bench() -> Result<(), String> {
             (
                 "accel ddp + LoRA r8",
                 lora(ours(n, "ddp", "3", false)),
+                "Accelerate + peft LoRA r8 (DDP)",
+                lora(theirs(n, false, false)),
+            ),
+            (
+                "accel zero3 + LoRA r8 (base sharded)",
+                lora(ours(n, "zero3", "3", false)),
                 "Accelerate + peft LoRA r8 (DDP)",
                 lora(theirs(n, false, false)),
             ),
@@ -1284,6 +1292,119 @@ fn llama_memory_bench() -> Result<(), String> {
         }
     }
     write_block_results(LLAMA_RESULTS, "cargo xtask bench llama", &report, None)
+}
+
+/// The highest value of `key` among a memory benchmark's ranks.
+fn highest(objects: &[String], key: &str) -> f64 {
+    objects.iter().filter_map(|o| field(o, key)).fold(0.0, f64::max)
+}
+
+/// Resuming the Llama under zero3 on 4 processes: the peak while loading the state beside
+/// the peak while training (the same run's), and the bytes each process read, beside FSDP2
+/// resuming with torch.distributed.checkpoint.
+fn resume_rows(
+    report: &mut Report,
+    dir: &Path,
+    ours: &dyn Fn(usize, &str, &str, bool) -> Command,
+    theirs: &dyn Fn(usize, bool, bool) -> Command,
+) -> Result<(), String> {
+    const MIB: f64 = 1024.0 * 1024.0;
+    let (state, dcp) = (dir.join("state-zero3-4"), dir.join("state-fsdp2-4"));
+    let _ = std::fs::remove_dir_all(&dcp);
+    let mut save = ours(4, "zero3", "3", false);
+    rank_results(save.arg("--save-state").arg(&state), 4)?;
+    let mut resume = ours(4, "zero3", "3", false);
+    let resumed = rank_results(resume.arg("--resume").arg(&state), 4)?;
+    let (train, load) = (highest(&resumed, "peak_bytes"), highest(&resumed, "resume_peak_bytes"));
+    let read = highest(&resumed, "checkpoint_bytes_read");
+    let saved: u64 = std::fs::read_dir(&state)
+        .map_err(|e| format!("{}: {e}", state.display()))?
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    let mut their_save = theirs(4, false, false);
+    rank_results(their_save.arg("--save-state").arg(&dcp), 4)?;
+    let mut their_resume = theirs(4, false, false);
+    let their = rank_results(their_resume.arg("--resume").arg(&dcp), 4)?;
+    let (their_train, their_load) =
+        (highest(&their, "peak_bytes"), highest(&their, "resume_peak_bytes"));
+    report.say(format!(
+        "resuming (zero3, 4 processes, AdamW state): accel's peak while loading {:.0} MiB, \
+         {:.2}x its training peak of {:.0} MiB; each process read at most {:.0} MiB of the \
+         {:.0} MiB checkpoint. PyTorch FSDP2 + torch.distributed.checkpoint: {:.0} MiB while \
+         loading, {:.2}x its training peak of {:.0} MiB",
+        load / MIB,
+        load / train,
+        train / MIB,
+        read / MIB,
+        saved as f64 / MIB,
+        their_load / MIB,
+        their_load / their_train,
+        their_train / MIB,
+    ));
+    report.figure("resume_4_zero3_load_mib", load / MIB);
+    report.figure("resume_4_zero3_train_mib", train / MIB);
+    report.figure("resume_4_zero3_read_mib", read / MIB);
+    report.figure("resume_4_fsdp2_load_mib", their_load / MIB);
+    report.figure("resume_4_fsdp2_train_mib", their_train / MIB);
+    Ok(())
+}
+
+/// The README's line (`strategy = "fsdp"`) on its unchanged shape of loop, at 56.7M
+/// parameters (examples/fsdp_unchanged.rs): peak per process on 1, 2 and 4 processes, with
+/// the attribute's units and without (`ACCEL_WRAP=none`, every parameter whole as under
+/// zero2), beside FSDP2 `fully_shard` per layer (python/reference/mlp_fsdp.py).
+fn readme_example_rows(report: &mut Report, root: &Path) -> Result<(), String> {
+    const MIB: f64 = 1024.0 * 1024.0;
+    let ours = |n: usize, wrap: Option<&str>| {
+        let mut c = Command::new(root.join("target/release/accel"));
+        c.args(["launch", "--num-processes", &n.to_string(), "--main-process-port", "0", "--cpu"])
+            .arg(root.join("target/release/examples/fsdp_unchanged"))
+            .env("MALLOC_MMAP_THRESHOLD_", "65536");
+        if let Some(wrap) = wrap {
+            c.env("ACCEL_WRAP", wrap);
+        }
+        c
+    };
+    let theirs = |n: usize| {
+        let mut c = Command::new(root.join(".venv/bin/torchrun"));
+        c.args([format!("--nproc-per-node={n}").as_str(), "--master-port=29794"])
+            .arg(root.join("python/reference/mlp_fsdp.py"))
+            .env("MALLOC_MMAP_THRESHOLD_", "65536");
+        c
+    };
+    report.say(
+        "the README's line, strategy = \"fsdp\", on an unchanged loop over an nn::seq() of 24 \
+         linear layers of width 1536 (56.7M parameters, 216 MiB; plain SGD; \
+         examples/fsdp_unchanged.rs): peak MiB per process over the steps after the first \
+         (and over the whole run, which includes building the model whole)",
+    );
+    report.say(format!("{:<3} {:<44} {:>10} {:>10}", "N", "", "steps", "whole run"));
+    for n in [1usize, 2, 4] {
+        let mut rows =
+            vec![("accel fsdp (each layer a unit)", rank_results(&mut ours(n, None), n)?)];
+        if n == 4 {
+            rows.push((
+                "accel fsdp, units off (ACCEL_WRAP=none)",
+                rank_results(&mut ours(n, Some("none")), n)?,
+            ));
+        }
+        if n > 1 {
+            rows.push(("PyTorch FSDP2 fully_shard per layer", rank_results(&mut theirs(n), n)?));
+        }
+        for (name, objects) in rows {
+            let (steps, whole) =
+                (highest(&objects, "train_peak_bytes"), highest(&objects, "peak_bytes"));
+            report.say(format!("{n:<3} {name:<44} {:>10.0} {:>10.0}", steps / MIB, whole / MIB));
+            let key: String = name
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+                .collect();
+            report.figure(&format!("readme.{n}.{key}.steps_mib"), steps / MIB);
+            report.figure(&format!("readme.{n}.{key}.run_mib"), whole / MIB);
+        }
+    }
+    Ok(())
 }
 
 /// The main job: the `train` example on 2 processes of this machine, on CPU.
