@@ -203,7 +203,7 @@ fn report(
     load_peak: f64,
     train_peak: Option<f64>,
     step_s: Option<f64>,
-    resume_peak: Option<f64>,
+    resume: Option<(f64, u64)>,
 ) {
     let params: i64 = trained.trainable_variables().iter().map(|t| t.numel() as i64).sum();
     println!(
@@ -215,8 +215,8 @@ fn report(
             "params": params,
             "load_peak_bytes": load_peak,
             "peak_bytes": train_peak.unwrap_or(load_peak),
-            "resume_peak_bytes": resume_peak,
-            "checkpoint_bytes_read": acc.io_counts().checkpoint_bytes_read,
+            "resume_peak_bytes": resume.map(|r| r.0),
+            "state_bytes_read": resume.map(|r| r.1),
             "step_s": step_s,
         })
     );
@@ -237,7 +237,7 @@ fn evaluate(acc: &Accelerator, model: &Llama, eval: &PathBuf, out: &PathBuf) -> 
 /// in order, epochs repeating; rank 0's loss of every step to `--losses`. Returns when the
 /// steps after the first began (the first makes the optimizer state; memory peaks are
 /// measured after it), and with `--resume` the peak memory above `baseline` until the state
-/// was loaded.
+/// was loaded and the bytes `load_state` read.
 fn fine_tune(
     args: &Args,
     acc: &Accelerator,
@@ -245,7 +245,7 @@ fn fine_tune(
     trainable: &tch::nn::VarStore,
     data: &PathBuf,
     baseline: f64,
-) -> Result<(Option<std::time::Instant>, Option<f64>)> {
+) -> Result<(Option<std::time::Instant>, Option<(f64, u64)>)> {
     if model.config.attention_dropout != 0.0 {
         bail!(
             "{}: attention_dropout is {}; this trainer implements none (set it to 0.0 to \
@@ -268,8 +268,10 @@ fn fine_tune(
         acc.prepare_loader(DataLoader::new(TensorDataset::new(vec![ids])?, options)?)?;
     let resume_peak = match &args.resume {
         Some(dir) => {
+            let before = acc.io_counts().checkpoint_bytes_read;
             acc.load_state(dir)?;
-            Some(rss().1 - baseline)
+            let read = acc.io_counts().checkpoint_bytes_read - before;
+            Some((rss().1 - baseline, read))
         }
         None => None,
     };

@@ -1316,7 +1316,7 @@ fn resume_rows(
     let mut resume = ours(4, "zero3", "3", false);
     let resumed = rank_results(resume.arg("--resume").arg(&state), 4)?;
     let (train, load) = (highest(&resumed, "peak_bytes"), highest(&resumed, "resume_peak_bytes"));
-    let read = highest(&resumed, "checkpoint_bytes_read");
+    let read = highest(&resumed, "state_bytes_read");
     let saved: u64 = std::fs::read_dir(&state)
         .map_err(|e| format!("{}: {e}", state.display()))?
         .filter_map(|e| e.ok()?.metadata().ok())

@@ -132,6 +132,9 @@ pub(crate) struct FileReader<'c> {
     /// The manifest's record of the file, when it has one; its blocks checked so far.
     record: Option<FileRecord>,
     checked: Vec<bool>,
+    /// The last block read whole for part of it: adjacent tensors share their edge blocks,
+    /// and the next one's part is then served from here, not read again.
+    last: Option<(usize, Vec<u8>)>,
     pub entries: BTreeMap<String, TensorEntry>,
     counter: &'c ReadCounter,
 }
@@ -178,6 +181,7 @@ impl<'c> FileReader<'c> {
             size,
             record: record.cloned(),
             checked: vec![false; blocks],
+            last: None,
             entries: BTreeMap::new(),
             counter,
         };
@@ -272,24 +276,30 @@ impl<'c> FileReader<'c> {
         let Some(block) = self.record.as_ref().map(|r| r.block) else {
             return self.raw_read(at, into);
         };
-        let mut scratch = Vec::new();
         let mut pos = at;
         while pos < end {
             let b = (pos / block) as usize;
             let (start, stop) = self.block_range(b);
             let upto = stop.min(end);
             let target = &mut into[(pos - at) as usize..(upto - at) as usize];
-            if self.checked[b] {
-                self.raw_read(pos, target)?;
+            let part = (pos - start) as usize..(upto - start) as usize;
+            if let Some((_, bytes)) = self.last.as_ref().filter(|(l, _)| *l == b) {
+                target.copy_from_slice(&bytes[part]);
             } else if pos == start && upto == stop {
-                // The whole block is wanted: read and check it in place.
+                // The whole block is wanted: read (and check) it in place.
                 self.raw_read(pos, target)?;
-                self.compare(b, target)?;
+                if !self.checked[b] {
+                    self.compare(b, target)?;
+                }
+            } else if self.checked[b] {
+                self.raw_read(pos, target)?;
             } else {
+                let mut scratch = self.last.take().map(|(_, v)| v).unwrap_or_default();
                 scratch.resize((stop - start) as usize, 0);
                 self.raw_read(start, &mut scratch)?;
                 self.compare(b, &scratch)?;
-                target.copy_from_slice(&scratch[(pos - start) as usize..(upto - start) as usize]);
+                target.copy_from_slice(&scratch[part]);
+                self.last = Some((b, scratch));
             }
             pos = upto;
         }

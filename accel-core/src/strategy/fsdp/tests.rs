@@ -554,3 +554,63 @@ fn forward_passes(acc: &crate::Accelerator, prepared: bool) -> usize {
     assert!(x.grad().defined(), "the gradient reaches the input");
     calls.load(SeqCst)
 }
+
+/// The GPU half of "never whole on the device" (runs in scripts/gpu-check.sh): a model of
+/// 4 units of 1 MiB built on the CPU, prepared under zero3 with rank 0's device cuda:0 (rank
+/// 1 keeps to the CPU, so that only rank 0's bytes reach the GPU). The GPU's peak of
+/// allocated bytes during prepare stays at rank 0's chunks (half of each unit), far from the
+/// model's 4 MiB; the parameters there are placed released. On a machine without CUDA it
+/// checks that the CPU path places the same chunks.
+#[test]
+fn zero3_prepare_never_holds_the_model_whole_on_the_gpu_cuda() {
+    crate::cuda::load_libtorch_cuda();
+    let cuda = tch::Cuda::is_available();
+    let peaks = on_ranks(2, Duration::from_secs(60), move |group| {
+        let rank = group.rank();
+        let device = if cuda && rank == 0 { Device::Cuda(0) } else { Device::Cpu };
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let params: Vec<Param> = (0..4)
+            .map(|i| {
+                let tensor = values(&[512, 512], i as f64).set_requires_grad(true);
+                Param { name: format!("blocks.{i}.weight"), tensor }
+            })
+            .collect();
+        let _units: Vec<Unit<()>> =
+            (0..4).map(|i| Unit::new(&pending, &(vs.root() / "blocks" / i), ())).collect();
+        if device != Device::Cpu {
+            crate::shim::cuda::reset_peak_memory(0).unwrap();
+        }
+        let group: Arc<dyn Communicator> = Arc::new(group.clone());
+        let placed = std::sync::atomic::AtomicU64::new(0);
+        let model = ShardedModel::new(
+            &params,
+            &pending,
+            group.as_ref(),
+            group.clone(),
+            None,
+            Stage::Parameters,
+            ShardOptions::default(),
+            false,
+            device,
+            &placed,
+        )
+        .unwrap();
+        for p in &params {
+            assert_eq!(p.tensor.device(), device, "placed on the process's device");
+            assert_eq!(shim::storage_nbytes(&p.tensor).unwrap(), 0, "placed released");
+        }
+        let gpu_peak = match device {
+            Device::Cuda(_) => Some(crate::shim::cuda::max_memory_allocated(0).unwrap()),
+            _ => None,
+        };
+        drop(model);
+        (placed.load(std::sync::atomic::Ordering::Relaxed), gpu_peak)
+    });
+    let model_bytes = 4 * 512 * 512 * 4u64;
+    for (placed, gpu_peak) in peaks {
+        assert_eq!(placed, model_bytes / 2, "each rank places its chunks: half the model");
+        if let Some(peak) = gpu_peak {
+            assert!(peak <= model_bytes / 2 + (1 << 20), "GPU peak {peak} during prepare");
+        }
+    }
+}
