@@ -123,6 +123,10 @@ fn input_ids(path: &PathBuf) -> Result<Tensor> {
     Ok(ids)
 }
 
+/// A `--resume`: the peak memory above the baseline until the state was loaded, and the
+/// bytes `load_state` read.
+type Resumed = (f64, u64);
+
 /// Resident memory now, and its high-water mark.
 fn rss() -> (f64, f64) {
     let now = accel_examples::proc_status_bytes("VmRSS:").unwrap_or(0.0);
@@ -203,7 +207,7 @@ fn report(
     load_peak: f64,
     train_peak: Option<f64>,
     step_s: Option<f64>,
-    resume: Option<(f64, u64)>,
+    resume: Option<Resumed>,
 ) {
     let params: i64 = trained.trainable_variables().iter().map(|t| t.numel() as i64).sum();
     println!(
@@ -245,7 +249,7 @@ fn fine_tune(
     trainable: &tch::nn::VarStore,
     data: &PathBuf,
     baseline: f64,
-) -> Result<(Option<std::time::Instant>, Option<(f64, u64)>)> {
+) -> Result<(Option<std::time::Instant>, Option<Resumed>)> {
     if model.config.attention_dropout != 0.0 {
         bail!(
             "{}: attention_dropout is {}; this trainer implements none (set it to 0.0 to \
