@@ -1,13 +1,19 @@
 //! The named choices of accel's configuration: [`Strategy`], [`Precision`], fp8's
 //! [`Fp8Recipe`], FSDP's [`Sharding`], [`DataSharding`] and the trackers
-//! ([`LogWith`]). One definition serves the runtime (accel-core re-exports these enums) and
-//! the `#[accelerate]` attribute (accel-macros parses its arguments into them), so the
-//! attribute accepts exactly what the runtime runs.
+//! ([`LogWith`]); and the table of every setting ([`settings!`], [`SETTINGS`]). One
+//! definition serves the runtime (accel-core re-exports these and generates its
+//! configuration from the table) and the `#[accelerate]` attribute (accel-macros parses its
+//! arguments with them), so the attribute accepts exactly what the runtime runs.
 
 use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
+
+mod settings;
+pub use settings::{
+    BadValue, Literal, SETTINGS, Setting, SettingValue, StateDict, Wrap, parse_bool, setting,
+};
 
 /// A name that is none of the valid choices, with the nearest one if it looks like a typo.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1473,6 +1473,23 @@ mod tests {
             .join("\n")
     }
 
+    /// Configuration is its own layer: the accelerator and tracking read settings and files
+    /// through `config`, never through the launcher (`launch` starts processes, and is above
+    /// both).
+    #[test]
+    fn the_accelerator_and_tracking_import_nothing_of_the_launcher() {
+        for module in ["accelerator", "tracking", "config"] {
+            for file in rust_files(&root().join("accel-core/src").join(module)) {
+                let code = code_of(&std::fs::read_to_string(&file).unwrap());
+                assert!(
+                    !code.contains("crate::launch"),
+                    "{} imports the launcher; read settings through crate::config",
+                    rel(&file)
+                );
+            }
+        }
+    }
+
     /// The top-level modules of accel-core (files and folders of src/, lib.rs and bin/ aside)
     /// import each other in no cycle: each `crate::module` path, and each `crate::Name`
     /// re-exported at the root by lib.rs's `pub use module::..`, is an edge.

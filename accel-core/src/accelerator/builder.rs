@@ -8,15 +8,42 @@ use tch::Device;
 
 use super::{Accelerator, CURRENT, GradientState, Inner, Registry};
 use crate::comm::GroupOptions;
-use crate::config::{Config, Fp8Recipe, PartialConfig, Precision, Strategy, config_file_from_env};
+use crate::config::file::{DEEPSPEED_CONFIG_ENV, LaunchConfig};
+use crate::config::{Config, PartialConfig, Precision, Strategy, config_file_from_env};
 use crate::error::{Error, Result};
-use crate::launch::config::{DEEPSPEED_CONFIG_ENV, LaunchConfig};
 use crate::mesh::{DeviceMesh, ParallelDims};
 use crate::precision::{self, GradScaler, ScalerConfig};
 use crate::strategy::ModelOptions;
 use crate::strategy::ddp::DdpOptions;
 use crate::strategy::fsdp::ShardOptions;
 use crate::topology::Topology;
+
+/// The builder's method of each setting the table marks `builder yes`: it sets the value,
+/// which wins over the environment's and the config file's.
+macro_rules! builder_methods {
+    ($(
+        $(#[doc = $doc:literal])+
+        $name:ident : $mode:ident $ty:ty = $default:expr,
+            env $env:literal, attribute $attr:ident, builder $builder:ident;
+    )+) => {
+        impl AcceleratorBuilder {
+            $(builder_method!($builder $name $ty; $($doc)+);)+
+        }
+    };
+}
+
+macro_rules! builder_method {
+    (yes $name:ident $ty:ty; $($doc:literal)+) => {
+        $(#[doc = $doc])+
+        pub fn $name(mut self, value: $ty) -> Self {
+            self.explicit.$name = Some(value);
+            self
+        }
+    };
+    (no $name:ident $ty:ty; $($doc:literal)+) => {};
+}
+
+accel_choices::settings!(builder_methods);
 
 /// Builds an [`Accelerator`]; every setting left out comes from the environment
 /// (`ACCEL_*`, set by `accel launch`), the config file, or the defaults.
@@ -138,80 +165,6 @@ impl AcceleratorBuilder {
         self.attribute_call = Some(call.to_owned());
         self
     }
-    /// Distribution strategy.
-    pub fn strategy(mut self, strategy: Strategy) -> Self {
-        self.explicit.strategy = Some(strategy);
-        self
-    }
-    /// Mixed precision.
-    pub fn precision(mut self, precision: Precision) -> Self {
-        self.explicit.precision = Some(precision);
-        self
-    }
-    /// How fp8 layers scale their operands (with `precision(Precision::Fp8)`).
-    pub fn fp8_recipe(mut self, recipe: Fp8Recipe) -> Self {
-        self.explicit.fp8_recipe = Some(recipe);
-        self
-    }
-    /// Micro-batches per optimizer step.
-    pub fn accumulate(mut self, steps: u32) -> Self {
-        self.explicit.accumulate = Some(steps);
-        self
-    }
-    /// Clip the global gradient norm before every optimizer step.
-    pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
-        self.explicit.clip_grad_norm = Some(max_norm);
-        self
-    }
-    /// Tensor-parallel ranks (the mesh's tensor dimension).
-    pub fn tensor_parallel(mut self, ranks: usize) -> Self {
-        self.explicit.tensor_parallel = Some(ranks);
-        self
-    }
-    /// Pipeline stages (the mesh's pipeline dimension).
-    pub fn pipeline_parallel(mut self, stages: usize) -> Self {
-        self.explicit.pipeline_parallel = Some(stages);
-        self
-    }
-    /// Context-parallel ranks (the mesh's context dimension): each sequence split among them
-    /// ([`crate::strategy::cp`]).
-    pub fn context_parallel(mut self, ranks: usize) -> Self {
-        self.explicit.context_parallel = Some(ranks);
-        self
-    }
-    /// Split activations along the sequence outside tensor-parallel regions.
-    pub fn sequence_parallel(mut self, on: bool) -> Self {
-        self.explicit.sequence_parallel = Some(on);
-        self
-    }
-    /// Recompute each `accel::Unit`'s activations in backward instead of keeping them
-    /// (FSDP's `activation_checkpointing`): less memory, one more forward pass per unit.
-    pub fn activation_checkpointing(mut self, on: bool) -> Self {
-        self.explicit.activation_checkpointing = Some(on);
-        self
-    }
-    /// How `save_state` writes sharded models: each process its shard (the default), or
-    /// gathered and written whole by the main process (FSDP's `FULL_STATE_DICT`).
-    pub fn state_dict(mut self, how: crate::config::StateDict) -> Self {
-        self.explicit.state_dict = Some(how);
-        self
-    }
-    /// Broadcast the first process's initial values of each prepared model (on by default;
-    /// FSDP's `sync_module_states`). Off: each process keeps its own.
-    pub fn sync_module_states(mut self, on: bool) -> Self {
-        self.explicit.sync_module_states = Some(on);
-        self
-    }
-    /// Seed torch's generators (and the shuffling of loaders that use the run's seed).
-    pub fn seed(mut self, seed: u64) -> Self {
-        self.explicit.seed = Some(seed);
-        self
-    }
-    /// Stay on CPU even where a GPU is available.
-    pub fn cpu(mut self, cpu: bool) -> Self {
-        self.explicit.cpu = Some(cpu);
-        self
-    }
     /// Keep the fp32 master shards and the optimizer state in CPU memory (zero2, zero3,
     /// fsdp; `build` refuses it with another strategy).
     pub fn offload(mut self, offload: bool) -> Self {
@@ -279,7 +232,7 @@ impl AcceleratorBuilder {
             }
         }
         let deepspeed = match &launch_file.deepspeed_config {
-            Some(path) => Some(crate::launch::deepspeed::read(path)?.settings),
+            Some(path) => Some(crate::config::deepspeed::read(path)?.settings),
             None => None,
         };
         let file = launch_file.training;

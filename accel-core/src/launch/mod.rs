@@ -8,10 +8,10 @@
 //! launcher names the failed rank, its exit code or signal and its last lines, and exits
 //! non-zero. Children die with the launcher (`PR_SET_PDEATHSIG`), so none is orphaned.
 
-pub mod check;
-pub mod config;
-pub mod deepspeed;
-mod yaml;
+// The files of settings are read by the configuration layer, below both the launcher and
+// the accelerator; these paths stay for the launcher's users.
+pub use crate::config::file as config;
+pub use crate::config::{check, deepspeed};
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
@@ -211,10 +211,10 @@ enum Outcome {
 
 /// What the launcher tells its processes about its terminal (`tty`: rank 0's progress is
 /// redrawn on one line, so it may report often; `lines`: every report stays in the log).
-pub const PROGRESS_ENV: &str = "ACCEL_PROGRESS";
+pub const PROGRESS_ENV: &str = crate::config::env::PROGRESS;
 
 /// The start of a progress report (`Accelerator::progress_bar` away from a terminal).
-pub const PROGRESS_PREFIX: &str = "progress ";
+pub use crate::config::env::PROGRESS_PREFIX;
 
 /// The launcher's output: the ranks' lines as they come, and, on a terminal, rank 0's
 /// latest progress report kept on the last line.

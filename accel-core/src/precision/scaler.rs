@@ -11,64 +11,14 @@ use tch::{Device, Kind, Tensor};
 use crate::error::Result;
 use crate::shim::amp_unscale;
 
-/// GradScaler's settings.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct ScalerConfig {
-    /// Starting scale (torch: 2^16).
-    pub init_scale: f64,
-    /// Growth factor after `growth_interval` clean steps (torch: 2.0).
-    pub growth_factor: f64,
-    /// Factor applied on overflow (torch: 0.5).
-    pub backoff_factor: f64,
-    /// Clean steps before growing (torch: 2000).
-    pub growth_interval: i64,
-    /// Overflows before the scale backs off, counted since the last growth (DeepSpeed's
-    /// `hysteresis`; torch: 1).
-    #[serde(default = "one")]
-    pub hysteresis: u32,
-    /// The scale never backs off below this (DeepSpeed's `min_loss_scale`; torch: 0).
-    #[serde(default)]
-    pub min_scale: f64,
-    /// Whether the scale changes at all (DeepSpeed's `loss_scale` > 0 fixes it).
-    #[serde(default = "yes")]
-    pub dynamic: bool,
-    /// A clean step restores the hysteresis allowance (DeepSpeed's
-    /// `consecutive_hysteresis`: only consecutive overflows back off).
-    #[serde(default)]
-    pub consecutive_hysteresis: bool,
-}
+pub use crate::config::ScalerConfig;
 
-fn one() -> u32 {
-    1
-}
-
-fn yes() -> bool {
-    true
-}
-
-impl Default for ScalerConfig {
-    fn default() -> Self {
-        Self {
-            init_scale: 65536.0,
-            growth_factor: 2.0,
-            backoff_factor: 0.5,
-            growth_interval: 2000,
-            hysteresis: 1,
-            min_scale: 0.0,
-            dynamic: true,
-            consecutive_hysteresis: false,
-        }
-    }
-}
-
-impl ScalerConfig {
-    /// Whether torch's own update kernel does it (no hysteresis, floor or static scale).
-    fn is_torchs(&self) -> bool {
-        self.hysteresis <= 1
-            && self.min_scale <= 0.0
-            && self.dynamic
-            && !self.consecutive_hysteresis
-    }
+/// Whether torch's own update kernel does it (no hysteresis, floor or static scale).
+fn is_torchs(config: &ScalerConfig) -> bool {
+    config.hysteresis <= 1
+        && config.min_scale <= 0.0
+        && config.dynamic
+        && !config.consecutive_hysteresis
 }
 
 /// What a checkpoint keeps of a scaler.
@@ -174,7 +124,7 @@ impl GradScaler {
             Some(f) => f,
             None => Tensor::zeros([1], (Kind::Float, self.scale.device())),
         };
-        if self.config.is_torchs() {
+        if is_torchs(&self.config) {
             let _ = self.scale.f_internal_amp_update_scale_(
                 &self.growth_tracker,
                 &found_inf,
@@ -226,7 +176,7 @@ impl GradScaler {
         ScalerState {
             scale: self.scale(),
             growth_tracker: self.growth_tracker.int64_value(&[0]),
-            hysteresis_left: (!self.config.is_torchs()).then_some(self.hysteresis_left),
+            hysteresis_left: (!is_torchs(&self.config)).then_some(self.hysteresis_left),
         }
     }
 

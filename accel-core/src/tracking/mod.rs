@@ -97,7 +97,7 @@ pub(crate) struct Trackers {
 pub(crate) fn plain_progress(len: u64) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(Some(len), indicatif::ProgressDrawTarget::hidden());
     let watcher = bar.downgrade();
-    let redrawn = std::env::var(crate::launch::PROGRESS_ENV).is_ok_and(|v| v == "tty");
+    let redrawn = std::env::var(crate::config::env::PROGRESS).is_ok_and(|v| v == "tty");
     let _ = std::thread::Builder::new().name("accel-progress".into()).spawn(move || {
         let (mut last_pos, mut last_time) = (0u64, std::time::Instant::now());
         loop {
@@ -113,7 +113,7 @@ pub(crate) fn plain_progress(len: u64) -> ProgressBar {
                 let message = bar.message();
                 println!(
                     "{}{pos}/{total} ({:.0}%) {:.1}/s eta {}:{:02}{}{}",
-                    crate::launch::PROGRESS_PREFIX,
+                    crate::config::env::PROGRESS_PREFIX,
                     100.0 * pos as f64 / total as f64,
                     bar.per_sec(),
                     eta / 60,

@@ -13,10 +13,10 @@ use std::path::Path;
 use serde_json::Value;
 use tch::Kind;
 
+use super::ScalerConfig;
 use super::check::{Report, Verdict};
 use crate::config::{PartialConfig, Precision, Strategy};
 use crate::error::{Error, Result};
-use crate::precision::ScalerConfig;
 
 /// What a DeepSpeed config sets that accel's own keys do not cover.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -1,12 +1,13 @@
-//! The launch configuration file (`accel config` writes it, `accel launch` reads it): our
-//! keys, and Hugging Face Accelerate's `default_config.yaml` keys where they mean the same.
+//! The launch configuration file (`accel config` writes it, `accel launch` and every
+//! accelerator read it): our keys, and Hugging Face Accelerate's `default_config.yaml` keys
+//! where they mean the same.
 
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
 use super::check::{Report, Verdict};
-use crate::config::{PartialConfig, Precision, Strategy};
+use super::{PartialConfig, Precision, Strategy};
 use crate::error::{Error, Result};
 
 /// Settings of a launch; every field optional (flags and defaults fill the rest).
@@ -50,13 +51,13 @@ pub struct LaunchConfig {
 }
 
 /// Names the DeepSpeed JSON config whose settings the program's accelerator applies.
-pub const DEEPSPEED_CONFIG_ENV: &str = "ACCEL_DEEPSPEED_CONFIG";
+pub const DEEPSPEED_CONFIG_ENV: &str = super::env::DEEPSPEED_CONFIG;
 
 /// Where `accel config` writes and `accel launch` looks when no file is given:
 /// `$ACCEL_CONFIG_DIR`, else `$XDG_CONFIG_HOME/accel`, else `~/.config/accel`, then
 /// `default_config.yaml`.
 pub fn default_config_path() -> Option<PathBuf> {
-    let dir = std::env::var_os("ACCEL_CONFIG_DIR")
+    let dir = std::env::var_os(super::env::CONFIG_DIR)
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("XDG_CONFIG_HOME").map(|d| PathBuf::from(d).join("accel")))
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config/accel")))?;
@@ -170,57 +171,7 @@ impl LaunchConfig {
         if let Some(path) = &self.deepspeed_config {
             env.push((DEEPSPEED_CONFIG_ENV, path.display().to_string()));
         }
-        if let Some(v) = t.strategy {
-            env.push(("ACCEL_STRATEGY", v.to_string()));
-        }
-        if let Some(v) = t.precision {
-            env.push(("ACCEL_PRECISION", v.to_string()));
-        }
-        if let Some(v) = t.fp8_recipe {
-            env.push(("ACCEL_FP8_RECIPE", v.to_string()));
-        }
-        if let Some(v) = t.accumulate {
-            env.push(("ACCEL_ACCUMULATE", v.to_string()));
-        }
-        if let Some(v) = t.clip_grad_norm {
-            env.push(("ACCEL_CLIP_GRAD_NORM", v.to_string()));
-        }
-        if let Some(v) = t.seed {
-            env.push(("ACCEL_SEED", v.to_string()));
-        }
-        if let Some(v) = t.cpu {
-            env.push(("ACCEL_CPU", v.to_string()));
-        }
-        if let Some(v) = t.tensor_parallel {
-            env.push(("ACCEL_TENSOR_PARALLEL", v.to_string()));
-        }
-        if let Some(v) = t.pipeline_parallel {
-            env.push(("ACCEL_PIPELINE_PARALLEL", v.to_string()));
-        }
-        if let Some(v) = t.context_parallel {
-            env.push(("ACCEL_CONTEXT_PARALLEL", v.to_string()));
-        }
-        if let Some(v) = t.sequence_parallel {
-            env.push(("ACCEL_SEQUENCE_PARALLEL", v.to_string()));
-        }
-        if let Some(v) = t.activation_checkpointing {
-            env.push(("ACCEL_ACTIVATION_CHECKPOINTING", v.to_string()));
-        }
-        if let Some(v) = t.offload {
-            env.push(("ACCEL_OFFLOAD", v.to_string()));
-        }
-        if let Some(v) = t.sync_module_states {
-            env.push(("ACCEL_SYNC_MODULE_STATES", v.to_string()));
-        }
-        if let Some(v) = t.wrap {
-            env.push(("ACCEL_WRAP", v.to_string()));
-        }
-        if let Some(v) = t.state_dict {
-            env.push(("ACCEL_STATE_DICT", v.to_string()));
-        }
-        if let Some(list) = &t.log_with {
-            env.push(("ACCEL_LOG_WITH", crate::config::log_with_text(list)));
-        }
+        env.extend(t.env());
         if let Some(ids) = &self.gpu_ids {
             env.push(("CUDA_VISIBLE_DEVICES", ids.clone()));
         }

@@ -9,38 +9,46 @@ use std::path::PathBuf;
 use serde_yaml_ng::Value;
 
 use super::check::{Report, Verdict, show_yaml};
-use super::config::LaunchConfig;
-use crate::config::{LogWith, StateDict, Strategy, Wrap, closest, log_with_text};
+use super::file::LaunchConfig;
+use crate::config::{StateDict, Strategy, Wrap, closest};
 use crate::error::{Error, Result};
 
-/// Our keys.
-pub(super) const OURS: &[&str] = &[
+/// Our keys besides the settings' (the table's, `accel_choices::SETTINGS`): the launch's.
+pub(super) const LAUNCH_KEYS: &[&str] = &[
     "num_processes",
     "num_machines",
     "machine_rank",
     "main_process_ip",
     "main_process_port",
-    "strategy",
-    "precision",
-    "fp8_recipe",
-    "accumulate",
-    "clip_grad_norm",
-    "seed",
-    "cpu",
-    "tensor_parallel",
-    "pipeline_parallel",
-    "context_parallel",
-    "sequence_parallel",
-    "activation_checkpointing",
-    "offload",
-    "sync_module_states",
-    "wrap",
-    "state_dict",
-    "log_with",
     "gpu_ids",
     "num_cpu_threads_per_process",
     "deepspeed_config_file",
 ];
+
+/// Every key of accel's own: the launch's, then the settings'.
+pub(super) fn our_keys() -> Vec<&'static str> {
+    let settings = crate::config::SETTINGS.iter().map(|s| s.name);
+    LAUNCH_KEYS[..5]
+        .iter()
+        .copied()
+        .chain(settings)
+        .chain(LAUNCH_KEYS[5..].iter().copied())
+        .collect()
+}
+
+/// A setting's value as a file writes it, as the environment would: a scalar's text, a
+/// list's items joined by commas.
+fn setting_text(key: &str, v: &Value) -> Result<String> {
+    Ok(match v {
+        Value::Sequence(items) => {
+            items.iter().map(|item| as_str(key, item)).collect::<Result<Vec<_>>>()?.join(",")
+        }
+        Value::String(text) => text.clone(),
+        Value::Bool(b) => b.to_string(),
+        Value::Number(n) => n.to_string(),
+        other => return Err(bad(key, "a value", other)),
+    })
+}
 
 /// Accelerate's top-level keys (its `ClusterConfig` and `SageMakerConfig`).
 const ACCELERATE: &[&str] = &[
@@ -245,6 +253,13 @@ impl Reader {
 
     /// One top-level key: its verdict, or `None` when it noted its sub-keys itself.
     fn top(&mut self, key: &str, v: &Value) -> Result<Option<Verdict>> {
+        if let Some(setting) = crate::config::setting(key) {
+            // One of the settings (accel_choices::settings!), written as in the environment.
+            let text = setting_text(key, v)?;
+            self.training().set(key, &text, &format!("`{key}`"))?;
+            let summary = setting.doc.lines().next().unwrap_or_default().trim_end_matches('.');
+            return Ok(Some(Verdict::Applied(format!("{key} = {text}: {summary}"))));
+        }
         let verdict = match key {
             "num_processes" => {
                 // Accelerate writes -1 for "given elsewhere" (SLURM).
@@ -277,90 +292,10 @@ impl Reader {
                 self.config.main_process_port = Some(port);
                 applied("port of rank 0's rendezvous store")
             }
-            "strategy" => {
-                let s: Strategy = as_str(key, v)?.parse()?;
-                self.training().strategy = Some(s);
-                applied(format!("strategy {s}"))
-            }
-            "precision" => {
-                let p = as_str(key, v)?.parse()?;
-                self.training().precision = Some(p);
-                applied(format!("precision {p}"))
-            }
-            "fp8_recipe" => {
-                let p = as_str(key, v)?.parse()?;
-                self.training().fp8_recipe = Some(p);
-                applied(format!("fp8 recipe {p}"))
-            }
-            "accumulate" => {
-                self.training().accumulate = Some(as_u32(key, v)?);
-                applied("micro-batches per optimizer step")
-            }
-            "clip_grad_norm" => {
-                let max = v.as_f64().ok_or_else(|| bad(key, "a number", v))?;
-                self.training().clip_grad_norm = Some(max);
-                applied(format!("gradients clipped to norm {max}"))
-            }
-            "seed" => {
-                self.training().seed = Some(as_usize(key, v)? as u64);
-                applied("seed of torch's generators and of the loaders' shuffling")
-            }
-            "cpu" | "use_cpu" => {
+            "use_cpu" => {
                 let on = as_bool(key, v)?;
                 self.training().cpu = Some(on);
                 applied(if on { "CPU only" } else { "GPUs where there are any" })
-            }
-            "tensor_parallel" => {
-                self.training().tensor_parallel = Some(as_usize(key, v)?);
-                applied("tensor-parallel ranks")
-            }
-            "pipeline_parallel" => {
-                self.training().pipeline_parallel = Some(as_usize(key, v)?);
-                applied("pipeline stages")
-            }
-            "context_parallel" => {
-                self.training().context_parallel = Some(as_usize(key, v)?);
-                applied("context-parallel ranks")
-            }
-            "sequence_parallel" => {
-                self.training().sequence_parallel = Some(as_bool(key, v)?);
-                applied("sequence parallelism (with tensor parallelism)")
-            }
-            "activation_checkpointing" => {
-                self.training().activation_checkpointing = Some(as_bool(key, v)?);
-                applied("units recomputed in backward")
-            }
-            "offload" => {
-                self.training().offload = Some(as_bool(key, v)?);
-                applied("fp32 masters and optimizer state in CPU memory")
-            }
-            "sync_module_states" => {
-                self.training().sync_module_states = Some(as_bool(key, v)?);
-                applied("rank 0's initial values broadcast when a model is prepared")
-            }
-            "wrap" => {
-                let w: Wrap = as_str(key, v)?.parse()?;
-                self.training().wrap = Some(w);
-                applied(format!("units: {w}"))
-            }
-            "state_dict" => {
-                let d: StateDict = as_str(key, v)?.parse()?;
-                self.training().state_dict = Some(d);
-                applied(format!("save_state writes sharded models {d}"))
-            }
-            "log_with" => {
-                let text = match v {
-                    Value::Sequence(items) => items
-                        .iter()
-                        .map(|item| as_str(key, item))
-                        .collect::<Result<Vec<_>>>()?
-                        .join(","),
-                    other => as_str(key, other)?.to_owned(),
-                };
-                let list = LogWith::parse_list(&text)
-                    .map_err(|e| Error::Config(format!("`{key}`: {e}")))?;
-                self.training().log_with = Some(list.clone());
-                applied(format!("trackers {} (started by init_trackers)", log_with_text(&list)))
             }
             "gpu_ids" => self.gpu_ids(v),
             "num_cpu_threads_per_process" => {
@@ -452,11 +387,12 @@ impl Reader {
             "ipex_config" => return self.section(key, v, None, Self::ipex).map(|_| None),
             "mpirun_config" => return self.section(key, v, None, Self::mpirun).map(|_| None),
             other => {
-                let valid: Vec<&str> = OURS.iter().chain(ACCELERATE).copied().collect();
+                let ours = our_keys();
+                let valid: Vec<&str> = ours.iter().chain(ACCELERATE).copied().collect();
                 let hint = closest(other, &valid)
                     .map(|c| format!(" — did you mean `{c}`?"))
                     .unwrap_or_default();
-                refused(format!("unknown key{hint} (accel's keys: {})", OURS.join(", ")))
+                refused(format!("unknown key{hint} (accel's keys: {})", ours.join(", ")))
             }
         };
         verdict.map(Some)
