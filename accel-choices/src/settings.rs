@@ -87,6 +87,12 @@ macro_rules! settings {
             /// `sharded` or `full`.
             state_dict: required $crate::StateDict = $crate::StateDict::Sharded,
                 env "ACCEL_STATE_DICT", attribute no, builder yes;
+            /// Parameters may go without a gradient in a step (a branch the data chooses, a
+            /// mixture of experts): on a process where one gets none it contributes zeros to
+            /// the average instead of stopping the run (torch DDP's `find_unused_parameters`,
+            /// Accelerate's `DistributedDataParallelKwargs`; zero2/zero3 too).
+            find_unused_parameters: required bool = false,
+                env "ACCEL_FIND_UNUSED_PARAMETERS", attribute yes, builder yes;
             /// The trackers `init_trackers` starts (Accelerate's `log_with`), comma-separated.
             log_with: required ::std::vec::Vec<$crate::LogWith> = ::std::vec::Vec::new(),
                 env "ACCEL_LOG_WITH", attribute yes, builder no;
@@ -147,8 +153,8 @@ pub trait SettingValue: Sized {
     fn parse_setting(text: &str) -> Result<Self, String>;
     /// The text `parse_setting` reads back.
     fn setting_text(&self) -> String;
-    /// A Rust expression of the value, with paths under the runtime crate (`Strategy::Ddp`,
-    /// `4`): what the attribute's expansion writes.
+    /// A Rust expression of the value (`$config::Strategy::Ddp`, `4`, with `$config` for
+    /// the path of the runtime's `config` module): what the attribute's expansion writes.
     fn rust(&self) -> String;
 }
 
@@ -229,7 +235,7 @@ macro_rules! named_choices {
                 self.as_str().into()
             }
             fn rust(&self) -> String {
-                format!("{}::{}", stringify!($t), self.variant_name())
+                format!("$config::{}::{}", stringify!($t), self.variant_name())
             }
         }
     )*};
@@ -249,7 +255,7 @@ impl SettingValue for Vec<LogWith> {
     }
     fn rust(&self) -> String {
         let items: Vec<String> =
-            self.iter().map(|w| format!("LogWith::{}", w.variant_name())).collect();
+            self.iter().map(|w| format!("$config::LogWith::{}", w.variant_name())).collect();
         format!("[{}]", items.join(", "))
     }
 }
@@ -366,7 +372,7 @@ macro_rules! serde_as_string {
                 self.to_string()
             }
             fn rust(&self) -> String {
-                format!("{}::from_text({:?})", stringify!($t), self.to_string())
+                format!("$config::{}::from_text({:?})", stringify!($t), self.to_string())
             }
         }
     )*};
@@ -440,6 +446,22 @@ macro_rules! setting_flag {
 
 settings!(setting_rows);
 
+impl Setting {
+    /// Its documentation as one paragraph.
+    pub fn text(&self) -> String {
+        self.doc.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
+    }
+
+    /// Its first sentence.
+    pub fn summary(&self) -> String {
+        let text = self.text();
+        match text.find(". ") {
+            Some(end) => text[..=end].to_owned(),
+            None => text,
+        }
+    }
+}
+
 /// The setting named `name`.
 pub fn setting(name: &str) -> Option<&'static Setting> {
     SETTINGS.iter().find(|s| s.name == name)
@@ -463,13 +485,13 @@ mod tests {
         assert_eq!((accumulate.parse)("4"), Ok("4".into()));
         assert!((accumulate.parse)("four").unwrap_err().contains("`four` is not an integer"));
         let strategy = setting("strategy").unwrap();
-        assert_eq!((strategy.parse)("zero3"), Ok("Strategy::Zero3".into()));
+        assert_eq!((strategy.parse)("zero3"), Ok("$config::Strategy::Zero3".into()));
         assert!((strategy.parse)("fdsp").unwrap_err().contains("did you mean `fsdp`"));
         assert_eq!(
             (setting("wrap").unwrap().parse)("size:10"),
-            Ok("Wrap::from_text(\"size:10\")".into())
+            Ok("$config::Wrap::from_text(\"size:10\")".into())
         );
         let trackers = (setting("log_with").unwrap().parse)("jsonl,mlflow").unwrap();
-        assert_eq!(trackers, "[LogWith::Jsonl, LogWith::MlFlow]");
+        assert_eq!(trackers, "[$config::LogWith::Jsonl, $config::LogWith::MlFlow]");
     }
 }

@@ -16,14 +16,15 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-const VARIABLE: &str = "ACCEL_TEST_FAULT";
+const VARIABLE: &str = crate::config::env::TEST_FAULT;
 
 static PASSED: Mutex<Option<HashMap<&'static str, u64>>> = Mutex::new(None);
 
 /// Dies here if `ACCEL_TEST_FAULT` names this point, this rank and this pass.
 pub(crate) fn point(name: &'static str, rank: usize) {
     let Ok(spec) = std::env::var(VARIABLE) else { return };
-    let first_attempt = std::env::var("ACCEL_RESTART_COUNT").map_or(true, |n| n.trim() == "0");
+    let first_attempt =
+        std::env::var(crate::config::env::RESTART_COUNT).map_or(true, |n| n.trim() == "0");
     let mut parts = spec.split(':');
     let (Some(point), Some(who), Some(nth)) = (parts.next(), parts.next(), parts.next()) else {
         return;

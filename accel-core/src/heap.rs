@@ -28,7 +28,7 @@
 use std::sync::OnceLock;
 
 /// Variable that turns [`keep_step_memory`] off (`0`, `false`, `no`) or on (the default).
-pub const KEEP_HEAP_ENV: &str = "ACCEL_KEEP_HEAP";
+pub const KEEP_HEAP_ENV: &str = crate::config::env::KEEP_HEAP;
 
 /// Blocks of at least this many bytes are mapped on their own.
 pub const MMAP_THRESHOLD: usize = 32 << 20;
@@ -168,7 +168,7 @@ mod tests {
     mod page_reuse {
         use super::*;
 
-        const CHILD_ENV: &str = "ACCEL_HEAP_TEST_CHILD";
+        const CHILD_ENV: &str = crate::config::env::HEAP_TEST_CHILD;
         const BLOCK: usize = 8 << 20;
 
         /// Minor page faults of the calling thread so far.

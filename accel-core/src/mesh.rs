@@ -345,7 +345,7 @@ impl DataAxes {
 /// strategy runs over real communicators of one rank (NCCL's on a GPU) instead of none —
 /// how `scripts/gpu-check.sh` puts every strategy through NCCL on a machine with one GPU.
 pub fn group_of_one() -> bool {
-    std::env::var("ACCEL_GROUP_OF_ONE").is_ok_and(|v| v.trim() == "1")
+    std::env::var(crate::config::env::GROUP_OF_ONE).is_ok_and(|v| v.trim() == "1")
 }
 
 impl DeviceMesh {

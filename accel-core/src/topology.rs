@@ -137,7 +137,7 @@ impl Topology {
 
         let mut addr_hint = "";
         let mut topology = if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
-            let source = if get("ACCEL_LAUNCHED").is_some() {
+            let source = if get(crate::config::env::LAUNCHED).is_some() {
                 "accel launch"
             } else if get("TORCHELASTIC_RUN_ID").is_some() {
                 "torchrun"

@@ -20,8 +20,8 @@ fn cnn(root: &nn::Path) -> nn::SequentialT {
 }
 fn train(data: &Digits, epochs: usize) -> Result<f64> {
     let accelerator = ::accel_core::Accelerator::builder()
-        .accumulate(1u32)
-        .seed(0u64)
+        .accumulate(1)
+        .seed(0)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

@@ -18,8 +18,8 @@ fn train(
 ) -> Result<f64> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
-        .accumulate(2u32)
-        .seed(0u64)
+        .accumulate(2)
+        .seed(0)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

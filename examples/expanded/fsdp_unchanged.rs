@@ -27,7 +27,7 @@ fn train(
 ) -> Result<serde_json::Value> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Fsdp)
-        .seed(0u64)
+        .seed(0)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

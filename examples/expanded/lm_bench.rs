@@ -130,7 +130,7 @@ fn raw(args: &Args) -> Result<()> {
 /// The step as an ordinary tch function under the attribute (its AdamW becomes accel's).
 fn annotated(args: &Args) -> Result<(f64, f64)> {
     let accelerator = ::accel_core::Accelerator::builder()
-        .seed(0u64)
+        .seed(0)
         .cpu(true)
         .data(::accel_core::DataSharding::Manual)
         .attribute_data_loops(1usize)

@@ -162,7 +162,7 @@ fn explicit(
 /// An ordinary tch loop with the attribute on it (its AdamW becomes accel's).
 fn annotated(batches: Vec<(Tensor, Tensor)>) -> Result<Measured> {
     let accelerator = ::accel_core::Accelerator::builder()
-        .seed(0u64)
+        .seed(0)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`annotated`", " at ", file!(), ":", line!()))

@@ -21,7 +21,7 @@ fn net(root: &nn::Path) -> nn::Sequential {
 fn train(data: &Digits, path: &str, epochs: usize) -> Result<f64> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
-        .seed(0u64)
+        .seed(0)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

@@ -1473,6 +1473,47 @@ mod tests {
             .join("\n")
     }
 
+    /// Every `ACCEL_*` variable is named once: a row of the settings' table
+    /// (accel-choices/src/settings.rs) or a constant of accel-core/src/config/env.rs, whose
+    /// docs the reference page lists. Elsewhere the code uses the constants (tests aside,
+    /// and `env!` of a build script's variable).
+    #[test]
+    fn every_accel_variable_is_named_in_the_registry() {
+        let allowed = ["accel-core/src/config/env.rs", "accel-choices/src/settings.rs"];
+        for crate_dir in ["accel-core/src", "accel-models/src", "accel-macros/src"] {
+            for file in rust_files(&root().join(crate_dir)) {
+                let test_module = file.file_name().is_some_and(|n| n == "tests.rs");
+                if test_module || allowed.iter().any(|a| rel(&file) == *a) {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&file).unwrap();
+                let code = text.split("#[cfg(test)]").next().unwrap_or_default();
+                for (n, line) in code.lines().enumerate() {
+                    let line = line.split("//").next().unwrap_or_default();
+                    let mut rest = line;
+                    while let Some(at) = rest.find("\"ACCEL_") {
+                        let name: String = rest[at + 1..]
+                            .chars()
+                            .take_while(|c| {
+                                c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_'
+                            })
+                            .collect();
+                        let closed = rest[at + 1 + name.len()..].starts_with('"');
+                        let build_variable = rest[..at].ends_with("env!(");
+                        assert!(
+                            !closed || name.len() <= "ACCEL_".len() || build_variable,
+                            "{}:{}: `{name}` spelled out; use its constant in config/env.rs (or \
+                             its row of the settings' table)",
+                            rel(&file),
+                            n + 1
+                        );
+                        rest = &rest[at + 1..];
+                    }
+                }
+            }
+        }
+    }
+
     /// Configuration is its own layer: the accelerator and tracking read settings and files
     /// through `config`, never through the launcher (`launch` starts processes, and is above
     /// both).

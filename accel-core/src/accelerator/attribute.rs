@@ -214,7 +214,7 @@ impl ExitGuard {
 }
 
 /// Names a folder where an `#[accelerate]` function's processes write their final state.
-pub const FINAL_STATE_ENV: &str = "ACCEL_FINAL_STATE_DIR";
+pub const FINAL_STATE_ENV: &str = crate::config::env::FINAL_STATE_DIR;
 
 impl Accelerator {
     /// Writes, for checking a run from outside, what this process ends with: every

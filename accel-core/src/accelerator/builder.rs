@@ -287,6 +287,10 @@ impl AcceleratorBuilder {
         if config.offload && !self.offload_set {
             sharding.offload = true;
         }
+        if config.find_unused_parameters {
+            ddp.allow_unused = true;
+            sharding.allow_unused = true;
+        }
         if sharding.units.is_none() && sharding.min_unit_params.is_none() {
             match config.wrap {
                 crate::config::Wrap::Layers => {}
@@ -429,7 +433,8 @@ impl AcceleratorBuilder {
 
 /// `ACCEL_QUIET=1` drops the run's first line (for programs that own their output).
 pub(crate) fn quiet() -> bool {
-    std::env::var("ACCEL_QUIET").is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false"))
+    std::env::var(crate::config::env::QUIET)
+        .is_ok_and(|v| !matches!(v.as_str(), "" | "0" | "false"))
 }
 
 fn default_device(config: &Config, process: &Topology) -> Device {

@@ -40,9 +40,9 @@ impl std::fmt::Debug for Token {
 }
 
 /// Where the token is looked for.
-pub const TOKEN_ENV: &str = "ACCEL_TOKEN";
+pub const TOKEN_ENV: &str = crate::config::env::TOKEN;
 /// A file holding the token.
-pub const TOKEN_FILE_ENV: &str = "ACCEL_TOKEN_FILE";
+pub const TOKEN_FILE_ENV: &str = crate::config::env::TOKEN_FILE;
 
 impl Token {
     /// No authentication.

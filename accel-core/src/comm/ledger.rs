@@ -203,13 +203,13 @@ pub type OnDivergence = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// Whether `ACCEL_CHECK_COLLECTIVES` leaves the check on (it is on unless set to 0).
 pub fn enabled() -> bool {
-    std::env::var("ACCEL_CHECK_COLLECTIVES").map_or(true, |v| v.trim() != "0")
+    std::env::var(crate::config::env::CHECK_COLLECTIVES).map_or(true, |v| v.trim() != "0")
 }
 
 /// `ACCEL_CHECK_COLLECTIVES=shapes`: compare operations, shapes and dtypes only, for
 /// programs whose ranks call the same collective from different lines on purpose.
 fn sites_compared() -> bool {
-    std::env::var("ACCEL_CHECK_COLLECTIVES").map_or(true, |v| v.trim() != "shapes")
+    std::env::var(crate::config::env::CHECK_COLLECTIVES).map_or(true, |v| v.trim() != "shapes")
 }
 
 impl SequenceChecker {

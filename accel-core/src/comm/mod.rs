@@ -61,7 +61,7 @@ impl Default for GroupOptions {
     fn default() -> Self {
         Self {
             timeout: DEFAULT_TIMEOUT,
-            direct_copy: std::env::var_os("ACCEL_DISABLE_CMA").is_none(),
+            direct_copy: std::env::var_os(crate::config::env::DISABLE_CMA).is_none(),
             token: auth::Token::none(),
             machine: None,
         }
@@ -74,7 +74,7 @@ impl GroupOptions {
     /// error naming it (not a silent default).
     pub fn from_env() -> Result<Self> {
         let mut options = Self { token: auth::Token::from_env()?, ..Self::default() };
-        if let Ok(value) = std::env::var("ACCEL_TIMEOUT_SECS") {
+        if let Ok(value) = std::env::var(crate::config::env::TIMEOUT_SECS) {
             options.timeout = Duration::from_secs_f64(
                 crate::config::parse_seconds(&value, false)
                     .map_err(|e| Error::Config(format!("ACCEL_TIMEOUT_SECS: {e}")))?,

@@ -45,7 +45,7 @@ const REPLY_ERR: u8 = 1;
 /// (`ACCEL_RESTART_COUNT`, or torchrun's `TORCHELASTIC_RESTART_COUNT`), 0 without one. A
 /// store refuses ranks of another attempt, so a restarted group never meets the old one.
 pub(crate) fn run_generation() -> u32 {
-    ["ACCEL_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"]
+    [crate::config::env::RESTART_COUNT, "TORCHELASTIC_RESTART_COUNT"]
         .iter()
         .find_map(|k| std::env::var(k).ok()?.trim().parse().ok())
         .unwrap_or(0)

@@ -43,7 +43,8 @@ macro_rules! variables {
 
 variables! {
     /// A YAML (accel's or Accelerate's keys) or DeepSpeed JSON file of settings, read by
-    /// every accelerator built after it is set (`accel launch --config-file` sets it).
+    /// every accelerator built while it is set (`accel launch --config-file` reads its file
+    /// itself and passes the settings on as their variables).
     CONFIG_FILE = "ACCEL_CONFIG_FILE", User;
     /// The folder of `accel config`'s default file (`default_config.yaml`); else
     /// `$XDG_CONFIG_HOME/accel`, else `~/.config/accel`.
@@ -99,6 +100,11 @@ variables! {
     BENCH_OUT = "ACCEL_BENCH_OUT", Diagnostics;
     /// The heap test's child process (the heap test itself).
     HEAP_TEST_CHILD = "ACCEL_HEAP_TEST_CHILD", Tests;
+    /// Set: tests that compare generated text with a file (expansions, docs/reference.md)
+    /// rewrite the file instead.
+    BLESS = "ACCEL_BLESS", Tests;
+    /// The Python whose torch the user-crate test installs into its venv.
+    PYTHON = "ACCEL_PYTHON", Tests;
 }
 
 /// How rank 0's progress lines start, for the launcher to draw them as a bar (with

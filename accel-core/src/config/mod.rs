@@ -28,9 +28,20 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 
 pub use accel_choices::{
-    DataSharding, Fp8Recipe, LogWith, Precision, SETTINGS, Setting, SettingValue, Sharding,
-    StateDict, Strategy, UnknownChoice, Wrap, closest, parse_bool, setting,
+    DataSharding, Fp8Recipe, Literal, LogWith, Precision, SETTINGS, Setting, SettingValue,
+    Sharding, StateDict, Strategy, UnknownChoice, Wrap, closest, parse_bool, setting,
 };
+
+/// accel's own keys of a launch file: the launch's, then the settings'.
+pub fn launch_file_keys() -> Vec<&'static str> {
+    yaml::our_keys()
+}
+
+/// The top-level keys of Accelerate's config files that accel reads (each gets a note in
+/// `accel config check`).
+pub fn accelerate_keys() -> &'static [&'static str] {
+    yaml::ACCELERATE
+}
 
 /// `tensorboard,mlflow`: how a list of trackers is written in the environment and messages.
 pub fn log_with_text(list: &[LogWith]) -> String {

@@ -51,7 +51,7 @@ fn setting_text(key: &str, v: &Value) -> Result<String> {
 }
 
 /// Accelerate's top-level keys (its `ClusterConfig` and `SageMakerConfig`).
-const ACCELERATE: &[&str] = &[
+pub(crate) const ACCELERATE: &[&str] = &[
     "compute_environment",
     "distributed_type",
     "mixed_precision",
@@ -257,7 +257,8 @@ impl Reader {
             // One of the settings (accel_choices::settings!), written as in the environment.
             let text = setting_text(key, v)?;
             self.training().set(key, &text, &format!("`{key}`"))?;
-            let summary = setting.doc.lines().next().unwrap_or_default().trim_end_matches('.');
+            let summary = setting.summary();
+            let summary = summary.trim_end_matches('.');
             return Ok(Some(Verdict::Applied(format!("{key} = {text}: {summary}"))));
         }
         let verdict = match key {

@@ -286,12 +286,12 @@ fn spawn(
         .env("GROUP_RANK", plan.machine_rank.to_string())
         .env("MASTER_ADDR", &plan.main_process_ip)
         .env("MASTER_PORT", port.to_string())
-        .env("ACCEL_LAUNCHED", "1")
+        .env(crate::config::env::LAUNCHED, "1")
         .env(
             PROGRESS_ENV,
             if out.lock().unwrap_or_else(|e| e.into_inner()).tty { "tty" } else { "lines" },
         )
-        .env("ACCEL_RESTART_COUNT", attempt.to_string())
+        .env(crate::config::env::RESTART_COUNT, attempt.to_string())
         .envs(token.map(|t| (crate::comm::auth::TOKEN_ENV, t)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -126,10 +126,11 @@ pub fn choose(params: f64, n: usize, memory: f64, where_: &str, offload_asked: b
 /// work, or a check), else the GPU's total, else the host's available memory shared among
 /// this machine's processes.
 fn memory_of(device: Device, local_processes: usize) -> (f64, String) {
-    if let Some(bytes) =
-        std::env::var("ACCEL_AUTO_MEMORY").ok().and_then(|v| v.trim().parse::<f64>().ok())
+    if let Some(bytes) = std::env::var(crate::config::env::AUTO_MEMORY)
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
     {
-        return (bytes, "ACCEL_AUTO_MEMORY".into());
+        return (bytes, crate::config::env::AUTO_MEMORY.into());
     }
     if let Device::Cuda(i) = device {
         if let Some((name, bytes)) =

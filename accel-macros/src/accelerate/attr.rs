@@ -1,38 +1,43 @@
 //! Parsing the attribute's arguments (syntax only): `key = value, ...` into raw values that
 //! keep their spans. Validation of values and of combinations lives in `check.rs`.
 
-use accel_choices::{DataSharding, Fp8Recipe, LogWith, Precision, Sharding, Strategy};
+use accel_choices::{DataSharding, Literal, SettingValue, Sharding, Strategy};
 use proc_macro2::{Span, TokenStream};
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
 use syn::{Expr, ExprLit, Lit, MetaNameValue, Token};
 
-/// Every key, for "did you mean" and the list in messages.
-pub(crate) const KEYS: &[&str] = &[
-    "strategy",
+/// The keys that are not settings of the run (the settings' keys come from the table,
+/// `accel_choices::SETTINGS`, where `attribute` is true).
+const OWN_KEYS: &[&str] = &[
     "sharding",
-    "precision",
-    "fp8_recipe",
-    "accumulate",
-    "clip_grad_norm",
-    "seed",
-    "cpu",
-    "offload",
-    "tensor_parallel",
-    "sequence_parallel",
-    "pipeline_parallel",
-    "context_parallel",
     "data",
     "broadcast_buffers",
     "sync_batchnorm",
-    "activation_checkpointing",
     "fp32_gathers",
-    "log_with",
     "config",
     "name",
     "model",
     "crate",
 ];
+
+/// Every key, for "did you mean" and the list in messages: the table's, then the
+/// attribute's own.
+pub(crate) fn keys() -> Vec<&'static str> {
+    let settings = accel_choices::SETTINGS.iter().filter(|s| s.attribute).map(|s| s.name);
+    settings.chain(OWN_KEYS.iter().copied()).collect()
+}
+
+/// A setting of the table as written in the attribute.
+#[derive(Clone)]
+pub(crate) struct SettingArg {
+    pub setting: &'static accel_choices::Setting,
+    /// Its value as the environment would write it.
+    pub text: String,
+    /// The Rust expression of its value (`$config::Strategy::Ddp`).
+    pub rust: String,
+    pub span: Span,
+}
 
 /// A value as written, with where it was written.
 #[derive(Clone)]
@@ -44,27 +49,14 @@ pub(crate) struct Spanned<T> {
 /// The arguments as written; each `None` when left out.
 #[derive(Default)]
 pub(crate) struct RawArgs {
-    pub strategy: Option<Spanned<Strategy>>,
+    /// The settings of the table given, in the order written.
+    pub settings: Vec<SettingArg>,
     pub sharding: Option<Spanned<Sharding>>,
-    pub precision: Option<Spanned<Precision>>,
-    pub fp8_recipe: Option<Spanned<Fp8Recipe>>,
-    pub accumulate: Option<Spanned<u64>>,
-    pub clip_grad_norm: Option<Spanned<f64>>,
-    pub seed: Option<Spanned<u64>>,
-    pub cpu: Option<Spanned<bool>>,
-    pub offload: Option<Spanned<bool>>,
-    pub tensor_parallel: Option<Spanned<u64>>,
-    pub sequence_parallel: Option<Spanned<bool>>,
-    pub pipeline_parallel: Option<Spanned<u64>>,
-    pub context_parallel: Option<Spanned<u64>>,
     /// Who deals the data: the accelerator (`"prepared"`) or the program (`"manual"`).
     pub data: Option<Spanned<DataSharding>>,
     pub broadcast_buffers: Option<Spanned<bool>>,
     pub sync_batchnorm: Option<Spanned<bool>>,
-    pub activation_checkpointing: Option<Spanned<bool>>,
     pub fp32_gathers: Option<Spanned<bool>>,
-    /// The trackers, as written: `"tensorboard,mlflow"`.
-    pub log_with: Option<Spanned<Vec<LogWith>>>,
     pub config: Option<Spanned<String>>,
     pub name: Option<syn::Ident>,
     /// The model's VarStore: a variable or a field (`vs`, `self.vs`).
@@ -73,17 +65,73 @@ pub(crate) struct RawArgs {
 }
 
 impl RawArgs {
+    /// The value of setting `name`, if given (read as `T`: the table's type, or a wider
+    /// one for a check, e.g. `u64` for a count).
+    pub fn setting<T: SettingValue>(&self, name: &str) -> Option<Spanned<T>> {
+        let arg = self.settings.iter().find(|a| a.setting.name == name)?;
+        let value = T::parse_setting(&arg.text).ok()?;
+        Some(Spanned { value, span: arg.span })
+    }
+
+    /// The strategy as written.
+    pub fn written_strategy(&self) -> Option<Spanned<Strategy>> {
+        self.setting("strategy")
+    }
+
     /// The strategy the arguments ask for, resolved once for the checks and the expansion:
     /// FSDP with a sharding strategy is the strategy that sharding is (`full_shard`: zero3,
     /// `hybrid_shard`: hybrid), at the span of what said it.
     pub fn strategy(&self) -> Option<Spanned<Strategy>> {
-        match (&self.strategy, &self.sharding) {
+        match (self.written_strategy(), &self.sharding) {
             (Some(s), Some(sharding)) if s.value == Strategy::Fsdp => {
                 Some(Spanned { value: sharding.value.strategy(), span: sharding.span })
             }
-            (s, _) => s.clone(),
+            (s, _) => s,
         }
     }
+}
+
+/// A value of setting `setting`, checked at compile time as the runtime will read it: the
+/// literal its type takes, then its value (the choices named, the nearest suggested).
+fn expect_setting(
+    expr: &Expr,
+    setting: &'static accel_choices::Setting,
+) -> syn::Result<SettingArg> {
+    let key = setting.name;
+    let (text, span) = match (setting.literal, lit(expr)) {
+        (Literal::Bool, _) => {
+            let b = expect_bool(expr, key)?;
+            (b.value.to_string(), b.span)
+        }
+        (Literal::Integer, _) => {
+            let n = expect_u64(expr, key, "4")?;
+            (n.value.to_string(), n.span)
+        }
+        (Literal::Number, _) => {
+            let x = expect_f64(expr, key, "1.0")?;
+            (format!("{:?}", x.value), x.span)
+        }
+        (Literal::Choice { names, .. }, Some(Lit::Str(s))) => {
+            let text = s.value();
+            if text.split(',').all(|p| p.trim().is_empty()) {
+                let e = format!("`{key}` names nothing; e.g. `{key} = \"{}\"`", names[0]);
+                return Err(syn::Error::new(s.span(), e));
+            }
+            (text, s.span())
+        }
+        (Literal::Choice { names, .. }, _) => {
+            let e = format!("`{key}` takes a string, e.g. `{key} = \"{}\"`", names[0]);
+            return Err(syn::Error::new_spanned(expr, e));
+        }
+        (Literal::Text, _) => {
+            let t = expect_str(expr, key, "\"..\"")?;
+            (t.value, t.span)
+        }
+    };
+    // The value read as the runtime will read it: its message names the choices and the
+    // nearest one.
+    let rust = (setting.parse)(&text).map_err(|why| syn::Error::new(span, why))?;
+    Ok(SettingArg { setting, text, rust, span })
 }
 
 fn lit(expr: &Expr) -> Option<&Lit> {
@@ -111,37 +159,10 @@ fn expect_choice<T: std::str::FromStr<Err = accel_choices::UnknownChoice>>(
     example: &str,
 ) -> syn::Result<Spanned<T>> {
     let text = expect_str(expr, key, example)?;
-    text.value.parse::<T>().map(|value| Spanned { value, span: text.span }).map_err(|e| {
-        let list = e.valid.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ");
-        let hint = super::check::did_you_mean(&e.got, e.valid);
-        syn::Error::new(
-            text.span,
-            format!("unknown {} \"{}\"; the {} are {list}{hint}", e.what, e.got, e.plural),
-        )
-    })
-}
-
-/// A comma-separated list of `T`'s choices (`log_with = "tensorboard,mlflow"`).
-fn expect_choices(expr: &Expr, key: &str, example: &str) -> syn::Result<Spanned<Vec<LogWith>>> {
-    let text = expect_str(expr, key, example)?;
-    let value = LogWith::parse_list(&text.value).map_err(|e| {
-        let list = e.valid.iter().map(|c| format!("\"{c}\"")).collect::<Vec<_>>().join(", ");
-        let hint = super::check::did_you_mean(&e.got, e.valid);
-        syn::Error::new(
-            text.span,
-            format!(
-                "unknown {} \"{}\"; the {} are {list} (several: comma-separated){hint}",
-                e.what, e.got, e.plural
-            ),
-        )
-    })?;
-    if value.is_empty() {
-        return Err(syn::Error::new(
-            text.span,
-            format!("`{key}` names no tracker; e.g. `{key} = {example}`"),
-        ));
-    }
-    Ok(Spanned { value, span: text.span })
+    text.value
+        .parse::<T>()
+        .map(|value| Spanned { value, span: text.span })
+        .map_err(|e| syn::Error::new(text.span, e.to_string()))
 }
 
 fn expect_u64(expr: &Expr, key: &str, example: &str) -> syn::Result<Spanned<u64>> {
@@ -256,29 +277,11 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
         let v = &pair.value;
         let result: syn::Result<()> = (|| {
             match key.as_str() {
-                "strategy" => raw.strategy = Some(expect_choice(v, &key, "\"ddp\"")?),
                 "sharding" => raw.sharding = Some(expect_choice(v, &key, "\"full_shard\"")?),
-                "precision" => raw.precision = Some(expect_choice(v, &key, "\"bf16\"")?),
-                "fp8_recipe" => raw.fp8_recipe = Some(expect_choice(v, &key, "\"rowwise\"")?),
-                "accumulate" => raw.accumulate = Some(expect_u64(v, &key, "4")?),
-                "clip_grad_norm" => raw.clip_grad_norm = Some(expect_f64(v, &key, "1.0")?),
-                "seed" => raw.seed = Some(expect_u64(v, &key, "42")?),
-                "cpu" => raw.cpu = Some(expect_bool(v, &key)?),
-                "offload" => raw.offload = Some(expect_bool(v, &key)?),
-                "tensor_parallel" => raw.tensor_parallel = Some(expect_u64(v, &key, "2")?),
-                "sequence_parallel" => raw.sequence_parallel = Some(expect_bool(v, &key)?),
-                "pipeline_parallel" => raw.pipeline_parallel = Some(expect_u64(v, &key, "2")?),
-                "context_parallel" => raw.context_parallel = Some(expect_u64(v, &key, "2")?),
                 "data" => raw.data = Some(expect_choice(v, &key, "\"manual\"")?),
                 "broadcast_buffers" => raw.broadcast_buffers = Some(expect_bool(v, &key)?),
                 "sync_batchnorm" => raw.sync_batchnorm = Some(expect_bool(v, &key)?),
-                "activation_checkpointing" => {
-                    raw.activation_checkpointing = Some(expect_bool(v, &key)?)
-                }
                 "fp32_gathers" => raw.fp32_gathers = Some(expect_bool(v, &key)?),
-                "log_with" => {
-                    raw.log_with = Some(expect_choices(v, &key, "\"tensorboard,mlflow\"")?)
-                }
                 "config" => raw.config = Some(expect_str(v, &key, "\"accel.yaml\"")?),
                 "name" => raw.name = Some(expect_ident(v, &key)?),
                 "model" => raw.model = Some(expect_place(v, &key)?),
@@ -294,9 +297,14 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
                         }
                     })
                 }
+                key if accel_choices::setting(key).is_some_and(|s| s.attribute) => {
+                    let setting = accel_choices::setting(key).expect("matched");
+                    raw.settings.push(expect_setting(v, setting)?);
+                }
                 other => {
-                    let list = KEYS.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
-                    let hint = super::check::did_you_mean(other, KEYS);
+                    let keys = keys();
+                    let list = keys.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
+                    let hint = super::check::did_you_mean(other, &keys);
                     let hint = hint.replace('"', "`");
                     return Err(syn::Error::new(
                         span,

@@ -4,7 +4,7 @@
 use proc_macro2::Span;
 use syn::spanned::Spanned as _;
 
-use accel_choices::{Precision, Strategy};
+use accel_choices::{Fp8Recipe, Precision, Strategy};
 
 use super::attr::RawArgs;
 
@@ -17,18 +17,9 @@ pub(crate) fn did_you_mean(got: &str, valid: &[&str]) -> String {
 
 /// Accumulating zero micro-batches per step would never step the optimizer.
 fn accumulate_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
-    if let Some(a) = &raw.accumulate {
+    if let Some(a) = raw.setting::<u64>("accumulate") {
         if a.value == 0 {
             errors.push(syn::Error::new(a.span, "`accumulate = 0`: the number of micro-batches per optimizer step must be at least 1"));
-        } else if a.value > u64::from(u32::MAX) {
-            errors.push(syn::Error::new(
-                a.span,
-                format!(
-                    "`accumulate = {}` is more than the {} micro-batches a step can take",
-                    a.value,
-                    u32::MAX
-                ),
-            ));
         }
     }
 }
@@ -36,12 +27,8 @@ fn accumulate_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 /// Tensor, pipeline and context parallelism split each model replica (or each sequence)
 /// over this many processes; 0 processes cannot hold one.
 fn parallel_sizes_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
-    for (key, size) in [
-        ("tensor_parallel", &raw.tensor_parallel),
-        ("pipeline_parallel", &raw.pipeline_parallel),
-        ("context_parallel", &raw.context_parallel),
-    ] {
-        if let Some(n) = size {
+    for key in ["tensor_parallel", "pipeline_parallel", "context_parallel"] {
+        if let Some(n) = raw.setting::<u64>(key) {
             if n.value == 0 || n.value > 1 << 20 {
                 errors.push(syn::Error::new(
                     n.span,
@@ -55,8 +42,8 @@ fn parallel_sizes_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 /// Sequence parallelism splits along the sequence what tensor parallelism leaves whole; with
 /// one tensor rank there is nothing to split it across.
 fn sequence_parallel_needs_tensor_parallel(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
-    if let Some(sp) = &raw.sequence_parallel {
-        if sp.value && raw.tensor_parallel.as_ref().is_none_or(|t| t.value < 2) {
+    if let Some(sp) = raw.setting::<bool>("sequence_parallel") {
+        if sp.value && raw.setting::<u64>("tensor_parallel").is_none_or(|t| t.value < 2) {
             errors.push(syn::Error::new(
                 sp.span,
                 "`sequence_parallel = true` needs `tensor_parallel = 2` or more: it splits the \
@@ -70,9 +57,9 @@ fn sequence_parallel_needs_tensor_parallel(raw: &RawArgs, errors: &mut Vec<syn::
 /// processes; tensor and pipeline dimensions do not fit beside them.
 fn hybrid_alone(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     let hybrid = raw.strategy().filter(|s| s.value == Strategy::HybridShard).map(|s| s.span);
-    let split = [&raw.tensor_parallel, &raw.pipeline_parallel, &raw.context_parallel]
+    let split = ["tensor_parallel", "pipeline_parallel", "context_parallel"]
         .into_iter()
-        .flatten()
+        .filter_map(|key| raw.setting::<u64>(key))
         .find(|n| n.value > 1);
     if let (Some(span), Some(n)) = (hybrid, split) {
         let mut e = syn::Error::new(
@@ -87,7 +74,7 @@ fn hybrid_alone(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 
 /// A norm limit of zero or less would zero every gradient.
 fn clip_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
-    if let Some(c) = &raw.clip_grad_norm {
+    if let Some(c) = raw.setting::<f64>("clip_grad_norm") {
         if !(c.value > 0.0 && c.value.is_finite()) {
             errors
                 .push(syn::Error::new(c.span, "`clip_grad_norm` must be a finite number above 0"));
@@ -98,7 +85,7 @@ fn clip_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 /// FSDP's sharding strategies are an FSDP option; other strategies already say how they shard.
 fn sharding_needs_fsdp(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     if let Some(s) = &raw.sharding {
-        let strategy = raw.strategy.as_ref().map(|s| s.value.as_str());
+        let strategy = raw.written_strategy().map(|s| s.value.as_str());
         if strategy != Some(Strategy::Fsdp.as_str()) {
             errors.push(syn::Error::new(
                 s.span,
@@ -114,8 +101,8 @@ fn sharding_needs_fsdp(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 
 /// Offloading moves sharded state to CPU; without sharding there is nothing to offload.
 fn offload_needs_sharding(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
-    if let Some(o) = &raw.offload {
-        if o.value && !raw.strategy.as_ref().is_some_and(|s| s.value.can_offload()) {
+    if let Some(o) = raw.setting::<bool>("offload") {
+        if o.value && !raw.written_strategy().is_some_and(|s| s.value.can_offload()) {
             errors.push(syn::Error::new(
                 o.span,
                 "`offload = true` needs a strategy that shards parameters or gradients: \"zero2\", \"zero3\" or \"fsdp\"",
@@ -126,8 +113,8 @@ fn offload_needs_sharding(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
 
 /// An fp8 recipe means nothing without fp8.
 fn fp8_recipe_needs_fp8(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
-    if let Some(r) = &raw.fp8_recipe {
-        if !raw.precision.as_ref().is_some_and(|p| p.value == Precision::Fp8) {
+    if let Some(r) = raw.setting::<Fp8Recipe>("fp8_recipe") {
+        if !raw.setting::<Precision>("precision").is_some_and(|p| p.value == Precision::Fp8) {
             errors.push(syn::Error::new(
                 r.span,
                 "`fp8_recipe` chooses how fp8 layers scale their operands: it needs `precision = \"fp8\"`",

@@ -33,14 +33,14 @@ pub(crate) struct Context {
 
 /// The items of accel-core that generated code names, each under the crate path
 /// (`::accel_core`, or the `crate = ..` key's): the one list of the runtime's paths the
-/// expansion spells (everything else it calls is a method of the accelerator).
+/// expansion spells (everything else it calls is a method of the accelerator). The values
+/// of settings name their types under `config` (`config::Precision::Bf16`), as the
+/// settings' table writes them.
 const RUNTIME: &[&str] = &[
     "Accelerator",
+    "config",
     "Strategy",
-    "Precision",
-    "Fp8Recipe",
     "DataSharding",
-    "LogWith",
     "Error",
     "precision::Float8Linear",
     "nn::SyncBatchNorm",
@@ -68,51 +68,17 @@ pub(crate) fn builder(
         let t = runtime(krate, "Strategy");
         calls.extend(quote!(.strategy(#t::#v)));
     }
-    if let Some(p) = &raw.precision {
-        let v = ident(p.value.variant_name());
-        let t = runtime(krate, "Precision");
-        calls.extend(quote!(.precision(#t::#v)));
-    }
-    if let Some(r) = &raw.fp8_recipe {
-        let v = ident(r.value.variant_name());
-        let t = runtime(krate, "Fp8Recipe");
-        calls.extend(quote!(.fp8_recipe(#t::#v)));
-    }
-    if let Some(a) = &raw.accumulate {
-        let a = a.value as u32;
-        calls.extend(quote!(.accumulate(#a)));
-    }
-    if let Some(c) = &raw.clip_grad_norm {
-        let c = c.value;
-        calls.extend(quote!(.clip_grad_norm(#c)));
-    }
-    if let Some(s) = &raw.seed {
-        let s = s.value;
-        calls.extend(quote!(.seed(#s)));
-    }
-    if let Some(c) = &raw.cpu {
-        let c = c.value;
-        calls.extend(quote!(.cpu(#c)));
-    }
-    if let Some(o) = &raw.offload {
-        let o = o.value;
-        calls.extend(quote!(.offload(#o)));
-    }
-    if let Some(t) = &raw.tensor_parallel {
-        let t = t.value as usize;
-        calls.extend(quote!(.tensor_parallel(#t)));
-    }
-    if let Some(s) = &raw.sequence_parallel {
-        let s = s.value;
-        calls.extend(quote!(.sequence_parallel(#s)));
-    }
-    if let Some(p) = &raw.pipeline_parallel {
-        let p = p.value as usize;
-        calls.extend(quote!(.pipeline_parallel(#p)));
-    }
-    if let Some(c) = &raw.context_parallel {
-        let c = c.value as usize;
-        calls.extend(quote!(.context_parallel(#c)));
+    // The table's settings, in the table's order (the strategy resolved above).
+    let config = runtime(krate, "config");
+    let config = quote!(#config).to_string();
+    for setting in accel_choices::SETTINGS.iter().filter(|s| s.name != "strategy") {
+        let Some(arg) = raw.settings.iter().find(|a| a.setting.name == setting.name) else {
+            continue;
+        };
+        let method = ident(setting.name);
+        let value: TokenStream =
+            arg.rust.replace("$config", &config).parse().expect("the table writes Rust");
+        calls.extend(quote!(.#method(#value)));
     }
     if let Some(d) = &raw.data {
         let v = ident(d.value.variant_name());
@@ -127,18 +93,9 @@ pub(crate) fn builder(
         let s = s.value;
         calls.extend(quote!(.sync_batchnorm(#s)));
     }
-    if let Some(a) = &raw.activation_checkpointing {
-        let a = a.value;
-        calls.extend(quote!(.activation_checkpointing(#a)));
-    }
     if let Some(f) = &raw.fp32_gathers {
         let f = f.value;
         calls.extend(quote!(.fp32_gathers(#f)));
-    }
-    if let Some(l) = &raw.log_with {
-        let v = l.value.iter().map(|w| ident(w.variant_name()));
-        let t = runtime(krate, "LogWith");
-        calls.extend(quote!(.log_with([#(#t::#v),*])));
     }
     if let Some(c) = &raw.config {
         let c = &c.value;
@@ -683,7 +640,7 @@ fn hand_written_accumulation(
     optimizers: &body::Optimizers,
     raw: &RawArgs,
 ) -> Vec<syn::Error> {
-    let Some(accumulate) = raw.accumulate.as_ref().filter(|a| a.value > 1) else {
+    let Some(accumulate) = raw.setting::<u64>("accumulate").filter(|a| a.value > 1) else {
         return Vec::new();
     };
     struct Finder<'o> {

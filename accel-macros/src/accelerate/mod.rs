@@ -86,7 +86,9 @@ pub(crate) fn expand(args: TokenStream, item: TokenStream) -> TokenStream {
             .clone()
             .unwrap_or_else(|| syn::Ident::new("accelerator", proc_macro2::Span::call_site())),
         model: raw.model.clone(),
-        fp8: raw.precision.as_ref().is_some_and(|p| p.value == accel_choices::Precision::Fp8),
+        fp8: raw
+            .setting::<accel_choices::Precision>("precision")
+            .is_some_and(|p| p.value == accel_choices::Precision::Fp8),
         mode: loops::Mode::of(raw.data.as_ref().map(|d| d.value)),
         sync_batchnorm: raw.sync_batchnorm.as_ref().is_some_and(|s| s.value),
     };

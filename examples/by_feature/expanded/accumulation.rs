@@ -10,8 +10,8 @@ use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Tensor};
 fn train(x: &Tensor, y: &Tensor) -> Result<()> {
     let accelerator = ::accel_core::Accelerator::builder()
-        .accumulate(4u32)
-        .seed(0u64)
+        .accumulate(4)
+        .seed(0)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

@@ -20,8 +20,8 @@ const WIDTHS: [i64; 5] = [64, 128, 128, 64, 10];
 fn train(x: &Tensor, y: &Tensor) -> Result<()> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
-        .precision(::accel_core::Precision::Fp8)
-        .seed(0u64)
+        .precision(::accel_core::config::Precision::Fp8)
+        .seed(0)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

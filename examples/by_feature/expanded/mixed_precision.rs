@@ -9,8 +9,8 @@ use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 fn train(x: &Tensor, y: &Tensor) -> Result<Kind> {
     let accelerator = ::accel_core::Accelerator::builder()
-        .precision(::accel_core::Precision::Bf16)
-        .seed(0u64)
+        .precision(::accel_core::config::Precision::Bf16)
+        .seed(0)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

@@ -14,7 +14,7 @@ use tch::{Device, Tensor};
 fn train(x: &Tensor, y: &Tensor, test_x: &Tensor, test_y: &Tensor) -> Result<()> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Zero3)
-        .seed(0u64)
+        .seed(0)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

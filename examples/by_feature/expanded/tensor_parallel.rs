@@ -25,9 +25,9 @@ fn whole_mlp(vs: &nn::VarStore) -> (nn::Linear, nn::Linear) {
 }
 fn train(data: &Digits, init: &nn::VarStore) -> Result<Vec<(String, Tensor)>> {
     let acc = ::accel_core::Accelerator::builder()
-        .seed(0u64)
+        .seed(0)
         .cpu(true)
-        .tensor_parallel(2usize)
+        .tensor_parallel(2)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))
         .build()?;

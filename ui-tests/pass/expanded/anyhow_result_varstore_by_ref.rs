@@ -7,7 +7,7 @@ use crate::common::{Data, mlp, weights};
 fn train(vs: &nn::VarStore, data: &Data) -> anyhow::Result<usize> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
-        .clip_grad_norm(1f64)
+        .clip_grad_norm(1.0_f64)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

@@ -11,7 +11,7 @@ fn bce(logits: &Tensor, target: &Tensor) -> Tensor {
 fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
-        .accumulate(2u32)
+        .accumulate(2)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

@@ -11,7 +11,7 @@ fn train(
 ) -> Result<Vec<(String, Tensor)>, Box<dyn std::error::Error>> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
-        .accumulate(3u32)
+        .accumulate(3)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

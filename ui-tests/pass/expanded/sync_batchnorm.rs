@@ -8,7 +8,7 @@ use crate::common::{Data, mlp_with_norm, weights};
 fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Zero3)
-        .accumulate(2u32)
+        .accumulate(2)
         .cpu(true)
         .sync_batchnorm(true)
         .attribute_data_loops(1usize)

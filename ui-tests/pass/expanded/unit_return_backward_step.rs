@@ -7,7 +7,7 @@ use crate::common::{Data, mlp, weights};
 fn train(vs: &nn::VarStore, data: &Data) {
     let accelerator = ::accel_core::Accelerator::builder()
         .strategy(::accel_core::Strategy::Ddp)
-        .accumulate(2u32)
+        .accumulate(2)
         .cpu(true)
         .attribute_data_loops(1usize)
         .attribute_call(concat!("`train`", " at ", file!(), ":", line!()))

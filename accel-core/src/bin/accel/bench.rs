@@ -115,7 +115,7 @@ pub(crate) fn worker(sizes: &str, dtype: &str, backend: &str) -> accel_core::Res
             results.push(serde_json::json!({ "bytes": bytes, "seconds": seconds }));
         }
     }
-    if let (0, Some(path)) = (group.rank(), std::env::var_os("ACCEL_BENCH_OUT")) {
+    if let (0, Some(path)) = (group.rank(), std::env::var_os(accel_core::config::env::BENCH_OUT)) {
         let _ = std::fs::write(path, serde_json::to_string(&results).unwrap_or_default());
     }
     Ok(true)
@@ -174,7 +174,7 @@ pub(crate) fn allreduce(
     ];
     let plan = match args.plan(program) {
         Ok(mut plan) => {
-            plan.env.push(("ACCEL_BENCH_OUT".into(), out.display().to_string()));
+            plan.env.push((accel_core::config::env::BENCH_OUT.into(), out.display().to_string()));
             plan
         }
         Err(e) => {

@@ -118,7 +118,7 @@ fn cpu_model() -> String {
 /// other, and why (`accel test` shows what a run really got).
 fn cpu_transport() -> String {
     const DIRECT: &str = "direct copies (process_vm_readv)";
-    if std::env::var_os("ACCEL_DISABLE_CMA").is_some() {
+    if std::env::var_os(accel_core::config::env::DISABLE_CMA).is_some() {
         return "TCP (ACCEL_DISABLE_CMA is set)".into();
     }
     let cap_sys_ptrace = std::fs::read_to_string("/proc/self/status")

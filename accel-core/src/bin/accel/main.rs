@@ -4,6 +4,9 @@ mod bench;
 mod compare;
 mod env;
 mod estimate;
+mod flags;
+#[cfg(test)]
+mod reference;
 mod selftest;
 mod setup;
 
@@ -11,7 +14,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use accel_core::config::{Fp8Recipe, PartialConfig, Precision, Strategy};
 use accel_core::launch::config::{LaunchConfig, default_config_path};
 use accel_core::launch::{LaunchPlan, parse_seconds, run};
 use clap::{Args, Parser, Subcommand};
@@ -185,53 +187,9 @@ struct LaunchArgs {
     /// Launch config file (default: ~/.config/accel/default_config.yaml when it exists).
     #[arg(long)]
     config_file: Option<PathBuf>,
-    /// Distribution strategy, passed to the program as ACCEL_STRATEGY.
-    #[arg(long)]
-    strategy: Option<Strategy>,
-    /// Mixed precision, passed as ACCEL_PRECISION.
-    #[arg(long)]
-    precision: Option<Precision>,
-    /// How fp8 layers choose their scales (tensorwise or rowwise), passed as
-    /// ACCEL_FP8_RECIPE.
-    #[arg(long)]
-    fp8_recipe: Option<Fp8Recipe>,
-    /// Gradient accumulation steps, passed as ACCEL_ACCUMULATE.
-    #[arg(long)]
-    accumulate: Option<u32>,
-    /// Gradient clipping norm, passed as ACCEL_CLIP_GRAD_NORM.
-    #[arg(long)]
-    clip_grad_norm: Option<f64>,
-    /// Seed, passed as ACCEL_SEED.
-    #[arg(long)]
-    seed: Option<u64>,
-    /// CPU only, passed as ACCEL_CPU.
-    #[arg(long)]
-    cpu: bool,
-    /// Tensor-parallel ranks, passed as ACCEL_TENSOR_PARALLEL.
-    #[arg(long)]
-    tensor_parallel: Option<usize>,
-    /// Pipeline stages, passed as ACCEL_PIPELINE_PARALLEL.
-    #[arg(long)]
-    pipeline_parallel: Option<usize>,
-    /// Context-parallel ranks (each sequence split among them), passed as
-    /// ACCEL_CONTEXT_PARALLEL.
-    #[arg(long)]
-    context_parallel: Option<usize>,
-    /// Sequence parallelism (with tensor parallelism), passed as ACCEL_SEQUENCE_PARALLEL.
-    #[arg(long)]
-    sequence_parallel: bool,
-    /// Recompute each unit's activations in backward, passed as
-    /// ACCEL_ACTIVATION_CHECKPOINTING.
-    #[arg(long)]
-    activation_checkpointing: bool,
-    /// Keep fp32 masters and optimizer state in CPU memory (zero2, zero3, fsdp), passed as
-    /// ACCEL_OFFLOAD.
-    #[arg(long)]
-    offload: bool,
-    /// Trackers that `init_trackers` starts, comma-separated (tensorboard, jsonl, mlflow,
-    /// all), passed as ACCEL_LOG_WITH.
-    #[arg(long, value_parser = |s: &str| accel_core::LogWith::parse_list(s).map(|_| s.to_owned()).map_err(|e| e.to_string()))]
-    log_with: Option<String>,
+    /// The run's settings (one flag per setting of the table).
+    #[command(flatten)]
+    settings: flags::SettingFlags,
     /// GPUs the processes may use (`0,1`), passed as CUDA_VISIBLE_DEVICES.
     #[arg(long)]
     gpu_ids: Option<String>,
@@ -275,27 +233,7 @@ impl LaunchArgs {
             machine_rank: self.machine_rank,
             main_process_ip: self.main_process_ip.clone(),
             main_process_port: self.main_process_port,
-            training: PartialConfig {
-                strategy: self.strategy,
-                precision: self.precision,
-                fp8_recipe: self.fp8_recipe,
-                accumulate: self.accumulate,
-                clip_grad_norm: self.clip_grad_norm,
-                seed: self.seed,
-                cpu: self.cpu.then_some(true),
-                tensor_parallel: self.tensor_parallel,
-                pipeline_parallel: self.pipeline_parallel,
-                context_parallel: self.context_parallel,
-                sequence_parallel: self.sequence_parallel.then_some(true),
-                activation_checkpointing: self.activation_checkpointing.then_some(true),
-                offload: self.offload.then_some(true),
-                log_with: self
-                    .log_with
-                    .as_deref()
-                    .map(accel_core::LogWith::parse_list)
-                    .transpose()?,
-                ..Default::default()
-            },
+            training: self.settings.config()?,
             gpu_ids: self.gpu_ids.clone(),
             num_cpu_threads_per_process: self.num_cpu_threads_per_process,
             ..Default::default()
@@ -308,8 +246,8 @@ impl LaunchArgs {
         let mut env: Vec<(String, String)> =
             config.training_env().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
         if let Some(t) = self.timeout {
-            env.push(("ACCEL_TIMEOUT_SECS".into(), t.to_string()));
-            env.push(("ACCEL_NCCL_TIMEOUT".into(), t.to_string()));
+            env.push((accel_core::config::env::TIMEOUT_SECS.into(), t.to_string()));
+            env.push((accel_core::config::env::NCCL_TIMEOUT.into(), t.to_string()));
         }
         // `srun accel launch ...`, once per node: the machines are Slurm's unless named.
         let slurm = if config.num_machines.is_none() && config.machine_rank.is_none() {

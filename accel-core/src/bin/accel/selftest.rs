@@ -220,7 +220,7 @@ fn parity(g: &ProcessGroup) -> accel_core::Result<bool> {
 pub(crate) fn spin(nccl: bool) -> accel_core::Result<bool> {
     let topology = Topology::from_env()?;
     let group = ProcessGroup::new(&topology, GroupOptions::from_env()?)?;
-    if let Some(dir) = std::env::var_os("ACCEL_PID_DIR") {
+    if let Some(dir) = std::env::var_os(accel_core::config::env::PID_DIR) {
         let path = std::path::Path::new(&dir).join(topology.rank.to_string());
         let _ = std::fs::write(path, std::process::id().to_string());
     }

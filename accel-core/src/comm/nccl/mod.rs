@@ -52,7 +52,7 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 /// sets it), else [`DEFAULT_TIMEOUT`]. A value that is not a positive number of seconds is
 /// an error naming it.
 pub fn timeout_from_env() -> Result<Duration> {
-    match std::env::var("ACCEL_NCCL_TIMEOUT") {
+    match std::env::var(crate::config::env::NCCL_TIMEOUT) {
         Ok(value) => Ok(Duration::from_secs_f64(
             crate::config::parse_seconds(&value, false)
                 .map_err(|e| Error::Config(format!("ACCEL_NCCL_TIMEOUT: {e}")))?,
@@ -148,7 +148,7 @@ impl NcclComm {
         // Blocking, as PyTorch creates its groups: a non-blocking communicator makes every
         // call host-bound (NCCL runs it on a thread of its own, the caller polls). A peer that
         // never arrives is the launcher's to report (it stops the group when one dies).
-        let blocking = !std::env::var("ACCEL_NCCL_NONBLOCKING")
+        let blocking = !std::env::var(crate::config::env::NCCL_NONBLOCKING)
             .is_ok_and(|v| matches!(v.as_str(), "1" | "true" | "yes"));
         let (size, rank) = (group.size(), group.rank());
         let handle = Handle::init(nccl, id, size, rank, global_rank, timeout, blocking)?;

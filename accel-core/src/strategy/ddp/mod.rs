@@ -232,8 +232,11 @@ impl Ddp {
         if !unused.is_empty() && !self.options.allow_unused {
             let message = format!(
                 "DDP: parameter(s) {unused:?} received no gradient in this step on rank {}; every \
-                 rank must produce a gradient for every parameter (or set DdpOptions::allow_unused, \
-                 like find_unused_parameters=True)",
+                 rank must produce a gradient for every parameter. Where some may go without one \
+                 (a branch the data chooses), say so: #[accelerate(find_unused_parameters = \
+                 true)], `find_unused_parameters: true` in the config file, \
+                 ACCEL_FIND_UNUSED_PARAMETERS=1, or .find_unused_parameters(true) on the builder \
+                 (torch's find_unused_parameters=True): they then contribute zeros",
                 self.group.rank()
             );
             for b in &mut pending.buckets {

@@ -537,8 +537,11 @@ impl ShardedModel {
             }
             return Err(Error::Training(format!(
                 "sharded model: parameter(s) {unused:?} received no gradient in this step on rank \
-                 {}; every rank must produce a gradient for every parameter (or set \
-                 ShardOptions::allow_unused)",
+                 {}; every rank must produce a gradient for every parameter. Where some may go \
+                 without one (a branch the data chooses), say so: \
+                 #[accelerate(find_unused_parameters = true)], `find_unused_parameters: true` in \
+                 the config file, ACCEL_FIND_UNUSED_PARAMETERS=1, or \
+                 .find_unused_parameters(true) on the builder: they then contribute zeros",
                 engine.group.rank()
             )));
         }
