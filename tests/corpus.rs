@@ -35,6 +35,7 @@ const PROGRAMS: &[(&str, Outcome)] = &[
     ("quickstart", Equal),
     ("tch_train_iter", Equal),
     ("index_narrow", Equal),
+    ("index_logging", Equal),
     ("index_op_slices", Equal),
     ("enumerate_warmup", Equal),
     ("counter_accumulation", Equal),

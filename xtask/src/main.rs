@@ -231,6 +231,17 @@ fn run(command: &mut Command) -> Result<(), String> {
 /// debug level, which halves their size. Same value, so the workspace does not rebuild.
 fn test(rest: &[OsString]) -> Result<(), String> {
     run(cargo_command(&["test", "--workspace"], rest)
+        .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only"))?;
+    if !rest.is_empty() {
+        // A filtered run (`cargo xtask test NAME`) tests that, not the packages.
+        return Ok(());
+    }
+    // The crates as crates.io would take them: packaged in dependency order (versions on the
+    // path dependencies, the `include` lists), each then built from its package alone.
+    eprintln!("xtask: packaging accel-choices, accel-macros, accel-core and accel-models");
+    run(cargo_command(&["package", "--allow-dirty", "--quiet"], &[])
+        .args(["-p", "accel-choices", "-p", "accel-macros", "-p", "accel-core"])
+        .args(["-p", "accel-models"])
         .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only"))
 }
 
