@@ -134,3 +134,148 @@ fn a_crate_outside_the_workspace_is_set_up_by_accel_setup_and_runs_without_ld_li
     let dynamic = String::from_utf8_lossy(&dynamic.stdout);
     assert!(dynamic.contains("[libtorch.so]"), "libtorch.so not needed:\n{dynamic}");
 }
+
+/// The user's training program of the route test: an ordinary tch loop with the one line.
+const ROUTE_MAIN_RS: &str = r#"use anyhow::Result;
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+#[accel_core::accelerate(strategy = "ddp", seed = 0)]
+fn train(batch: i64, out: &str) -> Result<()> {
+    let x = Tensor::randn([64, 8], (Kind::Float, Device::Cpu));
+    let y = x.sum_dim_intlist(1, true, Kind::Float).sin();
+    let device = Device::cuda_if_available();
+    let vs = nn::VarStore::new(device);
+    let net = nn::seq()
+        .add(nn::linear(vs.root() / "fc1", 8, 16, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(vs.root() / "fc2", 16, 1, Default::default()));
+    let mut opt = nn::Sgd::default().build(&vs, 0.1)?;
+    for _epoch in 0..3 {
+        for (xb, yb) in tch::data::Iter2::new(&x, &y, batch) {
+            let loss = net.forward(&xb.to_device(device)).mse_loss(&yb.to_device(device), tch::Reduction::Mean);
+            opt.zero_grad();
+            loss.backward();
+            opt.step();
+        }
+    }
+    vs.save(out)?;
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    train(args[1].parse()?, &args[2])
+}
+"#;
+
+/// docs/your-crate.md followed as written, from an empty folder outside this repository
+/// (so that none of its cargo configuration applies): the libtorch of a Python environment
+/// (this repository's `.venv`, which holds torch 2.11.0, stands in for the user's), the
+/// `accel` command installed from the repository by git URL (a `file://` clone stands in for
+/// the public one), `cargo new`, `cargo add` from the registry (no lock file borrowed),
+/// `accel setup`, `cargo build`, the one line on the user's function — run on 2 processes it
+/// ends with the weights of 1 process with twice the batch. Beyond the page: `--debug` and one
+/// shared target folder, so that the builds share their compiled dependencies.
+#[test]
+fn the_documented_route_from_an_empty_folder_trains_on_2_processes_as_on_1() {
+    let home = std::env::temp_dir().join(format!("accel-route-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&home);
+    std::fs::create_dir_all(&home).unwrap();
+    let run = |dir: &Path, program: &Path, args: &[&str], env: &[(&str, &Path)]| -> String {
+        let mut command = Command::new(program);
+        command.current_dir(dir).args(args).env_remove("LIBTORCH").env_remove("RUSTFLAGS");
+        command.env("CARGO_TARGET_DIR", shared_target());
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let output = command.output().unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(output.status.success(), "{} {args:?} failed:\n{said}", program.display());
+        said
+    };
+    let cargo = Path::new(env!("CARGO"));
+    // The public repository's stand-in.
+    let remote = home.join("accel.git");
+    let git = Path::new("git");
+    run(
+        &home,
+        git,
+        &["clone", "--quiet", "--bare", root().to_str().unwrap(), remote.to_str().unwrap()],
+        &[],
+    );
+    let url = format!("file://{}", remote.display());
+
+    // 1. libtorch: the Python environment's torch, named as the page says.
+    let python = root().join(".venv/bin/python");
+    let find = "import os, torch; print(os.path.dirname(torch.__file__))";
+    let libtorch = run(&home, &python, &["-c", find], &[]).trim().to_owned();
+    let libtorch = PathBuf::from(libtorch);
+    let with_libtorch = [("LIBTORCH", libtorch.as_path())];
+
+    // 2. The accel command.
+    let bin = home.join("cargo-bin");
+    run(
+        &home,
+        cargo,
+        &[
+            "install",
+            "--quiet",
+            "--git",
+            &url,
+            "accel-core",
+            "--bin",
+            "accel",
+            "--debug",
+            "--root",
+            bin.to_str().unwrap(),
+        ],
+        &with_libtorch,
+    );
+    let accel = bin.join("bin/accel");
+
+    // 3. The crate.
+    run(&home, cargo, &["new", "--quiet", "my-trainer"], &[]);
+    let dir = home.join("my-trainer");
+    run(&dir, cargo, &["add", "--quiet", "--git", &url, "accel-core"], &[]);
+    run(&dir, cargo, &["add", "--quiet", "tch@=0.24.0", "anyhow"], &[]);
+    let said = run(&dir, &accel, &["setup"], &with_libtorch);
+    assert!(said.contains("using LIBTORCH=") && said.contains("Commit build.rs"), "{said}");
+    let ignored = std::fs::read_to_string(dir.join(".gitignore")).unwrap();
+    assert!(ignored.contains("/.cargo/config.toml"), "{ignored}");
+    assert!(dir.join("build.rs").exists());
+
+    // 4. The one line, built with plain cargo, on 1 process and 2.
+    std::fs::write(dir.join("src/main.rs"), ROUTE_MAIN_RS).unwrap();
+    run(&dir, cargo, &["build", "--quiet"], &[]);
+    let program = shared_target().join("debug/my-trainer");
+    let weights = |processes: &str, batch: &str| {
+        let out = home.join(format!("weights-{processes}.safetensors"));
+        let launch = [
+            "launch",
+            "--num-processes",
+            processes,
+            "--cpu",
+            "--main-process-port",
+            "0",
+            program.to_str().unwrap(),
+            batch,
+            out.to_str().unwrap(),
+        ];
+        run(&dir, &accel, &launch, &[]);
+        let mut named = tch::Tensor::read_safetensors(&out).unwrap();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        named
+    };
+    let (one, two) = (weights("1", "16"), weights("2", "8"));
+    assert_eq!(one.len(), 4);
+    for ((name, a), (_, b)) in one.iter().zip(&two) {
+        let diff = (a - b).abs().max().double_value(&[]);
+        assert!(diff <= 1e-6, "{name}: 2 processes differ from 1 by {diff}");
+    }
+    let _ = std::fs::remove_dir_all(&home);
+}

@@ -185,14 +185,33 @@ pub(crate) fn run(crate_dir: &Path, python: Option<&Path>) -> accel_core::Result
             build_rs.display()
         )),
     }
-    for (dependency, line) in
-        [("accel-core", "accel-core = { git = \"…\" }"), ("tch", "tch = \"=0.24.0\"")]
-    {
+    for (dependency, line) in [
+        ("accel-core", "cargo add --git https://github.com/accel-rs/accel accel-core"),
+        ("tch", "cargo add tch@=0.24.0"),
+    ] {
         if !cargo_toml.lines().any(|l| l.trim_start().starts_with(dependency)) {
-            say(format!("add to [dependencies] in {}: {line}", manifest.display()));
+            say(format!("{} lacks {dependency}: {line}", manifest.display()));
         }
     }
-    say("done: `cargo build` now finds libtorch");
+    ignore_machine_config(crate_dir)?;
+    say("done: `cargo build` now finds libtorch. Commit build.rs; .cargo/config.toml names this \
+         machine's libtorch, so each machine (and CI) runs `accel setup` instead");
+    Ok(())
+}
+
+/// Keeps `.cargo/config.toml` (an absolute path of this machine) out of the crate's git,
+/// where the crate has a `.gitignore` (as `cargo new` writes one).
+fn ignore_machine_config(crate_dir: &Path) -> accel_core::Result<()> {
+    let path = crate_dir.join(".gitignore");
+    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(()) };
+    let entry = "/.cargo/config.toml";
+    if text.lines().any(|l| l.trim() == entry || l.trim() == ".cargo/config.toml") {
+        return Ok(());
+    }
+    let separator = if text.is_empty() || text.ends_with('\n') { "" } else { "\n" };
+    let io = |source| accel_core::Error::Io { path: path.clone(), source };
+    std::fs::write(&path, format!("{text}{separator}{entry}\n")).map_err(io)?;
+    say(format!("added {entry} to {}", path.display()));
     Ok(())
 }
 
