@@ -213,6 +213,12 @@ pub fn nccl_info() -> std::result::Result<NcclInfo, String> {
     Ok(NcclInfo { path, version })
 }
 
+/// Whether a driver of CUDA API version `version` ("12.8") predates the CUDA 13 that the
+/// torch 2.11.0 wheel is built for.
+fn driver_too_old(version: &str) -> bool {
+    version.split('.').next().and_then(|major| major.parse::<u32>().ok()).is_some_and(|m| m < 13)
+}
+
 /// Returns `device` if this process can use it; for a CUDA device that it cannot, an error
 /// that names the first missing link (libtorch build, driver, device count) and the way out.
 pub fn check_device(device: Device) -> Result<Device> {
@@ -246,11 +252,20 @@ pub fn check_device(device: Device) -> Result<Device> {
                 info.version,
                 std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default()
             ),
-            Ok(info) => format!(
-                "driver {} sees {} GPU(s) but libtorch does not; the driver may be older than \
-                 the CUDA 13 that torch 2.11.0 needs",
+            Ok(info) if driver_too_old(&info.version) => format!(
+                "the NVIDIA driver supports CUDA up to {} and sees {} GPU(s), but torch 2.11.0's \
+                 CUDA 13 wheel needs a driver for CUDA 13.0 or newer (NVIDIA driver 580 or \
+                 newer): update the driver, or install the CPU-only wheel of torch==2.11.0 \
+                 (docs/installation.md)",
                 info.version,
                 info.devices.len()
+            ),
+            Ok(info) => format!(
+                "driver {} sees {} GPU(s) but libtorch does not (CUDA_VISIBLE_DEVICES={:?}); \
+                 `accel env` shows what each library found",
+                info.version,
+                info.devices.len(),
+                std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default()
             ),
         };
         return Err(unavailable(diagnosis));
@@ -263,4 +278,16 @@ pub fn check_device(device: Device) -> Result<Device> {
         )));
     }
     Ok(device)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The driver's CUDA version decides the message: below 13 it names the driver to get.
+    #[test]
+    fn drivers_before_cuda_13_are_too_old_for_the_wheel() {
+        for (version, old) in [("12.8", true), ("11.4", true), ("13.0", false), ("13.1", false)] {
+            assert_eq!(super::driver_too_old(version), old, "{version}");
+        }
+        assert!(!super::driver_too_old("unknown"), "an unreadable version is not blamed");
+    }
 }

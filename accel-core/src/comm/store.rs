@@ -470,7 +470,9 @@ impl StoreClient {
                 Err(e) if Instant::now() >= deadline => {
                     return Err(Error::Rendezvous(format!(
                         "could not reach the store of rank 0 at {target} within {:.0} s ({e}); is \
-                         MASTER_ADDR/MASTER_PORT right, and did rank 0 start?",
+                         MASTER_ADDR/MASTER_PORT (accel launch's --main-process-ip/-port) right, \
+                         did rank 0 start, and does a firewall between the machines let TCP \
+                         through to port {port} of {addr}? (check with `nc -vz {addr} {port}`)",
                         timeout.as_secs_f64()
                     )));
                 }

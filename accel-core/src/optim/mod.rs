@@ -141,7 +141,9 @@ pub trait Optimizer: Send {
     fn retain(&mut self, keep: &dyn Fn(usize) -> bool) -> Result<()> {
         let _ = keep;
         Err(Error::Unsupported(format!(
-            "{} cannot be sharded across processes (zero1); use accel's Sgd, Adam or AdamW",
+            "{} cannot be sharded across processes (zero1): build accel's own instead, e.g. \
+             `accel_core::optim::AdamW::new(accelerator.params(&vs), AdamConfig::adamw())?` \
+             (or Sgd/Adam); under #[accelerate], tch's nn::Sgd/Adam/AdamW configs become these",
             self.name()
         )))
     }
@@ -159,7 +161,9 @@ pub trait Optimizer: Send {
     fn replace_params(&mut self, replace: &dyn Fn(&Tensor) -> Result<Tensor>) -> Result<()> {
         let _ = replace;
         Err(Error::Unsupported(format!(
-            "{} cannot step parameter shards (zero2/zero3/fsdp); use accel's Sgd, Adam or AdamW",
+            "{} cannot step parameter shards (zero2/zero3/fsdp): build accel's own instead, e.g. \
+             `accel_core::optim::AdamW::new(accelerator.params(&vs), AdamConfig::adamw())?` \
+             (or Sgd/Adam); under #[accelerate], tch's nn::Sgd/Adam/AdamW configs become these",
             self.name()
         )))
     }

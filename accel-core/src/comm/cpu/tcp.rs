@@ -141,7 +141,12 @@ impl Links {
                     Ok(s) => break s,
                     Err(e) if Instant::now() >= deadline => {
                         return Err(fail(format!(
-                            "rank {rank} cannot reach rank {peer} at {addr}: {e}"
+                            "rank {rank} cannot reach rank {peer} at {addr}: {e}. Each rank \
+                             listens for the run's collectives on a port of its machine's \
+                             ephemeral range (/proc/sys/net/ipv4/ip_local_port_range): a \
+                             firewall between the machines must let TCP through on that range, \
+                             and rank {peer}'s address must be reachable from here (check with \
+                             `nc -vz` on {addr})"
                         )));
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(20)),

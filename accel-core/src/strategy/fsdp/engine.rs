@@ -89,17 +89,7 @@ fn whole_notice(params: &[Param], engine: &Engine) -> Option<String> {
 /// at rest), never whole there. A parameter whose storage it shares with other tensors is
 /// refused: the others would keep the memory, and a tie would be silently broken.
 fn release_on(param: &Param, kind: Kind, device: Device) -> Result<()> {
-    let whole = (param.tensor.numel() * param.tensor.kind().elt_size_in_bytes()) as u64;
-    if !param.tensor.is_contiguous() || shim::storage_nbytes(&param.tensor)? != whole {
-        return Err(Error::Unsupported(format!(
-            "zero3: parameter `{}` is a view into a storage it shares with other tensors (often \
-             a tied weight, such as an embedding reused as the output layer, or a tensor cut \
-             from another with `narrow`/`view`), so its memory cannot be released on its own. \
-             Give it a storage of its own, or tie weights by using one module in both places \
-             and keep its users inside one Unit",
-            param.name
-        )));
-    }
+    super::flat::own_storage(&param.tensor, &param.name)?;
     let like = Tensor::f_empty([0], (kind, device))?;
     let released = shim::released(&like, &param.tensor)?;
     tch::no_grad(|| param.tensor.shallow_clone().set_data(&released));

@@ -87,6 +87,22 @@ pub(super) struct Engine {
     pub(super) order_known: bool,
 }
 
+/// Checks that parameter `name` (`tensor`) has a storage of its own, which zero3 can
+/// release without taking memory from other tensors.
+pub(super) fn own_storage(tensor: &Tensor, name: &str) -> Result<()> {
+    let whole = (tensor.numel() * tensor.kind().elt_size_in_bytes()) as u64;
+    if tensor.is_contiguous() && shim::storage_nbytes(tensor)? == whole {
+        return Ok(());
+    }
+    Err(Error::Unsupported(format!(
+        "zero3: parameter `{name}` is a view into a storage it shares with other tensors (often \
+         a tied weight, such as an embedding reused as the output layer, or a tensor cut from \
+         another with `narrow`/`view`), so its memory cannot be released on its own. Give it a \
+         storage of its own (`.copy()`), or tie weights by using one module in both places and \
+         keep its users inside one Unit"
+    )))
+}
+
 /// Reduce-scatters in flight at once: enough to overlap communication with the backward
 /// pass, few enough that their flat buffers (one unit's gradients each) stay a small part
 /// of memory.
@@ -404,14 +420,7 @@ impl Engine {
         }
         for s in self.released_members(u) {
             let param = &self.shards[s].param;
-            let whole = param.numel() * param.kind().elt_size_in_bytes();
-            if !param.is_contiguous() || shim::storage_nbytes(param)? != whole as u64 {
-                return Err(Error::Unsupported(format!(
-                    "zero3: parameter {} shares its storage with other tensors, so its memory \
-                     cannot be released on its own; give it a storage of its own",
-                    self.shards[s].name
-                )));
-            }
+            own_storage(param, &self.shards[s].name)?;
             // SAFETY: the unit is marked released; nothing reads it until `gather`
             // allocates it again (a [`Unit`] does before its forward and its backward).
             unsafe { shim::free_storage(param)? };

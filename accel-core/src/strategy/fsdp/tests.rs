@@ -614,3 +614,16 @@ fn zero3_prepare_never_holds_the_model_whole_on_the_gpu_cuda() {
         }
     }
 }
+
+/// zero3 refuses to release a parameter that shares its storage, and says what usually
+/// causes it (tied weights) and what to do.
+#[test]
+fn a_parameter_sharing_its_storage_is_refused_with_the_way_out() {
+    let whole = Tensor::zeros([4, 3], (Kind::Float, Device::Cpu));
+    assert!(flat::own_storage(&whole, "lm_head.weight").is_ok());
+    let part = whole.narrow(0, 0, 2);
+    let message = flat::own_storage(&part, "lm_head.weight").unwrap_err().to_string();
+    for says in ["`lm_head.weight`", "tied weight", "storage of its own (`.copy()`)", "one Unit"] {
+        assert!(message.contains(says), "{says:?} missing from: {message}");
+    }
+}
