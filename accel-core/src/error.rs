@@ -96,7 +96,7 @@ pub enum Error {
         code: i32,
         /// This process's rank in the run.
         rank: usize,
-        /// The operation it was part of (" in collective #12 all_reduce(sum) of [4] Float"),
+        /// The operation it was part of (`" in collective #12 all_reduce(sum) of [4] Float"`),
         /// or empty.
         during: String,
         /// NCCL's text for the code, and `ncclGetLastError`'s where there is one.

@@ -242,6 +242,11 @@ fn test(rest: &[OsString]) -> Result<(), String> {
     run(cargo_command(&["package", "--allow-dirty", "--quiet"], &[])
         .args(["-p", "accel-choices", "-p", "accel-macros", "-p", "accel-core"])
         .args(["-p", "accel-models"])
+        .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only"))?;
+    // The API docs as docs.rs builds them: no warning, every intra-doc link resolved.
+    eprintln!("xtask: cargo doc --no-deps, warnings denied");
+    run(cargo_command(&["doc", "--no-deps", "--workspace", "--quiet"], &[])
+        .env("RUSTDOCFLAGS", "-D warnings")
         .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only"))
 }
 

@@ -198,7 +198,8 @@ impl std::fmt::Debug for SequenceChecker {
 }
 
 /// What the checker does on a divergence, before it aborts the communicators (by default
-/// [`crate::comm::exit_after_grace`]).
+/// printing the failure at once and ending the process with code 1 if it still runs
+/// [`EXIT_GRACE`](crate::comm::EXIT_GRACE) later).
 pub type OnDivergence = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// Whether `ACCEL_CHECK_COLLECTIVES` leaves the check on (it is on unless set to 0).

@@ -255,6 +255,9 @@ fn srun_across_two_hosts_trains_as_four_processes_on_one() {
     }
     let reference = read_weights(&one_host);
 
+    // docs/two-machines.md, run as written: one `accel launch` per host, by hand.
+    two_machines_as_the_walkthrough_says(&cluster, &dir.join("walkthrough"));
+
     // srun PROGRAM: 2 hosts × 2 tasks, nothing set by hand.
     let out = dir.join("srun.safetensors");
     let mut program = vec![example("parity")];
@@ -440,4 +443,100 @@ fn char_lm_on_two_hosts(
         assert!(said.contains("on h2") && said.contains("resumed from"), "{said}");
     }
     read_weights(&weights)
+}
+
+/// The shell blocks of docs/two-machines.md, each with where it runs: the first line of each
+/// (`# once`, `# on machine 0`, `# on machine 1`).
+fn walkthrough_blocks() -> Vec<(String, String)> {
+    let page = std::fs::read_to_string(root().join("docs/two-machines.md")).unwrap();
+    let mut blocks = Vec::new();
+    let mut lines = page.lines();
+    while let Some(line) = lines.next() {
+        if line.trim() != "```sh" {
+            continue;
+        }
+        let body: Vec<&str> = lines.by_ref().take_while(|l| l.trim() != "```").collect();
+        let (first, rest) = body.split_first().expect("an empty block");
+        blocks.push((first.to_string(), rest.join("\n")));
+    }
+    blocks
+}
+
+/// docs/two-machines.md followed literally on h1 and h2, with a home folder both share (a
+/// scratch folder holding `accel`, a link to this checkout): the run trains as `accel
+/// launch --num-processes 2` on one machine does, epoch by epoch.
+fn two_machines_as_the_walkthrough_says(_hosts_up: &Cluster, dir: &Path) {
+    let home = dir.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    std::os::unix::fs::symlink(root(), home.join("accel")).unwrap();
+    // The user's own cargo and rustup stay where they are, whatever HOME says.
+    let real_home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    let cargo_home = std::env::var("CARGO_HOME").unwrap_or(format!("{real_home}/.cargo"));
+    let rustup_home = std::env::var("RUSTUP_HOME").unwrap_or(format!("{real_home}/.rustup"));
+    let shell = |block: &str, host: Option<&str>| {
+        let mut cmd = match host {
+            Some(h) => {
+                let mut c = Command::new(root().join("scripts/cluster.sh"));
+                c.args(["run", h, "bash", "-euo", "pipefail", "-c", block]);
+                c
+            }
+            None => {
+                let mut c = Command::new("bash");
+                c.args(["-euo", "pipefail", "-c", block]);
+                c
+            }
+        };
+        cmd.env("HOME", &home)
+            .env("CARGO_HOME", &cargo_home)
+            .env("RUSTUP_HOME", &rustup_home)
+            .env_remove("ACCEL_TOKEN")
+            .env_remove("ACCEL_TOKEN_FILE")
+            .stdin(Stdio::null());
+        cmd
+    };
+    let blocks = walkthrough_blocks();
+    assert_eq!(blocks.len(), 3, "docs/two-machines.md: {blocks:?}");
+    let machine = |n: &str| {
+        let found = blocks.iter().find(|(place, _)| place.starts_with(&format!("# on machine {n}")));
+        found.unwrap_or_else(|| panic!("no block for machine {n}")).1.clone()
+    };
+    let (once, zero, one) = (&blocks[0], machine("0"), machine("1"));
+    assert!(once.0.starts_with("# once"), "{}", once.0);
+    succeeded(&run_for(shell(&once.1, None), 600, "the build block"), "the build block");
+    let token = std::fs::read_to_string(home.join(".accel-token")).unwrap();
+    assert!(token.trim().len() >= 16, "the token: {token:?}");
+
+    let zero = std::thread::spawn({
+        let cmd = shell(&zero, Some("1"));
+        move || run_for(cmd, 240, "machine 0 (h1)")
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let one = run_for(shell(&one, Some("2")), 240, "machine 1 (h2)");
+    let zero = zero.join().unwrap();
+    succeeded(&zero, "machine 0 (h1)");
+    succeeded(&one, "machine 1 (h2)");
+    let said = printed(&zero);
+    assert!(said.contains("epoch  10") && said.contains("test accuracy"), "{said}");
+    assert!(!said.contains("not authenticated"), "the token was not used: {said}");
+
+    // The same training on one machine, 2 processes.
+    let accel = super::build_dir().join("accel");
+    let mut cmd = Command::new(&accel);
+    cmd.args(["launch", "--num-processes", "2", "--main-process-port", "0", "--cpu"])
+        .arg(example("train"))
+        .args(["--epochs", "10", "--out"])
+        .arg(dir.join("one-machine"));
+    succeeded(&run_for(cmd, 240, "train on one machine"), "train on one machine");
+    let losses = |path: &Path| -> Vec<f64> {
+        let text = std::fs::read_to_string(path).unwrap();
+        let rows = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
+        rows.filter_map(|row| row.get("loss").and_then(|l| l.as_f64())).collect()
+    };
+    let two = losses(&home.join("runs/digits/metrics.jsonl"));
+    let reference = losses(&dir.join("one-machine/metrics.jsonl"));
+    assert_eq!(two.len(), 10, "{two:?}");
+    for (epoch, (a, b)) in two.iter().zip(&reference).enumerate() {
+        assert!((a - b).abs() <= 1e-6, "epoch {}: loss {a} on 2 machines, {b} on one", epoch + 1);
+    }
+    eprintln!("docs/two-machines.md: trained as on one machine ({two:?})");
 }

@@ -1,4 +1,4 @@
-//! Data-parallel gradient averaging: the [`DdpStrategy`], over one [`Ddp`] per model; see
+//! Data-parallel gradient averaging: the [`DdpStrategy`], over one `Ddp` per model; see
 //! README.md beside this file.
 
 use std::sync::{Arc, Mutex, MutexGuard};
