@@ -4,7 +4,7 @@
 //! last tenth of the text is held out; the run must bring the held-out loss under a target
 //! (nats per character; a uniform guess over the 72 characters is 4.28; 600 steps on 2
 //! processes reach about 1.51 in under a minute on 2 cores). Each block is an
-//! `accel::Unit`, so under zero3 a block's weights exist whole only during its own forward
+//! `accel_core::Unit`, so under zero3 a block's weights exist whole only during its own forward
 //! and backward. It prints a sample of generated text at the end.
 //!
 //!

@@ -7,7 +7,7 @@
 //! (`repeat_kv`), eager attention with the causal mask — within a sliding window on the
 //! layers that slide (Qwen2/3 per `layer_types`, Mistral on all) — and an fp32 softmax,
 //! Qwen2's q/k/v biases, Qwen3's per-head q/k norms, the SiLU-gated MLP, and the head tied to
-//! the embedding or not. Each decoder layer is an `accel::Unit` (zero3 gathers it for its
+//! the embedding or not. Each decoder layer is an `accel_core::Unit` (zero3 gathers it for its
 //! forward and backward, and activation checkpointing recomputes it), and so are the
 //! embedding and the head.
 //!

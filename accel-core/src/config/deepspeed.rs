@@ -274,7 +274,7 @@ fn applied_note(key: &str, value: &Value, out: &DeepSpeedConfig) -> Verdict {
             "the fp16 loss scaler (DeepSpeed's defaults otherwise)".to_owned()
         }
         k if k.starts_with("activation_checkpointing") => {
-            "activation checkpointing of every accel::Unit".to_owned()
+            "activation checkpointing of every accel_core::Unit".to_owned()
         }
         "zero_optimization.stage" => match out.training.strategy {
             Some(s) => format!("strategy {s}"),
@@ -356,7 +356,7 @@ fn read_parts(text: &str) -> Result<Parts> {
                 }
             }
             "fp16" => fp16(value, &mut out, &mut refused, &mut wrong),
-            // Recomputing each unit in backward (accel::Unit::run_on); how DeepSpeed lays the
+            // Recomputing each unit in backward (accel_core::Unit::run_on); how DeepSpeed lays the
             // saved inputs out is its own business, except offloading them to the CPU.
             "activation_checkpointing" => {
                 out.training.activation_checkpointing = Some(true);

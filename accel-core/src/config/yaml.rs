@@ -246,6 +246,121 @@ impl<'de> serde::Deserialize<'de> for TopLevel {
     }
 }
 
+/// Keys for other machines and environments than accel's (SageMaker, TPUs, Apple GPUs,
+/// notebooks) and switches accel does not need. `Ok(None)`: not one of them.
+fn elsewhere(key: &str, v: &Value) -> Result<Option<Verdict>> {
+    let verdict = match key {
+                "compute_environment" => match as_name(v).as_str() {
+                    "LOCAL_MACHINE" => ignored("accel launch starts this machine's processes"),
+                    other => refused(format!(
+                        "{other}: accel launches processes on the machines it runs on; cloud \
+                         jobs (SageMaker) are not supported"
+                    )),
+                },
+                "debug" => {
+                    if as_bool(key, v)? {
+                        applied(
+                            "collectives compared across processes before they run (accel always \
+                             does; ACCEL_CHECK_COLLECTIVES=0 turns it off)",
+                        )
+                    } else {
+                        ignored("accel compares collectives across processes anyway")
+                    }
+                }
+                "downcast_bf16" => ignored("TPU only"),
+                "rdzv_backend" => ignored("accel's rendezvous is rank 0's TCP store (static)"),
+                "same_network" => ignored("machines connect over TCP either way"),
+                "main_training_function" => ignored("notebook launcher only; a Rust program has main"),
+                "enable_cpu_affinity" => {
+                    if as_bool(key, v)? {
+                        hint("accel does not pin processes to NUMA-local cores")
+                    } else {
+                        ignored("off, as in accel")
+                    }
+                }
+                "use_mps_device" => {
+                    if as_bool(key, v)? {
+                        refused("Apple GPUs (MPS) are not supported: CPU and CUDA only")
+                    } else {
+                        ignored("off")
+                    }
+                }
+                "tpu_name" | "tpu_zone" | "tpu_use_cluster" | "tpu_use_sudo" | "tpu_vm" | "tpu_env"
+                | "command_file" | "commands" => ignored("TPU pods only"),
+                "ec2_instance_type"
+                | "iam_role_name"
+                | "image_uri"
+                | "profile"
+                | "region"
+                | "base_job_name"
+                | "pytorch_version"
+                | "transformers_version"
+                | "py_version"
+                | "sagemaker_inputs_file"
+                | "sagemaker_metrics_file"
+                | "additional_args" => ignored("SageMaker only (see compute_environment)"),
+        _ => return Ok(None),
+    };
+    verdict.map(Some)
+}
+
+/// A key nobody reads: refused, with the closest known key.
+fn unknown(key: &str) -> Result<Verdict> {
+    let ours = our_keys();
+    let valid: Vec<&str> = ours.iter().chain(ACCELERATE).copied().collect();
+    let hint = closest(key, &valid).map(|c| format!(" — did you mean `{c}`?")).unwrap_or_default();
+    refused(format!("unknown key{hint} (accel's keys: {})", ours.join(", ")))
+}
+
+/// FSDP's `fsdp_sharding_strategy` (a name or its number) as accel's strategy.
+fn fsdp_sharding(name: &str) -> Result<Strategy> {
+    Ok(match name {
+        "FULL_SHARD" | "1" | "TRUE" => Strategy::Zero3,
+        "SHARD_GRAD_OP" | "2" | "FALSE" => Strategy::Zero2,
+        "NO_SHARD" | "3" => Strategy::Ddp,
+        "HYBRID_SHARD" | "4" => Strategy::HybridShard,
+        "_HYBRID_SHARD_ZERO2" | "5" => {
+            return Err(Error::Config(format!(
+                "{name} (hybrid sharding of gradients only) is not implemented; use \
+                 HYBRID_SHARD, FULL_SHARD or SHARD_GRAD_OP"
+            )));
+        }
+        other => {
+            return Err(Error::Config(format!(
+                "{other}: expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"
+            )));
+        }
+    })
+}
+
+/// FSDP's `fsdp_state_dict_type`.
+fn fsdp_state_dict(name: &str) -> Result<StateDict> {
+    match name {
+        "FULL_STATE_DICT" => Ok(StateDict::Full),
+        "SHARDED_STATE_DICT" | "LOCAL_STATE_DICT" => Ok(StateDict::Sharded),
+        other => Err(Error::Config(format!(
+            "{other}: expected FULL_STATE_DICT, SHARDED_STATE_DICT or LOCAL_STATE_DICT"
+        ))),
+    }
+}
+
+/// What FSDP's `fsdp_auto_wrap_policy` makes the units.
+fn fsdp_wrap_policy(policy: &str) -> Result<&'static str> {
+    Ok(match policy {
+        "TRANSFORMER_BASED_WRAP" => {
+            "units: accel_core::Unit wrappers and each element of a repeated layer list \
+             (layers.{i}, h.{i}, blocks.{i})"
+        }
+        "SIZE_BASED_WRAP" => "units: the innermost modules of fsdp_min_num_params",
+        "NO_WRAP" => "units: the whole model as one",
+        other => {
+            return Err(Error::Config(format!(
+                "{other}: expected TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP"
+            )));
+        }
+    })
+}
+
 impl Reader {
     fn training(&mut self) -> &mut crate::config::PartialConfig {
         &mut self.config.training
@@ -261,56 +376,10 @@ impl Reader {
             let summary = summary.trim_end_matches('.');
             return Ok(Some(Verdict::Applied(format!("{key} = {text}: {summary}"))));
         }
+        if self.sections(key, v)? {
+            return Ok(None);
+        }
         let verdict = match key {
-            "num_processes" => {
-                // Accelerate writes -1 for "given elsewhere" (SLURM).
-                if v.as_i64() == Some(-1) {
-                    return ignored("-1: the number comes from --num_processes").map(Some);
-                }
-                let n = as_usize(key, v)?;
-                self.config.num_processes = Some(n);
-                applied(format!("{n} processes on this machine"))
-            }
-            "num_machines" => {
-                let n = as_usize(key, v)?;
-                self.config.num_machines = Some(n);
-                applied(format!("{n} machines"))
-            }
-            "machine_rank" => {
-                let n = as_usize(key, v)?;
-                self.config.machine_rank = Some(n);
-                applied(format!("this machine is number {n}"))
-            }
-            "main_process_ip" if v.is_null() => ignored("null: 127.0.0.1 (one machine)"),
-            "main_process_ip" => {
-                self.config.main_process_ip = Some(as_str(key, v)?.to_owned());
-                applied("address of rank 0's rendezvous store")
-            }
-            "main_process_port" if v.is_null() => ignored("null: port 29500"),
-            "main_process_port" => {
-                let port =
-                    u16::try_from(as_usize(key, v)?).map_err(|_| bad(key, "a port number", v))?;
-                self.config.main_process_port = Some(port);
-                applied("port of rank 0's rendezvous store")
-            }
-            "use_cpu" => {
-                let on = as_bool(key, v)?;
-                self.training().cpu = Some(on);
-                applied(if on { "CPU only" } else { "GPUs where there are any" })
-            }
-            "gpu_ids" => self.gpu_ids(v),
-            "num_cpu_threads_per_process" => {
-                let n = as_usize(key, v)?;
-                if n == 0 {
-                    return Err(bad(key, "an integer >= 1", v));
-                }
-                self.config.num_cpu_threads_per_process = Some(n);
-                applied(format!("OMP_NUM_THREADS={n} in every process"))
-            }
-            "deepspeed_config_file" => {
-                self.config.deepspeed_config = Some(PathBuf::from(as_str(key, v)?));
-                applied("read as a DeepSpeed config: its keys follow")
-            }
             "mixed_precision" => {
                 let p = as_name(v).to_ascii_lowercase();
                 let p = p.parse().map_err(|_| {
@@ -324,79 +393,88 @@ impl Reader {
                 self.accelerate_accumulate = Some(as_u32(key, v)?);
                 applied("micro-batches per optimizer step")
             }
-            "compute_environment" => match as_name(v).as_str() {
-                "LOCAL_MACHINE" => ignored("accel launch starts this machine's processes"),
-                other => refused(format!(
-                    "{other}: accel launches processes on the machines it runs on; cloud \
-                     jobs (SageMaker) are not supported"
-                )),
+            _ => match self.processes(key, v)? {
+                Some(verdict) => Ok(verdict),
+                None => elsewhere(key, v)?.map_or_else(|| unknown(key), Ok),
             },
-            "debug" => {
-                if as_bool(key, v)? {
-                    applied(
-                        "collectives compared across processes before they run (accel always \
-                         does; ACCEL_CHECK_COLLECTIVES=0 turns it off)",
-                    )
-                } else {
-                    ignored("accel compares collectives across processes anyway")
-                }
-            }
-            "downcast_bf16" => ignored("TPU only"),
-            "rdzv_backend" => ignored("accel's rendezvous is rank 0's TCP store (static)"),
-            "same_network" => ignored("machines connect over TCP either way"),
-            "main_training_function" => ignored("notebook launcher only; a Rust program has main"),
-            "enable_cpu_affinity" => {
-                if as_bool(key, v)? {
-                    hint("accel does not pin processes to NUMA-local cores")
-                } else {
-                    ignored("off, as in accel")
-                }
-            }
-            "use_mps_device" => {
-                if as_bool(key, v)? {
-                    refused("Apple GPUs (MPS) are not supported: CPU and CUDA only")
-                } else {
-                    ignored("off")
-                }
-            }
-            "tpu_name" | "tpu_zone" | "tpu_use_cluster" | "tpu_use_sudo" | "tpu_vm" | "tpu_env"
-            | "command_file" | "commands" => ignored("TPU pods only"),
-            "ec2_instance_type"
-            | "iam_role_name"
-            | "image_uri"
-            | "profile"
-            | "region"
-            | "base_job_name"
-            | "pytorch_version"
-            | "transformers_version"
-            | "py_version"
-            | "sagemaker_inputs_file"
-            | "sagemaker_metrics_file"
-            | "additional_args" => ignored("SageMaker only (see compute_environment)"),
-            "fsdp_config" => return self.section(key, v, Some("FSDP"), Self::fsdp).map(|_| None),
-            "deepspeed_config" => {
-                return self.section(key, v, Some("DEEPSPEED"), Self::deepspeed).map(|_| None);
-            }
-            "megatron_lm_config" => {
-                return self.section(key, v, Some("MEGATRON_LM"), Self::megatron).map(|_| None);
-            }
-            "parallelism_config" => {
-                return self.section(key, v, None, Self::parallelism).map(|_| None);
-            }
-            "fp8_config" => return self.section(key, v, None, Self::fp8).map(|_| None),
-            "dynamo_config" => return self.section(key, v, None, Self::dynamo).map(|_| None),
-            "ipex_config" => return self.section(key, v, None, Self::ipex).map(|_| None),
-            "mpirun_config" => return self.section(key, v, None, Self::mpirun).map(|_| None),
-            other => {
-                let ours = our_keys();
-                let valid: Vec<&str> = ours.iter().chain(ACCELERATE).copied().collect();
-                let hint = closest(other, &valid)
-                    .map(|c| format!(" — did you mean `{c}`?"))
-                    .unwrap_or_default();
-                refused(format!("unknown key{hint} (accel's keys: {})", ours.join(", ")))
-            }
         };
         verdict.map(Some)
+    }
+
+    /// The keys of the processes: how many, on which machines, on what devices. `Ok(None)`:
+    /// not one of them.
+    fn processes(&mut self, key: &str, v: &Value) -> Result<Option<Verdict>> {
+        let verdict = match key {
+                "num_processes" => {
+                    // Accelerate writes -1 for "given elsewhere" (SLURM).
+                    if v.as_i64() == Some(-1) {
+                        return ignored("-1: the number comes from --num_processes").map(Some);
+                    }
+                    let n = as_usize(key, v)?;
+                    self.config.num_processes = Some(n);
+                    applied(format!("{n} processes on this machine"))
+                }
+                "num_machines" => {
+                    let n = as_usize(key, v)?;
+                    self.config.num_machines = Some(n);
+                    applied(format!("{n} machines"))
+                }
+                "machine_rank" => {
+                    let n = as_usize(key, v)?;
+                    self.config.machine_rank = Some(n);
+                    applied(format!("this machine is number {n}"))
+                }
+                "main_process_ip" if v.is_null() => ignored("null: 127.0.0.1 (one machine)"),
+                "main_process_ip" => {
+                    self.config.main_process_ip = Some(as_str(key, v)?.to_owned());
+                    applied("address of rank 0's rendezvous store")
+                }
+                "main_process_port" if v.is_null() => ignored("null: port 29500"),
+                "main_process_port" => {
+                    let port =
+                        u16::try_from(as_usize(key, v)?).map_err(|_| bad(key, "a port number", v))?;
+                    self.config.main_process_port = Some(port);
+                    applied("port of rank 0's rendezvous store")
+                }
+                "use_cpu" => {
+                    let on = as_bool(key, v)?;
+                    self.training().cpu = Some(on);
+                    applied(if on { "CPU only" } else { "GPUs where there are any" })
+                }
+                "gpu_ids" => self.gpu_ids(v),
+                "num_cpu_threads_per_process" => {
+                    let n = as_usize(key, v)?;
+                    if n == 0 {
+                        return Err(bad(key, "an integer >= 1", v));
+                    }
+                    self.config.num_cpu_threads_per_process = Some(n);
+                    applied(format!("OMP_NUM_THREADS={n} in every process"))
+                }
+                "deepspeed_config_file" => {
+                    self.config.deepspeed_config = Some(PathBuf::from(as_str(key, v)?));
+                    applied("read as a DeepSpeed config: its keys follow")
+                }
+            _ => return Ok(None),
+        };
+        verdict.map(Some)
+    }
+
+    /// A section of sub-keys (`fsdp_config`, ...), each noted: whether `key` is one.
+    fn sections(&mut self, key: &str, v: &Value) -> Result<bool> {
+        type Each = fn(&mut Reader, &str, &Value) -> Result<Verdict>;
+        let (needs, each): (Option<&str>, Each) = match key {
+            "fsdp_config" => (Some("FSDP"), Self::fsdp),
+            "deepspeed_config" => (Some("DEEPSPEED"), Self::deepspeed),
+            "megatron_lm_config" => (Some("MEGATRON_LM"), Self::megatron),
+            "parallelism_config" => (None, Self::parallelism),
+            "fp8_config" => (None, Self::fp8),
+            "dynamo_config" => (None, Self::dynamo),
+            "ipex_config" => (None, Self::ipex),
+            "mpirun_config" => (None, Self::mpirun),
+            _ => return Ok(false),
+        };
+        self.section(key, v, needs, each)?;
+        Ok(true)
     }
 
     fn gpu_ids(&mut self, v: &Value) -> Result<Verdict> {
@@ -479,28 +557,9 @@ impl Reader {
     }
 
     fn fsdp(&mut self, key: &str, v: &Value) -> Result<Verdict> {
-        let sharding = |name: &str| -> Result<Strategy> {
-            Ok(match name {
-                "FULL_SHARD" | "1" | "TRUE" => Strategy::Zero3,
-                "SHARD_GRAD_OP" | "2" | "FALSE" => Strategy::Zero2,
-                "NO_SHARD" | "3" => Strategy::Ddp,
-                "HYBRID_SHARD" | "4" => Strategy::HybridShard,
-                "_HYBRID_SHARD_ZERO2" | "5" => {
-                    return Err(Error::Config(format!(
-                        "{name} (hybrid sharding of gradients only) is not implemented; use \
-                         HYBRID_SHARD, FULL_SHARD or SHARD_GRAD_OP"
-                    )));
-                }
-                other => {
-                    return Err(Error::Config(format!(
-                        "{other}: expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD"
-                    )));
-                }
-            })
-        };
         match key {
             "fsdp_sharding_strategy" | "fsdp_reshard_after_forward" => {
-                let s = sharding(&as_name(v))?;
+                let s = fsdp_sharding(&as_name(v))?;
                 self.training().strategy = Some(s);
                 applied(format!("strategy {s}"))
             }
@@ -522,16 +581,7 @@ impl Reader {
                 applied(format!("activation checkpointing {}", if on { "on" } else { "off" }))
             }
             "fsdp_state_dict_type" => {
-                let d = match as_name(v).as_str() {
-                    "FULL_STATE_DICT" => StateDict::Full,
-                    "SHARDED_STATE_DICT" | "LOCAL_STATE_DICT" => StateDict::Sharded,
-                    other => {
-                        return Err(Error::Config(format!(
-                            "{other}: expected FULL_STATE_DICT, SHARDED_STATE_DICT or \
-                             LOCAL_STATE_DICT"
-                        )));
-                    }
-                };
+                let d = fsdp_state_dict(&as_name(v))?;
                 self.training().state_dict = Some(d);
                 applied(match d {
                     StateDict::Full => {
@@ -561,24 +611,12 @@ impl Reader {
             }
             "fsdp_auto_wrap_policy" => {
                 let policy = as_name(v);
-                let text = match policy.as_str() {
-                    "TRANSFORMER_BASED_WRAP" => {
-                        "units: accel::Unit wrappers and each element of a repeated layer list \
-                         (layers.{i}, h.{i}, blocks.{i})"
-                    }
-                    "SIZE_BASED_WRAP" => "units: the innermost modules of fsdp_min_num_params",
-                    "NO_WRAP" => "units: the whole model as one",
-                    other => {
-                        return Err(Error::Config(format!(
-                            "{other}: expected TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP"
-                        )));
-                    }
-                };
+                let text = fsdp_wrap_policy(&policy)?;
                 self.wrap_policy = Some(policy);
                 applied(text)
             }
             "fsdp_transformer_layer_cls_to_wrap" => ignored(
-                "a Rust model has no Python classes: its units are its accel::Unit wrappers and \
+                "a Rust model has no Python classes: its units are its accel_core::Unit wrappers and \
                  repeated layer lists (or ShardOptions::units)",
             ),
             "fsdp_min_num_params" => {

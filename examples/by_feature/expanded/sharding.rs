@@ -1,6 +1,6 @@
 //! By feature: ZeRO/FSDP sharding. `strategy = "zero3"` (FSDP's full_shard) keeps 1/N of
 //! every parameter, gradient and optimizer state on each of N processes; a layer wrapped in
-//! `accel::Unit` exists whole only while it computes (forward and backward). The state is
+//! `accel_core::Unit` exists whole only while it computes (forward and backward). The state is
 //! saved as one shard per process and merged back into one weights file. With one process
 //! it is ordinary training.
 //!

@@ -115,6 +115,139 @@ fn lock(engine: &Mutex<Engine>) -> MutexGuard<'_, Engine> {
     engine.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Hooks every trainable shard's parameter so that a unit's gradients are reduce-scattered
+/// as soon as backward has produced the last of them.
+fn reduce_when_ready(engine: &Arc<Mutex<Engine>>) -> Result<Vec<PostAccumulateGradHook>> {
+    let layout: Vec<(usize, usize, Tensor)> = {
+        let engine = lock(engine);
+        let shards = &engine.shards;
+        engine
+            .units
+            .iter()
+            .enumerate()
+            .flat_map(|(u, unit)| {
+                unit.members
+                    .iter()
+                    .enumerate()
+                    .map(move |(i, &s)| (u, i, shards[s].param.shallow_clone()))
+            })
+            .collect()
+    };
+    let mut hooks = Vec::new();
+    for (u, i, param) in layout {
+        let engine = engine.clone();
+        let hook = move |_: &Tensor| {
+            let mut guard = lock(&engine);
+            let unit = &mut guard.units[u];
+            if !unit.fired[i] {
+                unit.fired[i] = true;
+                unit.ready += 1;
+            }
+            if unit.ready == unit.members.len() && !guard.failed {
+                if let Err(e) = guard.reduce(u) {
+                    guard.record(e);
+                }
+            }
+        };
+        hooks.push(add_post_accumulate_grad_hook(&param, hook)?);
+    }
+    Ok(hooks)
+}
+
+/// What placing each parameter needs: where it goes, in how many shares, where rank 0's
+/// values come from, and the count of bytes placed on the device.
+struct Placing<'a> {
+    device: Device,
+    rank: i64,
+    world: i64,
+    stage: Stage,
+    options: &'a ShardOptions,
+    broadcast: bool,
+    data: &'a dyn Communicator,
+    placed: &'a AtomicU64,
+}
+
+impl Placing<'_> {
+    fn count(&self, t: &Tensor) {
+        let bytes = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        self.placed.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// A parameter kept whole: moved to the device (in place, so that the model's module
+    /// sees it there).
+    fn keep_whole(&self, p: &Param) -> Result<()> {
+        if p.tensor.device() != self.device {
+            let moved = tch::no_grad(|| p.tensor.f_to_device(self.device))?;
+            p.tensor.shallow_clone().set_data(&moved);
+        }
+        self.count(&p.tensor);
+        Ok(())
+    }
+
+    /// Rank 0's values of `p`: where the parameter is, or on the device for the moment of
+    /// the broadcast (a collective on the device's communicator).
+    fn rank0_values(&self, p: &Param) -> Result<Tensor> {
+        tch::no_grad(|| -> Result<Tensor> {
+            let start = match (p.tensor.device() == self.device, self.broadcast) {
+                (false, true) => {
+                    self.count(&p.tensor);
+                    p.tensor.f_to_device(self.device)?
+                }
+                _ => p.tensor.shallow_clone(),
+            };
+            if self.broadcast {
+                self.data.broadcast(&start, 0)?;
+            }
+            Ok(start)
+        })
+    }
+
+    /// This rank's chunk of a frozen parameter's values `start`, in its own dtype.
+    fn frozen_share(&self, start: &Tensor) -> Result<Tensor> {
+        let share = tch::no_grad(|| -> Result<Tensor> {
+            let flat = start.f_detach()?.f_reshape([-1])?;
+            let mine = chunk_of(&flat, self.rank as usize, self.world as usize)?;
+            Ok(mine.f_to_device(self.device)?.f_detach_copy()?)
+        })?;
+        self.count(&share);
+        Ok(share)
+    }
+
+    /// The fp32 master of this rank's chunk (`chunk` elements) of trainable `p`, from its
+    /// values `start`: on the device, or page-locked on the host when offloaded.
+    fn master_share(&self, p: &Param, start: &Tensor, chunk: i64) -> Result<Tensor> {
+        let (rank, world, offload) = (self.rank, self.world, self.options.offload);
+        // Zero2 in fp32 keeps whole parameters anyway: a share that needs no padding can
+        // be a view of its own parameter instead of a copy (ZeRO-2's 4Ψ + 12Ψ/N, not 16Ψ/N).
+        let in_place = self.stage == Stage::Gradients
+            && !offload
+            && p.tensor.kind() == Kind::Float
+            && p.tensor.is_contiguous()
+            && (rank + 1) * chunk <= p.tensor.numel() as i64;
+        tch::no_grad(|| -> Result<Tensor> {
+            if in_place {
+                let flat = p.tensor.f_detach()?.f_reshape([-1])?;
+                return Ok(flat.f_narrow(0, chunk * rank, chunk)?);
+            }
+            let flat = start.f_detach()?.f_reshape([-1])?;
+            let at = if offload { Device::Cpu } else { self.device };
+            let master = chunk_of(&flat, rank as usize, world as usize)?
+                .f_to_kind(Kind::Float)?
+                .f_to_device(at)?
+                .f_detach_copy()?;
+            if !offload {
+                self.count(&master);
+            }
+            // Offloaded from a GPU: page-locked host memory, which the copies of the
+            // gradient shards down and the parameter shards up use at full speed.
+            Ok(match (offload, self.device) {
+                (true, Device::Cuda(_)) => crate::shim::pin_memory(&master)?,
+                _ => master,
+            })
+        })
+    }
+}
+
 impl ShardedModel {
     /// Broadcasts rank 0's values, keeps this rank's share of every trainable parameter as
     /// a master shard, releases the full parameters of zero3 units and hooks the rest.
@@ -140,7 +273,6 @@ impl ShardedModel {
         device: Device,
         placed: &AtomicU64,
     ) -> Result<Arc<Self>> {
-        let (world, rank) = (group.size() as i64, group.rank() as i64);
         let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
         let sizes: Vec<(&str, i64)> =
             params.iter().map(|p| (p.name.as_str(), p.tensor.numel() as i64)).collect();
@@ -155,63 +287,38 @@ impl ShardedModel {
             .collect();
         let wrapped: BTreeSet<String> = handles.iter().map(|h| h.prefix.clone()).collect();
         let sized = options.min_unit_params.map(|min| size_based_units(&sizes, min));
-        let mut shards = Vec::new();
-        let mut units: Vec<UnitState> = Vec::new();
+        let placing = Placing {
+            device,
+            rank: group.rank() as i64,
+            world: group.size() as i64,
+            stage,
+            options: &options,
+            broadcast,
+            data,
+            placed,
+        };
+        let (mut shards, mut units) = (Vec::new(), Vec::<UnitState>::new());
         for p in params {
             let trainable = p.tensor.requires_grad();
             let prefix = unit_of(&p.name, options.units.as_deref(), &wrapped, sized.as_deref());
             let managed = stage == Stage::Parameters && wrapped.contains(&prefix);
-            let bytes = |t: &Tensor| (t.numel() * t.kind().elt_size_in_bytes()) as u64;
-            let count = |n: u64| placed.fetch_add(n, Ordering::Relaxed);
             // A parameter released at rest never reaches the device whole; any other is
             // kept there whole.
             if !managed {
-                if p.tensor.device() != device {
-                    let moved = tch::no_grad(|| p.tensor.f_to_device(device))?;
-                    p.tensor.shallow_clone().set_data(&moved);
-                }
-                count(bytes(&p.tensor));
+                placing.keep_whole(p)?;
             }
-            // Rank 0's values: where the parameter is, or on the device for the moment of the
-            // broadcast (a collective on the device's communicator).
-            let start = tch::no_grad(|| -> Result<Tensor> {
-                let start = match (p.tensor.device() == device, broadcast) {
-                    (false, true) => {
-                        count(bytes(&p.tensor));
-                        p.tensor.f_to_device(device)?
-                    }
-                    _ => p.tensor.shallow_clone(),
-                };
-                if broadcast {
-                    data.broadcast(&start, 0)?;
-                }
-                Ok(start)
-            })?;
+            let start = placing.rank0_values(p)?;
             // A frozen parameter is sharded only where its unit is released at rest (zero3);
             // elsewhere it stays whole, as every process needs it whole anyway.
             if !trainable && !managed {
                 continue;
             }
             let (numel, kind) = (p.tensor.numel() as i64, p.tensor.kind());
-            let chunk = (numel + world - 1) / world;
+            let chunk = (numel + placing.world - 1) / placing.world;
             let u = match units.iter().position(|u| u.prefix == prefix) {
                 Some(u) => u,
                 None => {
-                    units.push(UnitState {
-                        prefix,
-                        members: Vec::new(),
-                        offsets: Vec::new(),
-                        segment: 0,
-                        managed,
-                        // A zero3 unit's parameters are placed released (below).
-                        gathered: !managed,
-                        fired: Vec::new(),
-                        ready: 0,
-                        reducing: None,
-                        reduced: false,
-                        prefetched: None,
-                        frozen: None,
-                    });
+                    units.push(UnitState::new(prefix, managed));
                     units.len() - 1
                 }
             };
@@ -219,69 +326,19 @@ impl ShardedModel {
             if !trainable {
                 // Frozen, in a zero3 unit: this rank's chunk in its own dtype (one dtype per
                 // unit's frozen buffer; another stays whole).
-                let frozen = unit.frozen.get_or_insert_with(|| Frozen {
-                    members: Vec::new(),
-                    offsets: Vec::new(),
-                    segment: 0,
-                    kind,
-                    prefetched: None,
-                });
+                let frozen = unit.frozen.get_or_insert_with(|| Frozen::new(kind));
                 if frozen.kind != kind {
                     continue;
                 }
-                let master = tch::no_grad(|| -> Result<Tensor> {
-                    let flat = start.f_detach()?.f_reshape([-1])?;
-                    let mine = chunk_of(&flat, rank as usize, world as usize)?;
-                    Ok(mine.f_to_device(device)?.f_detach_copy()?)
-                })?;
-                count(bytes(&master));
+                let master = placing.frozen_share(&start)?;
                 release_on(p, kind, device)?;
                 frozen.members.push(shards.len());
                 frozen.offsets.push(frozen.segment);
                 frozen.segment += chunk;
-                shards.push(Shard {
-                    name: p.name.clone(),
-                    param: p.tensor.shallow_clone(),
-                    id: shim::tensor_id(&p.tensor)?,
-                    master,
-                    numel,
-                    chunk,
-                    kind,
-                });
+                shards.push(Shard::of(p, master, chunk, kind)?);
                 continue;
             }
-            // Zero2 in fp32 keeps whole parameters anyway: a share that needs no padding can
-            // be a view of its own parameter instead of a copy (ZeRO-2's 4Ψ + 12Ψ/N, not 16Ψ/N).
-            let in_place = stage == Stage::Gradients
-                && !options.offload
-                && p.tensor.kind() == Kind::Float
-                && p.tensor.is_contiguous()
-                && (rank + 1) * chunk <= numel;
-            let master = tch::no_grad(|| -> Result<Tensor> {
-                if in_place {
-                    return Ok(p.tensor.f_detach()?.f_reshape([-1])?.f_narrow(
-                        0,
-                        chunk * rank,
-                        chunk,
-                    )?);
-                }
-                let flat = start.f_detach()?.f_reshape([-1])?;
-                let at = if options.offload { Device::Cpu } else { device };
-                let master = chunk_of(&flat, rank as usize, world as usize)?
-                    .f_to_kind(Kind::Float)?
-                    .f_to_device(at)?
-                    .f_detach_copy()?;
-                if !options.offload {
-                    count(bytes(&master));
-                }
-                // Offloaded from a GPU: page-locked host memory, which the copies of the
-                // gradient shards down and the parameter shards up use at full speed.
-                Ok(match (options.offload, device) {
-                    (true, Device::Cuda(_)) => crate::shim::pin_memory(&master)?,
-                    _ => master,
-                })
-            })?
-            .set_requires_grad(true);
+            let master = placing.master_share(p, &start, chunk)?.set_requires_grad(true);
             if unit.managed {
                 // FSDP's MixedPrecision(param_dtype): the module computes (and its gradients
                 // come out) in `param_dtype`; the fp32 master above is what the optimizer steps.
@@ -291,15 +348,7 @@ impl ShardedModel {
             unit.offsets.push(unit.segment);
             unit.segment += chunk;
             unit.fired.push(false);
-            shards.push(Shard {
-                name: p.name.clone(),
-                param: p.tensor.shallow_clone(),
-                id: shim::tensor_id(&p.tensor)?,
-                master,
-                numel,
-                chunk,
-                kind,
-            });
+            shards.push(Shard::of(p, master, chunk, kind)?);
         }
         let engine = Engine {
             group,
@@ -315,39 +364,7 @@ impl ShardedModel {
             order_known: false,
         };
         let engine = Arc::new(Mutex::new(engine));
-        let mut hooks = Vec::new();
-        let layout: Vec<(usize, usize, Tensor)> = {
-            let engine = lock(&engine);
-            let shards = &engine.shards;
-            engine
-                .units
-                .iter()
-                .enumerate()
-                .flat_map(|(u, unit)| {
-                    unit.members
-                        .iter()
-                        .enumerate()
-                        .map(move |(i, &s)| (u, i, shards[s].param.shallow_clone()))
-                })
-                .collect()
-        };
-        for (u, i, param) in layout {
-            let engine = engine.clone();
-            let hook = move |_: &Tensor| {
-                let mut guard = lock(&engine);
-                let unit = &mut guard.units[u];
-                if !unit.fired[i] {
-                    unit.fired[i] = true;
-                    unit.ready += 1;
-                }
-                if unit.ready == unit.members.len() && !guard.failed {
-                    if let Err(e) = guard.reduce(u) {
-                        guard.record(e);
-                    }
-                }
-            };
-            hooks.push(add_post_accumulate_grad_hook(&param, hook)?);
-        }
+        let hooks = reduce_when_ready(&engine)?;
         let whole_notice =
             (stage == Stage::Parameters).then(|| whole_notice(params, &lock(&engine)));
         let model = Arc::new(Self {

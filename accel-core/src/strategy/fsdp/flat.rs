@@ -10,6 +10,7 @@ use super::ShardOptions;
 use super::layout::{columns, copy_from_columns, copy_into_columns};
 use crate::comm::{Communicator, ReduceOp, Work};
 use crate::error::{Error, Result};
+use crate::optim::Param;
 use crate::shim;
 
 /// One trainable parameter and this rank's share of it.
@@ -60,6 +61,50 @@ pub(super) struct Frozen {
     pub(super) segment: i64,
     pub(super) kind: Kind,
     pub(super) prefetched: Option<(Work, Tensor)>,
+}
+
+impl Shard {
+    /// The shard of `p` whose fp32 (or frozen) values of this rank are `master`; `kind` is
+    /// the dtype the model made `p` in (zero3 may have released it in another since).
+    pub(super) fn of(p: &Param, master: Tensor, chunk: i64, kind: Kind) -> Result<Self> {
+        Ok(Self {
+            name: p.name.clone(),
+            param: p.tensor.shallow_clone(),
+            id: shim::tensor_id(&p.tensor)?,
+            master,
+            numel: p.tensor.numel() as i64,
+            chunk,
+            kind,
+        })
+    }
+}
+
+impl UnitState {
+    /// A unit with no member yet; a zero3 (`managed`) unit's parameters are placed
+    /// released.
+    pub(super) fn new(prefix: String, managed: bool) -> Self {
+        Self {
+            prefix,
+            members: Vec::new(),
+            offsets: Vec::new(),
+            segment: 0,
+            managed,
+            gathered: !managed,
+            fired: Vec::new(),
+            ready: 0,
+            reducing: None,
+            reduced: false,
+            prefetched: None,
+            frozen: None,
+        }
+    }
+}
+
+impl Frozen {
+    /// No member yet; its buffers hold `kind`.
+    pub(super) fn new(kind: Kind) -> Self {
+        Self { members: Vec::new(), offsets: Vec::new(), segment: 0, kind, prefetched: None }
+    }
 }
 
 pub(super) struct Engine {
