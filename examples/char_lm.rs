@@ -33,7 +33,8 @@ use accel_core::data::{DataLoader, LoaderOptions, Sampler, TensorDataset};
 use accel_core::mesh::Dim;
 use accel_core::optim::{AdamConfig, AdamW, Schedule};
 use accel_core::pipeline::{self, Pipeline};
-use accel_core::{Accelerator, Precision, Strategy};
+use accel_core::strategy::cp::ContextParallel;
+use accel_core::{Accelerator, Precision, PreparedLoader, Strategy};
 use accel_examples::gpt::{Gpt, GptConfig};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -144,18 +145,47 @@ fn windows(ids: &Tensor, context: i64, stride: i64) -> Result<TensorDataset> {
     Ok(TensorDataset::new(vec![all.narrow(1, 0, context), all.narrow(1, 1, context)])?)
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    if args.width % args.heads != 0 {
-        bail!("--width {} is not divisible by --heads {}", args.width, args.heads);
+/// The text as character ids: the vocabulary (sorted distinct characters), every
+/// character's id, and the training and held-out windows.
+struct Corpus {
+    vocab: Vec<char>,
+    ids: Tensor,
+    train: TensorDataset,
+    held_out: TensorDataset,
+}
+
+impl Corpus {
+    fn read(args: &Args) -> Result<Self> {
+        let path = (args.text.clone())
+            .unwrap_or_else(|| accel_examples::data_dir().join("kjv-genesis-exodus.txt"));
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let mut vocab: Vec<char> = text.chars().collect();
+        vocab.sort_unstable();
+        vocab.dedup();
+        let ids: Vec<i64> = text.chars().map(|c| index(&vocab, c)).collect();
+        let ids = Tensor::from_slice(&ids);
+        let split = ids.size()[0] * 9 / 10;
+        let train = windows(&ids.narrow(0, 0, split), args.context, args.context / 2)?;
+        let held_out =
+            windows(&ids.narrow(0, split, ids.size()[0] - split), args.context, args.context)?;
+        Ok(Self { vocab, ids, train, held_out })
     }
+}
+
+fn index(vocab: &[char], c: char) -> i64 {
+    vocab.binary_search(&c).expect("in the vocabulary") as i64
+}
+
+/// The accelerator the command line asks for; what it leaves out comes from `accel
+/// launch`'s configuration.
+fn accelerator(args: &Args) -> Result<Accelerator> {
     let mut builder = Accelerator::builder()
         .seed(0)
         .tensor_parallel(args.tensor_parallel)
         .sequence_parallel(args.sequence_parallel)
         .pipeline_parallel(args.pipeline_parallel)
         .checkpoints(&args.checkpoint_dir, Some(2));
-    // What the command line leaves out comes from `accel launch`'s configuration.
     if let Some(precision) = args.precision {
         builder = builder.precision(precision);
     }
@@ -165,9 +195,144 @@ fn main() -> Result<()> {
     if let Some(ranks) = args.context_parallel {
         builder = builder.context_parallel(ranks);
     }
-    let acc = builder.build()?;
-    // Every rank of a context group is dealt the same batches and keeps its part of each
-    // sequence (inputs and targets alike).
+    Ok(builder.build()?)
+}
+
+/// The model as this process runs it: its part of the stages, of the heads (tensor
+/// parallel) and of each sequence (context parallel).
+struct Lm {
+    acc: Accelerator,
+    pipeline: Pipeline,
+    model: Gpt,
+    /// Every rank of a context group is dealt the same batches and keeps its part of each
+    /// sequence (inputs and targets alike).
+    cp: ContextParallel,
+    staged: bool,
+}
+
+impl Lm {
+    /// The mean held-out loss per character.
+    fn evaluate(&self, held_out: &mut PreparedLoader<TensorDataset>) -> Result<f64> {
+        let (acc, model, cp) = (&self.acc, &self.model, &self.cp);
+        if self.staged {
+            // Every held-out batch through the stages; each data-parallel replica's sums
+            // added up (the padding of a last uneven round counts: a small bias of the metric).
+            let batches: Vec<(Tensor, Tensor)> = held_out
+                .iter()
+                .map(|b| b.map(|b| (b[0].shallow_clone(), b[1].shallow_clone())))
+                .collect::<accel_core::Result<_>>()?;
+            let count: i64 = batches.iter().map(|(_, y)| y.numel() as i64).sum();
+            let sums = self.pipeline.eval_step(
+                acc,
+                &batches,
+                |x| model.forward_stage(x),
+                |logits, y| model.token_losses(logits, y).sum(Kind::Float),
+            )?;
+            let totals = Tensor::from_slice(&[sums.iter().sum::<f64>(), count as f64]);
+            acc.mesh().comm(Dim::Batch).all_reduce(&totals, ReduceOp::Sum)?;
+            return Ok(totals.double_value(&[0]) / totals.double_value(&[1]));
+        }
+        let (mut total, mut count) = (0.0, 0i64);
+        tch::no_grad(|| -> Result<()> {
+            for batch in held_out.iter() {
+                let batch = batch?;
+                let input = cp.shard(&batch[0], 1)?;
+                let logits = acc.forward(|| model.forward_stage(&input))?;
+                let losses = model.token_losses(&logits, &cp.shard(&batch[1], 1)?);
+                // Whole sequences from the context ranks, then the batches of every replica.
+                let losses = acc.gather_for_metrics(&cp.gather(&losses, 1)?.view([-1]))?;
+                total += losses.sum(Kind::Double).double_value(&[]);
+                count += losses.numel() as i64;
+            }
+            Ok(())
+        })?;
+        Ok(total / count as f64)
+    }
+
+    /// One step's forward and backward on `batch` (or, through a pipeline, once a step's
+    /// micro-batches are in `micro`); the losses it adds to `losses`. Whether the optimizer
+    /// steps now.
+    fn forward_backward(
+        &self,
+        batch: &[Tensor],
+        micro: &mut Vec<(Tensor, Tensor)>,
+        losses: &mut Vec<f64>,
+    ) -> Result<bool> {
+        let (acc, model, cp) = (&self.acc, &self.model, &self.cp);
+        if self.staged {
+            micro.push((batch[0].shallow_clone(), batch[1].shallow_clone()));
+            if micro.len() < acc.config().accumulate as usize {
+                return Ok(false);
+            }
+            *losses = self.pipeline.train_step(
+                acc,
+                micro,
+                |x| model.forward_stage(x),
+                |logits, y| model.loss(logits, y),
+            )?;
+            micro.clear();
+            return Ok(true);
+        }
+        let input = cp.shard(&batch[0], 1)?;
+        let logits = acc.forward(|| model.forward_stage(&input))?;
+        let loss = model.loss(&logits, &cp.shard(&batch[1], 1)?);
+        acc.backward(&loss)?;
+        // The loss of the whole sequences: the mean of the context ranks' means.
+        losses.push(cp.average(&loss)?.double_value(&[]));
+        Ok(acc.sync_gradients())
+    }
+
+    /// `characters` characters after `prompt`, sampled with a little temperature (not
+    /// through a pipeline: its stages would have to pass every character along).
+    fn sample(&self, vocab: &[char], prompt: &str, context: i64, characters: usize) -> String {
+        let mut text: Vec<i64> = prompt.chars().map(|c| index(vocab, c)).collect();
+        let parts = self.acc.tensor_parallel().size() * self.cp.size();
+        tch::no_grad(|| {
+            tch::manual_seed(1);
+            for _ in 0..characters {
+                let start = text.len().saturating_sub(context as usize);
+                // Sequence and context parallelism split the sequence: pad it on the right
+                // (causal attention keeps the padding out of the real positions).
+                let mut window = text[start..].to_vec();
+                let real = window.len();
+                window.resize(real.next_multiple_of(parts), 0);
+                let input = Tensor::from_slice(&window).unsqueeze(0).to_device(self.acc.device());
+                let logits =
+                    self.model.forward(&input).select(1, real as i64 - 1).squeeze_dim(0) / 0.8;
+                let next = logits.softmax(-1, Kind::Float).multinomial(1, false).int64_value(&[0]);
+                text.push(next);
+            }
+        });
+        text.iter().map(|&i| vocab[i as usize]).collect()
+    }
+}
+
+/// Where a restarted run continues: the newest complete checkpoint's step (`accel launch
+/// --max-restarts` counts the attempts), else 0.
+fn resume(acc: &Accelerator, asked: bool, restarted: bool) -> Result<u64> {
+    if !(asked || restarted) {
+        return Ok(0);
+    }
+    Ok(match acc.load_latest_checkpoint()? {
+        Some(dir) => {
+            let counters = acc.counters();
+            let step = counters.optimizer_steps + counters.skipped_steps;
+            acc.print(format!("resumed from {} at step {step}", dir.display()));
+            step
+        }
+        None => {
+            acc.print("no checkpoint to resume from; starting afresh");
+            0
+        }
+    })
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.width % args.heads != 0 {
+        bail!("--width {} is not divisible by --heads {}", args.width, args.heads);
+    }
+    let acc = accelerator(&args)?;
     let cp = acc.context_parallel();
     let schedule = match args.schedule.as_str() {
         "1f1b" => pipeline::Schedule::OneForwardOneBackward,
@@ -175,23 +340,11 @@ fn main() -> Result<()> {
         other => bail!("unknown schedule `{other}`; use 1f1b or gpipe"),
     };
     let pipeline = Pipeline::new(&acc, schedule);
-    let path = (args.text.clone())
-        .unwrap_or_else(|| accel_examples::data_dir().join("kjv-genesis-exodus.txt"));
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let mut vocab: Vec<char> = text.chars().collect();
-    vocab.sort_unstable();
-    vocab.dedup();
-    let index = |c: char| vocab.binary_search(&c).expect("in the vocabulary") as i64;
-    let ids = Tensor::from_slice(&text.chars().map(index).collect::<Vec<_>>());
-    let split = ids.size()[0] * 9 / 10;
-    let train = windows(&ids.narrow(0, 0, split), args.context, args.context / 2)?;
-    let held_out =
-        windows(&ids.narrow(0, split, ids.size()[0] - split), args.context, args.context)?;
+    let corpus = Corpus::read(&args)?;
 
     let vs = nn::VarStore::new(acc.device());
     let config = GptConfig {
-        vocab: vocab.len() as i64,
+        vocab: corpus.vocab.len() as i64,
         context: args.context,
         width: args.width,
         blocks: args.blocks,
@@ -219,15 +372,15 @@ fn main() -> Result<()> {
         sampler: if shuffle { Sampler::Shuffled { seed: 0 } } else { Sampler::Sequential },
         ..Default::default()
     };
-    let mut loader = acc.prepare_loader(DataLoader::new(train, options(true))?)?;
-    let mut held_out = acc.prepare_loader(DataLoader::new(held_out, options(false))?)?;
+    let mut loader = acc.prepare_loader(DataLoader::new(corpus.train, options(true))?)?;
+    let mut held_out = acc.prepare_loader(DataLoader::new(corpus.held_out, options(false))?)?;
     acc.print(format!(
         "{parameters} parameters here ({} blocks of width {}), {} characters ({} distinct), {} \
          process(es) ({}), strategy {}, {} steps of {} x {} characters per replica",
         args.blocks,
         args.width,
-        ids.size()[0],
-        vocab.len(),
+        corpus.ids.size()[0],
+        corpus.vocab.len(),
         acc.num_processes(),
         acc.mesh().dims(),
         match acc.config().strategy {
@@ -238,58 +391,12 @@ fn main() -> Result<()> {
         args.batch_size,
         args.context
     ));
-
     let staged = pipeline.stages() > 1;
-    let evaluate = |held_out: &mut accel_core::PreparedLoader<TensorDataset>| -> Result<f64> {
-        if staged {
-            // Every held-out batch through the stages; each data-parallel replica's sums
-            // added up (the padding of a last uneven round counts: a small bias of the metric).
-            let batches: Vec<(Tensor, Tensor)> = held_out
-                .iter()
-                .map(|b| b.map(|b| (b[0].shallow_clone(), b[1].shallow_clone())))
-                .collect::<accel_core::Result<_>>()?;
-            let count: i64 = batches.iter().map(|(_, y)| y.numel() as i64).sum();
-            let sums = pipeline.eval_step(
-                &acc,
-                &batches,
-                |x| model.forward_stage(x),
-                |logits, y| model.token_losses(logits, y).sum(Kind::Float),
-            )?;
-            let totals = Tensor::from_slice(&[sums.iter().sum::<f64>(), count as f64]);
-            acc.mesh().comm(Dim::Batch).all_reduce(&totals, ReduceOp::Sum)?;
-            return Ok(totals.double_value(&[0]) / totals.double_value(&[1]));
-        }
-        let (mut total, mut count) = (0.0, 0i64);
-        tch::no_grad(|| -> Result<()> {
-            for batch in held_out.iter() {
-                let batch = batch?;
-                let input = cp.shard(&batch[0], 1)?;
-                let logits = acc.forward(|| model.forward_stage(&input))?;
-                let losses = model.token_losses(&logits, &cp.shard(&batch[1], 1)?);
-                // Whole sequences from the context ranks, then the batches of every replica.
-                let losses = acc.gather_for_metrics(&cp.gather(&losses, 1)?.view([-1]))?;
-                total += losses.sum(Kind::Double).double_value(&[]);
-                count += losses.numel() as i64;
-            }
-            Ok(())
-        })?;
-        Ok(total / count as f64)
-    };
+    let lm = Lm { acc, pipeline, model, cp, staged };
+    let acc = &lm.acc;
 
-    // `accel launch --max-restarts` counts the attempts: a restarted run continues from
-    // the newest complete checkpoint instead of starting over.
     let restarted = std::env::var("ACCEL_RESTART_COUNT").is_ok_and(|n| n.trim() != "0");
-    let mut step = 0;
-    if args.resume || restarted {
-        match acc.load_latest_checkpoint()? {
-            Some(dir) => {
-                let counters = acc.counters();
-                step = counters.optimizer_steps + counters.skipped_steps;
-                acc.print(format!("resumed from {} at step {step}", dir.display()));
-            }
-            None => acc.print("no checkpoint to resume from; starting afresh"),
-        }
-    }
+    let mut step = resume(acc, args.resume, restarted)?;
     let mut loss_log = match (&args.losses, acc.is_main_process()) {
         (Some(path), true) => Some(loss_log_from(path, step)?),
         _ => None,
@@ -303,29 +410,8 @@ fn main() -> Result<()> {
     let mut losses: Vec<f64> = Vec::new();
     'train: loop {
         for batch in loader.iter() {
-            let batch = batch?;
-            if staged {
-                micro.push((batch[0].shallow_clone(), batch[1].shallow_clone()));
-                if micro.len() < acc.config().accumulate as usize {
-                    continue;
-                }
-                losses = pipeline.train_step(
-                    &acc,
-                    &micro,
-                    |x| model.forward_stage(x),
-                    |logits, y| model.loss(logits, y),
-                )?;
-                micro.clear();
-            } else {
-                let input = cp.shard(&batch[0], 1)?;
-                let logits = acc.forward(|| model.forward_stage(&input))?;
-                let loss = model.loss(&logits, &cp.shard(&batch[1], 1)?);
-                acc.backward(&loss)?;
-                // The loss of the whole sequences: the mean of the context ranks' means.
-                losses.push(cp.average(&loss)?.double_value(&[]));
-                if !acc.sync_gradients() {
-                    continue;
-                }
+            if !lm.forward_backward(&batch?, &mut micro, &mut losses)? {
+                continue;
             }
             opt.step()?;
             opt.zero_grad()?;
@@ -339,7 +425,7 @@ fn main() -> Result<()> {
             if step % 100 == 0 || step == args.steps {
                 let train_loss =
                     acc.reduce(&Tensor::from_slice(&[mean]), ReduceOp::Avg)?.double_value(&[0]);
-                let held = evaluate(&mut held_out)?;
+                let held = lm.evaluate(&mut held_out)?;
                 bar.suspend(|| {
                     acc.print(format!(
                         "step {step:5}  train loss {train_loss:.3}  held-out loss {held:.3}"
@@ -359,34 +445,15 @@ fn main() -> Result<()> {
         }
     }
     bar.finish_and_clear();
-    let held = evaluate(&mut held_out)?;
+    let held = lm.evaluate(&mut held_out)?;
     acc.end_training()?;
     let weights = acc.full_state_dict(&vs)?;
     if let (Some(path), true) = (&args.weights, acc.is_main_process()) {
         Tensor::write_safetensors(&weights, path)?;
     }
 
-    // A sample: 300 characters after "And God said", greedy but for a little temperature
-    // (not through a pipeline: its stages would have to pass every character along).
-    let mut context: Vec<i64> = "And God said".chars().map(index).collect();
-    let characters = if staged { 0 } else { 300 };
-    tch::no_grad(|| {
-        tch::manual_seed(1);
-        for _ in 0..characters {
-            let start = context.len().saturating_sub(args.context as usize);
-            // Sequence parallelism splits the sequence: pad it on the right (causal
-            // attention keeps the padding out of the real positions).
-            let mut window = context[start..].to_vec();
-            let real = window.len();
-            // So does context parallelism.
-            window.resize(real.next_multiple_of(acc.tensor_parallel().size() * cp.size()), 0);
-            let input = Tensor::from_slice(&window).unsqueeze(0).to_device(acc.device());
-            let logits = model.forward(&input).select(1, real as i64 - 1).squeeze_dim(0) / 0.8;
-            let next = logits.softmax(-1, Kind::Float).multinomial(1, false).int64_value(&[0]);
-            context.push(next);
-        }
-    });
-    let sample: String = context.iter().map(|&i| vocab[i as usize]).collect();
+    let sample =
+        lm.sample(&corpus.vocab, "And God said", args.context, if staged { 0 } else { 300 });
     acc.print(format!(
         "done in {:.1} s: held-out loss {held:.3} nats/char (target {:.2}); sample:\n{sample}",
         started.elapsed().as_secs_f64(),

@@ -1,7 +1,7 @@
-//! Llama (examples/llama.rs) from a Hugging Face checkpoint folder: one forward pass, or a
+//! accel-models' Llama from a Hugging Face checkpoint folder: one forward pass, or a
 //! fine-tune whose result is written back as a Hugging Face folder that transformers'
 //! `from_pretrained` loads. python/reference/llama_reference.py is transformers +
-//! Accelerate's side; examples/tests/llama.rs compares them.
+//! Accelerate's side; examples/tests/parity.rs compares them.
 //!
 //! Logits:     llama --model DIR --eval TOKENS.safetensors --logits-out OUT.safetensors
 //! Fine-tune:  accel launch --num-processes 2 target/debug/examples/llama --model DIR \

@@ -250,55 +250,55 @@ impl<'de> serde::Deserialize<'de> for TopLevel {
 /// notebooks) and switches accel does not need. `Ok(None)`: not one of them.
 fn elsewhere(key: &str, v: &Value) -> Result<Option<Verdict>> {
     let verdict = match key {
-                "compute_environment" => match as_name(v).as_str() {
-                    "LOCAL_MACHINE" => ignored("accel launch starts this machine's processes"),
-                    other => refused(format!(
-                        "{other}: accel launches processes on the machines it runs on; cloud \
+        "compute_environment" => match as_name(v).as_str() {
+            "LOCAL_MACHINE" => ignored("accel launch starts this machine's processes"),
+            other => refused(format!(
+                "{other}: accel launches processes on the machines it runs on; cloud \
                          jobs (SageMaker) are not supported"
-                    )),
-                },
-                "debug" => {
-                    if as_bool(key, v)? {
-                        applied(
-                            "collectives compared across processes before they run (accel always \
+            )),
+        },
+        "debug" => {
+            if as_bool(key, v)? {
+                applied(
+                    "collectives compared across processes before they run (accel always \
                              does; ACCEL_CHECK_COLLECTIVES=0 turns it off)",
-                        )
-                    } else {
-                        ignored("accel compares collectives across processes anyway")
-                    }
-                }
-                "downcast_bf16" => ignored("TPU only"),
-                "rdzv_backend" => ignored("accel's rendezvous is rank 0's TCP store (static)"),
-                "same_network" => ignored("machines connect over TCP either way"),
-                "main_training_function" => ignored("notebook launcher only; a Rust program has main"),
-                "enable_cpu_affinity" => {
-                    if as_bool(key, v)? {
-                        hint("accel does not pin processes to NUMA-local cores")
-                    } else {
-                        ignored("off, as in accel")
-                    }
-                }
-                "use_mps_device" => {
-                    if as_bool(key, v)? {
-                        refused("Apple GPUs (MPS) are not supported: CPU and CUDA only")
-                    } else {
-                        ignored("off")
-                    }
-                }
-                "tpu_name" | "tpu_zone" | "tpu_use_cluster" | "tpu_use_sudo" | "tpu_vm" | "tpu_env"
-                | "command_file" | "commands" => ignored("TPU pods only"),
-                "ec2_instance_type"
-                | "iam_role_name"
-                | "image_uri"
-                | "profile"
-                | "region"
-                | "base_job_name"
-                | "pytorch_version"
-                | "transformers_version"
-                | "py_version"
-                | "sagemaker_inputs_file"
-                | "sagemaker_metrics_file"
-                | "additional_args" => ignored("SageMaker only (see compute_environment)"),
+                )
+            } else {
+                ignored("accel compares collectives across processes anyway")
+            }
+        }
+        "downcast_bf16" => ignored("TPU only"),
+        "rdzv_backend" => ignored("accel's rendezvous is rank 0's TCP store (static)"),
+        "same_network" => ignored("machines connect over TCP either way"),
+        "main_training_function" => ignored("notebook launcher only; a Rust program has main"),
+        "enable_cpu_affinity" => {
+            if as_bool(key, v)? {
+                hint("accel does not pin processes to NUMA-local cores")
+            } else {
+                ignored("off, as in accel")
+            }
+        }
+        "use_mps_device" => {
+            if as_bool(key, v)? {
+                refused("Apple GPUs (MPS) are not supported: CPU and CUDA only")
+            } else {
+                ignored("off")
+            }
+        }
+        "tpu_name" | "tpu_zone" | "tpu_use_cluster" | "tpu_use_sudo" | "tpu_vm" | "tpu_env"
+        | "command_file" | "commands" => ignored("TPU pods only"),
+        "ec2_instance_type"
+        | "iam_role_name"
+        | "image_uri"
+        | "profile"
+        | "region"
+        | "base_job_name"
+        | "pytorch_version"
+        | "transformers_version"
+        | "py_version"
+        | "sagemaker_inputs_file"
+        | "sagemaker_metrics_file"
+        | "additional_args" => ignored("SageMaker only (see compute_environment)"),
         _ => return Ok(None),
     };
     verdict.map(Some)
@@ -405,55 +405,55 @@ impl Reader {
     /// not one of them.
     fn processes(&mut self, key: &str, v: &Value) -> Result<Option<Verdict>> {
         let verdict = match key {
-                "num_processes" => {
-                    // Accelerate writes -1 for "given elsewhere" (SLURM).
-                    if v.as_i64() == Some(-1) {
-                        return ignored("-1: the number comes from --num_processes").map(Some);
-                    }
-                    let n = as_usize(key, v)?;
-                    self.config.num_processes = Some(n);
-                    applied(format!("{n} processes on this machine"))
+            "num_processes" => {
+                // Accelerate writes -1 for "given elsewhere" (SLURM).
+                if v.as_i64() == Some(-1) {
+                    return ignored("-1: the number comes from --num_processes").map(Some);
                 }
-                "num_machines" => {
-                    let n = as_usize(key, v)?;
-                    self.config.num_machines = Some(n);
-                    applied(format!("{n} machines"))
+                let n = as_usize(key, v)?;
+                self.config.num_processes = Some(n);
+                applied(format!("{n} processes on this machine"))
+            }
+            "num_machines" => {
+                let n = as_usize(key, v)?;
+                self.config.num_machines = Some(n);
+                applied(format!("{n} machines"))
+            }
+            "machine_rank" => {
+                let n = as_usize(key, v)?;
+                self.config.machine_rank = Some(n);
+                applied(format!("this machine is number {n}"))
+            }
+            "main_process_ip" if v.is_null() => ignored("null: 127.0.0.1 (one machine)"),
+            "main_process_ip" => {
+                self.config.main_process_ip = Some(as_str(key, v)?.to_owned());
+                applied("address of rank 0's rendezvous store")
+            }
+            "main_process_port" if v.is_null() => ignored("null: port 29500"),
+            "main_process_port" => {
+                let port =
+                    u16::try_from(as_usize(key, v)?).map_err(|_| bad(key, "a port number", v))?;
+                self.config.main_process_port = Some(port);
+                applied("port of rank 0's rendezvous store")
+            }
+            "use_cpu" => {
+                let on = as_bool(key, v)?;
+                self.training().cpu = Some(on);
+                applied(if on { "CPU only" } else { "GPUs where there are any" })
+            }
+            "gpu_ids" => self.gpu_ids(v),
+            "num_cpu_threads_per_process" => {
+                let n = as_usize(key, v)?;
+                if n == 0 {
+                    return Err(bad(key, "an integer >= 1", v));
                 }
-                "machine_rank" => {
-                    let n = as_usize(key, v)?;
-                    self.config.machine_rank = Some(n);
-                    applied(format!("this machine is number {n}"))
-                }
-                "main_process_ip" if v.is_null() => ignored("null: 127.0.0.1 (one machine)"),
-                "main_process_ip" => {
-                    self.config.main_process_ip = Some(as_str(key, v)?.to_owned());
-                    applied("address of rank 0's rendezvous store")
-                }
-                "main_process_port" if v.is_null() => ignored("null: port 29500"),
-                "main_process_port" => {
-                    let port =
-                        u16::try_from(as_usize(key, v)?).map_err(|_| bad(key, "a port number", v))?;
-                    self.config.main_process_port = Some(port);
-                    applied("port of rank 0's rendezvous store")
-                }
-                "use_cpu" => {
-                    let on = as_bool(key, v)?;
-                    self.training().cpu = Some(on);
-                    applied(if on { "CPU only" } else { "GPUs where there are any" })
-                }
-                "gpu_ids" => self.gpu_ids(v),
-                "num_cpu_threads_per_process" => {
-                    let n = as_usize(key, v)?;
-                    if n == 0 {
-                        return Err(bad(key, "an integer >= 1", v));
-                    }
-                    self.config.num_cpu_threads_per_process = Some(n);
-                    applied(format!("OMP_NUM_THREADS={n} in every process"))
-                }
-                "deepspeed_config_file" => {
-                    self.config.deepspeed_config = Some(PathBuf::from(as_str(key, v)?));
-                    applied("read as a DeepSpeed config: its keys follow")
-                }
+                self.config.num_cpu_threads_per_process = Some(n);
+                applied(format!("OMP_NUM_THREADS={n} in every process"))
+            }
+            "deepspeed_config_file" => {
+                self.config.deepspeed_config = Some(PathBuf::from(as_str(key, v)?));
+                applied("read as a DeepSpeed config: its keys follow")
+            }
             _ => return Ok(None),
         };
         verdict.map(Some)

@@ -497,7 +497,8 @@ fn two_machines_as_the_walkthrough_says(_hosts_up: &Cluster, dir: &Path) {
     let blocks = walkthrough_blocks();
     assert_eq!(blocks.len(), 3, "docs/two-machines.md: {blocks:?}");
     let machine = |n: &str| {
-        let found = blocks.iter().find(|(place, _)| place.starts_with(&format!("# on machine {n}")));
+        let found =
+            blocks.iter().find(|(place, _)| place.starts_with(&format!("# on machine {n}")));
         found.unwrap_or_else(|| panic!("no block for machine {n}")).1.clone()
     };
     let (once, zero, one) = (&blocks[0], machine("0"), machine("1"));

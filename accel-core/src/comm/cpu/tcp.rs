@@ -136,96 +136,9 @@ impl Links {
         let deadline = Instant::now() + timeout;
         let fail = |what: String| Error::Rendezvous(what);
         for (peer, addr) in addrs.iter().enumerate().take(rank) {
-            let stream = loop {
-                match TcpStream::connect(addr) {
-                    Ok(s) => break s,
-                    Err(e) if Instant::now() >= deadline => {
-                        return Err(fail(format!(
-                            "rank {rank} cannot reach rank {peer} at {addr}: {e}. Each rank \
-                             listens for the run's collectives on a port of its machine's \
-                             ephemeral range (/proc/sys/net/ipv4/ip_local_port_range): a \
-                             firewall between the machines must let TCP through on that range, \
-                             and rank {peer}'s address must be reachable from here (check with \
-                             `nc -vz` on {addr})"
-                        )));
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            };
-            tune(&stream, timeout).map_err(|e| fail(e.to_string()))?;
-            authenticate_dialler(&mut &stream, token, "mesh").map_err(|e| match e {
-                Error::Rendezvous(m) => {
-                    Error::Rendezvous(format!("{m} (rank {rank} dialling rank {peer} at {addr})"))
-                }
-                other => other,
-            })?;
-            let mut hello = [0u8; 16];
-            hello[0..8].copy_from_slice(&group.to_le_bytes());
-            hello[8..16].copy_from_slice(&(rank as u64).to_le_bytes());
-            (&stream)
-                .write_all(&hello)
-                .map_err(|e| fail(format!("handshake with rank {peer}: {e}")))?;
-            readers[peer] = Some(stream);
+            readers[peer] = Some(dial(rank, peer, addr, group, deadline, timeout, token)?);
         }
-        listener.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
-        // Each accepted connection proves the token and names itself on a thread of its
-        // own, so that a silent or hostile one delays nobody (each is dropped within
-        // HANDSHAKE_TIMEOUT, and at most MAX_HANDSHAKES are under way at once).
-        let (done, arrived) = std::sync::mpsc::channel::<(TcpStream, u64, usize)>();
-        let in_progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let handshake = HANDSHAKE_TIMEOUT.min(timeout);
-        let mut waiting = world - rank - 1;
-        while waiting > 0 {
-            while let Ok((stream, their_group, peer)) = arrived.try_recv() {
-                if their_group != group || peer <= rank || peer >= world || readers[peer].is_some()
-                {
-                    let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-                    eprintln!("accel: rank {rank} ignored a stray connection from {from}");
-                    continue;
-                }
-                tune(&stream, timeout).map_err(|e| fail(e.to_string()))?;
-                readers[peer] = Some(stream);
-                waiting -= 1;
-            }
-            if waiting == 0 {
-                break;
-            }
-            match listener.accept() {
-                Ok((stream, from)) => {
-                    use std::sync::atomic::Ordering;
-                    if in_progress.load(Ordering::SeqCst) >= MAX_HANDSHAKES {
-                        continue; // dropped: its peer sees the connection close
-                    }
-                    in_progress.fetch_add(1, Ordering::SeqCst);
-                    let (done, count, token) = (done.clone(), in_progress.clone(), token.clone());
-                    let started = std::thread::Builder::new()
-                        .name("accel-mesh-handshake".into())
-                        .spawn(move || {
-                            if let Some((g, peer)) =
-                                accept_handshake(&stream, &token, handshake, rank, from)
-                            {
-                                let _ = done.send((stream, g, peer));
-                            }
-                            count.fetch_sub(1, Ordering::SeqCst);
-                        });
-                    if started.is_err() {
-                        in_progress.fetch_sub(1, Ordering::SeqCst);
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let missing: Vec<usize> =
-                            (rank + 1..world).filter(|p| readers[*p].is_none()).collect();
-                        return Err(fail(format!(
-                            "rank {rank}: rank(s) {missing:?} never connected within {:.0} s",
-                            timeout.as_secs_f64()
-                        )));
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => return Err(fail(e.to_string())),
-            }
-        }
+        accept_peers(rank, group, listener, &mut readers, deadline, timeout, token)?;
         let writers = readers
             .iter()
             .map(|r| r.as_ref().map(TcpStream::try_clone).transpose())
@@ -408,6 +321,122 @@ impl Ring<'_> {
     pub fn prev(&self) -> usize {
         self.members[(self.me + self.len() - 1) % self.len()]
     }
+}
+
+/// Rank `rank`'s connection to the lower rank `peer` listening at `addr`: dialled until
+/// `deadline`, authenticated, and introduced (`group`, `rank`).
+fn dial(
+    rank: usize,
+    peer: usize,
+    addr: &str,
+    group: u64,
+    deadline: Instant,
+    timeout: Duration,
+    token: &Token,
+) -> Result<TcpStream> {
+    let fail = |what: String| Error::Rendezvous(what);
+    let stream = loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() >= deadline => {
+                return Err(fail(format!(
+                    "rank {rank} cannot reach rank {peer} at {addr}: {e}. Each rank \
+                     listens for the run's collectives on a port of its machine's \
+                     ephemeral range (/proc/sys/net/ipv4/ip_local_port_range): a \
+                     firewall between the machines must let TCP through on that range, \
+                     and rank {peer}'s address must be reachable from here (check with \
+                     `nc -vz` on {addr})"
+                )));
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    tune(&stream, timeout).map_err(|e| fail(e.to_string()))?;
+    authenticate_dialler(&mut &stream, token, "mesh").map_err(|e| match e {
+        Error::Rendezvous(m) => {
+            Error::Rendezvous(format!("{m} (rank {rank} dialling rank {peer} at {addr})"))
+        }
+        other => other,
+    })?;
+    let mut hello = [0u8; 16];
+    hello[0..8].copy_from_slice(&group.to_le_bytes());
+    hello[8..16].copy_from_slice(&(rank as u64).to_le_bytes());
+    (&stream).write_all(&hello).map_err(|e| fail(format!("handshake with rank {peer}: {e}")))?;
+    Ok(stream)
+}
+
+/// Accepts the higher ranks' connections on `listener` into `readers` until each has
+/// arrived, or fails at `deadline` naming those that did not.
+fn accept_peers(
+    rank: usize,
+    group: u64,
+    listener: &TcpListener,
+    readers: &mut [Option<TcpStream>],
+    deadline: Instant,
+    timeout: Duration,
+    token: &Token,
+) -> Result<()> {
+    let fail = |what: String| Error::Rendezvous(what);
+    let world = readers.len();
+    listener.set_nonblocking(true).map_err(|e| fail(e.to_string()))?;
+    // Each accepted connection proves the token and names itself on a thread of its
+    // own, so that a silent or hostile one delays nobody (each is dropped within
+    // HANDSHAKE_TIMEOUT, and at most MAX_HANDSHAKES are under way at once).
+    let (done, arrived) = std::sync::mpsc::channel::<(TcpStream, u64, usize)>();
+    let in_progress = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handshake = HANDSHAKE_TIMEOUT.min(timeout);
+    let mut waiting = world - rank - 1;
+    while waiting > 0 {
+        while let Ok((stream, their_group, peer)) = arrived.try_recv() {
+            if their_group != group || peer <= rank || peer >= world || readers[peer].is_some() {
+                let from = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+                eprintln!("accel: rank {rank} ignored a stray connection from {from}");
+                continue;
+            }
+            tune(&stream, timeout).map_err(|e| fail(e.to_string()))?;
+            readers[peer] = Some(stream);
+            waiting -= 1;
+        }
+        if waiting == 0 {
+            break;
+        }
+        match listener.accept() {
+            Ok((stream, from)) => {
+                use std::sync::atomic::Ordering;
+                if in_progress.load(Ordering::SeqCst) >= MAX_HANDSHAKES {
+                    continue; // dropped: its peer sees the connection close
+                }
+                in_progress.fetch_add(1, Ordering::SeqCst);
+                let (done, count, token) = (done.clone(), in_progress.clone(), token.clone());
+                let started = std::thread::Builder::new()
+                    .name("accel-mesh-handshake".into())
+                    .spawn(move || {
+                        if let Some((g, peer)) =
+                            accept_handshake(&stream, &token, handshake, rank, from)
+                        {
+                            let _ = done.send((stream, g, peer));
+                        }
+                        count.fetch_sub(1, Ordering::SeqCst);
+                    });
+                if started.is_err() {
+                    in_progress.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<usize> =
+                        (rank + 1..world).filter(|p| readers[*p].is_none()).collect();
+                    return Err(fail(format!(
+                        "rank {rank}: rank(s) {missing:?} never connected within {:.0} s",
+                        timeout.as_secs_f64()
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(fail(e.to_string())),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,322 @@
+//! `cargo xtask bench llama` (and the second half of `cargo xtask bench memory`): a 106M
+//! Llama loading, resuming and fine-tuning on 4 processes beside PyTorch, and the README's
+//! `strategy = "fsdp"` example; written to bench/llama.json.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use super::{highest, load_peak, memory_figures, rank_results};
+use crate::results::{LLAMA_RESULTS, Report, write_block_results};
+use crate::{cargo, root, run};
+
+/// Bytes per process, in the figures.
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// A ~100M-parameter Llama on 4 processes: peak memory per process while loading under ddp
+/// and zero3, and while training under zero3 with and without activation checkpointing,
+/// beside PyTorch FSDP2 (+ checkpoint_wrapper) on the same model.
+pub(crate) fn llama_memory_bench() -> Result<(), String> {
+    cargo(
+        &["build", "--release", "-p", "accel-core", "--bin", "accel", "-p", "accel-examples"],
+        &["--example".into(), "llama".into(), "--example".into(), "fsdp_unchanged".into()],
+    )?;
+    let root = root();
+    let runs = LlamaRuns::new(&root);
+    runs.make_inputs()?;
+    eprintln!(
+        "xtask: measuring the Llama: loading and training on 4 processes (several minutes) ..."
+    );
+    let mut report = Report::default();
+    loading_rows(&mut report, &runs)?;
+    resume_rows(&mut report, &runs)?;
+    readme_example_rows(&mut report, &root)?;
+    fine_tuning_rows(&mut report, &runs)?;
+    write_block_results(LLAMA_RESULTS, "cargo xtask bench llama", &report, None)
+}
+
+/// Where the Llama benchmark's inputs and programs are, and the commands it runs.
+struct LlamaRuns {
+    /// target/bench-llama: the model, the tokens, the runs' outputs and saved states.
+    dir: PathBuf,
+    python: PathBuf,
+    script: PathBuf,
+    model: PathBuf,
+    tokens: PathBuf,
+    accel: PathBuf,
+    llama: PathBuf,
+    torchrun: PathBuf,
+}
+
+impl LlamaRuns {
+    fn new(root: &Path) -> Self {
+        let dir = root.join("target/bench-llama");
+        LlamaRuns {
+            python: root.join(".venv/bin/python"),
+            script: root.join("python/reference/llama_reference.py"),
+            model: dir.join("model-100m"),
+            tokens: dir.join("tokens.safetensors"),
+            accel: root.join("target/release/accel"),
+            llama: root.join("target/release/examples/llama"),
+            torchrun: root.join(".venv/bin/torchrun"),
+            dir,
+        }
+    }
+
+    /// The model (made once, kept under target/) and the tokens (made every run).
+    fn make_inputs(&self) -> Result<(), String> {
+        if !self.model.join("config.json").exists() {
+            run(Command::new(&self.python)
+                .arg(&self.script)
+                .args(["make", "--size", "100m", "--out"])
+                .arg(&self.model))?;
+        }
+        run(Command::new(&self.python)
+            .arg(&self.script)
+            .args(["tokens", "--rows", "16", "--len", "128", "--vocab", "32000", "--out"])
+            .arg(&self.tokens))
+    }
+
+    /// accel's run of the Llama example on `n` processes.
+    fn ours(&self, n: usize, strategy: &str, steps: &str, checkpointing: bool) -> Command {
+        let mut c = Command::new(&self.accel);
+        c.args(["launch", "--num-processes", &n.to_string(), "--main-process-port", "0", "--cpu"])
+            .arg(&self.llama)
+            .arg("--model")
+            .arg(&self.model)
+            .arg("--data")
+            .arg(&self.tokens)
+            .args(["--steps", steps, "--batch-size", "2", "--lr", "1e-4", "--strategy", strategy])
+            .arg("--out")
+            .arg(self.dir.join("out"))
+            .env("MALLOC_MMAP_THRESHOLD_", "65536");
+        if checkpointing {
+            c.arg("--activation-checkpointing");
+        }
+        c
+    }
+
+    /// PyTorch's run of the same model on `n` processes: FSDP2, or DDP with `ddp`.
+    fn theirs(&self, n: usize, checkpointing: bool, ddp: bool) -> Command {
+        let mut c = Command::new(&self.torchrun);
+        c.args([format!("--nproc-per-node={n}").as_str(), "--master-port=29793"])
+            .arg(&self.script)
+            .arg("memory")
+            .arg("--model")
+            .arg(&self.model)
+            .arg("--data")
+            .arg(&self.tokens)
+            .args(["--steps", "3", "--batch-size", "2"])
+            .env("MALLOC_MMAP_THRESHOLD_", "65536");
+        if checkpointing {
+            c.arg("--checkpointing");
+        }
+        if ddp {
+            c.arg("--ddp");
+        }
+        c
+    }
+}
+
+/// `command` with LoRA r8 (either side's flag).
+fn lora(mut c: Command) -> Command {
+    c.args(["--lora-r", "8"]);
+    c
+}
+
+/// Loading the checkpoint on 4 processes, ddp beside zero3 (each process reading its shard).
+fn loading_rows(report: &mut Report, runs: &LlamaRuns) -> Result<(), String> {
+    let model_bytes = 106.0e6 * 4.0;
+    let ddp = load_peak(&mut runs.ours(4, "ddp", "0", false), 4)?;
+    let zero3 = load_peak(&mut runs.ours(4, "zero3", "0", false), 4)?;
+    report.say(
+        "Llama, 106M parameters (405 MiB in fp32; vocabulary 32000, width 768, 8 layers; every \
+         layer, the embedding and the head a unit), 4 processes, CPU, 1 thread per process;\n\
+         peak resident memory per process above its baseline (max over ranks)",
+    );
+    report.say(format!(
+        "loading (`prepare_model_from_checkpoint`, each process reading its own shard under \
+         zero3): ddp {:.0} MiB, zero3 {:.0} MiB — zero3 saves {:.0} MiB, {:.0}% of the model's bytes",
+        ddp / MIB,
+        zero3 / MIB,
+        (ddp - zero3) / MIB,
+        100.0 * (ddp - zero3) / model_bytes
+    ));
+    report.figure("load_4_ddp_mib", ddp / MIB);
+    report.figure("load_4_zero3_mib", zero3 / MIB);
+    Ok(())
+}
+
+/// Fine-tuning on 2 and 4 processes: each of accel's setups beside its PyTorch counterpart
+/// (peak, step time, tokens/s).
+fn fine_tuning_rows(report: &mut Report, runs: &LlamaRuns) -> Result<(), String> {
+    report.say(
+        "fine-tuning (AdamW, batch 2 x 128 tokens per process, steps 2-3; accel beside torch's \
+         FSDP2 (fully_shard per decoder layer, the embedding and the head, as Accelerate's \
+         FSDP2 plugin wraps) and DDP — Accelerate itself runs its FSDP plugin as DDP on CPU; \
+         LoRA r8 on q_proj and v_proj, the base frozen, beside transformers + peft + Accelerate):",
+    );
+    report.say(format!(
+        "{:<3} {:<34} {:>10} {:>8} {:>9} {:>8}",
+        "N", "", "peak MiB", "step s", "tokens/s", "vs torch"
+    ));
+    for n in [2usize, 4] {
+        let tokens = (2 * 128 * n) as f64;
+        let rows = [
+            (
+                "accel zero3",
+                runs.ours(n, "zero3", "3", false),
+                "PyTorch FSDP2",
+                runs.theirs(n, false, false),
+            ),
+            (
+                "accel zero3 + activation ckpt",
+                runs.ours(n, "zero3", "3", true),
+                "PyTorch FSDP2 + checkpoint_wrapper",
+                runs.theirs(n, true, false),
+            ),
+            (
+                "accel ddp",
+                runs.ours(n, "ddp", "3", false),
+                "PyTorch DDP",
+                runs.theirs(n, false, true),
+            ),
+            (
+                "accel ddp + LoRA r8",
+                lora(runs.ours(n, "ddp", "3", false)),
+                "Accelerate + peft LoRA r8 (DDP)",
+                lora(runs.theirs(n, false, false)),
+            ),
+            (
+                "accel zero3 + LoRA r8 (base sharded)",
+                lora(runs.ours(n, "zero3", "3", false)),
+                "Accelerate + peft LoRA r8 (DDP)",
+                lora(runs.theirs(n, false, false)),
+            ),
+        ];
+        for (name, mut command, their_name, mut their_command) in rows {
+            let (peak, step, _) = memory_figures(&mut command, n)?;
+            let (their_peak, their_step, _) = memory_figures(&mut their_command, n)?;
+            let speed = tokens / step;
+            let their_speed = tokens / their_step;
+            report.say(format!(
+                "{n:<3} {name:<34} {:>10.0} {step:>8.2} {speed:>9.1} {:>7.2}x",
+                peak / MIB,
+                speed / their_speed
+            ));
+            report.say(format!(
+                "{n:<3} {their_name:<34} {:>10.0} {their_step:>8.2} {their_speed:>9.1}",
+                their_peak / MIB
+            ));
+            for (who, peak, speed) in [(name, peak, speed), (their_name, their_peak, their_speed)] {
+                let key: String = who
+                    .chars()
+                    .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+                    .collect();
+                report.figure(&format!("{n}.{key}.peak_mib"), peak / MIB);
+                report.figure(&format!("{n}.{key}.tokens_per_s"), speed);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Resuming the Llama under zero3 on 4 processes: the peak while loading the state beside
+/// the peak while training (the same run's), and the bytes each process read, beside FSDP2
+/// resuming with torch.distributed.checkpoint.
+fn resume_rows(report: &mut Report, runs: &LlamaRuns) -> Result<(), String> {
+    let (state, dcp) = (runs.dir.join("state-zero3-4"), runs.dir.join("state-fsdp2-4"));
+    let _ = std::fs::remove_dir_all(&dcp);
+    let mut save = runs.ours(4, "zero3", "3", false);
+    rank_results(save.arg("--save-state").arg(&state), 4)?;
+    let mut resume = runs.ours(4, "zero3", "3", false);
+    let resumed = rank_results(resume.arg("--resume").arg(&state), 4)?;
+    let (train, load) = (highest(&resumed, "peak_bytes"), highest(&resumed, "resume_peak_bytes"));
+    let read = highest(&resumed, "state_bytes_read");
+    let saved: u64 = std::fs::read_dir(&state)
+        .map_err(|e| format!("{}: {e}", state.display()))?
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .sum();
+    let mut their_save = runs.theirs(4, false, false);
+    rank_results(their_save.arg("--save-state").arg(&dcp), 4)?;
+    let mut their_resume = runs.theirs(4, false, false);
+    let their = rank_results(their_resume.arg("--resume").arg(&dcp), 4)?;
+    let (their_train, their_load) =
+        (highest(&their, "peak_bytes"), highest(&their, "resume_peak_bytes"));
+    report.say(format!(
+        "resuming (zero3, 4 processes, AdamW state): accel's peak while loading {:.0} MiB, \
+         {:.2}x its training peak of {:.0} MiB; each process read at most {:.0} MiB of the \
+         {:.0} MiB checkpoint. PyTorch FSDP2 + torch.distributed.checkpoint: {:.0} MiB while \
+         loading, {:.2}x its training peak of {:.0} MiB",
+        load / MIB,
+        load / train,
+        train / MIB,
+        read / MIB,
+        saved as f64 / MIB,
+        their_load / MIB,
+        their_load / their_train,
+        their_train / MIB,
+    ));
+    report.figure("resume_4_zero3_load_mib", load / MIB);
+    report.figure("resume_4_zero3_train_mib", train / MIB);
+    report.figure("resume_4_zero3_read_mib", read / MIB);
+    report.figure("resume_4_fsdp2_load_mib", their_load / MIB);
+    report.figure("resume_4_fsdp2_train_mib", their_train / MIB);
+    Ok(())
+}
+
+/// The README's line (`strategy = "fsdp"`) on its unchanged shape of loop, at 56.7M
+/// parameters (examples/fsdp_unchanged.rs): peak per process on 1, 2 and 4 processes, with
+/// the attribute's units and without (`ACCEL_WRAP=none`, every parameter whole as under
+/// zero2), beside FSDP2 `fully_shard` per layer (python/reference/mlp_fsdp.py).
+fn readme_example_rows(report: &mut Report, root: &Path) -> Result<(), String> {
+    let ours = |n: usize, wrap: Option<&str>| {
+        let mut c = Command::new(root.join("target/release/accel"));
+        c.args(["launch", "--num-processes", &n.to_string(), "--main-process-port", "0", "--cpu"])
+            .arg(root.join("target/release/examples/fsdp_unchanged"))
+            .env("MALLOC_MMAP_THRESHOLD_", "65536");
+        if let Some(wrap) = wrap {
+            c.env("ACCEL_WRAP", wrap);
+        }
+        c
+    };
+    let theirs = |n: usize| {
+        let mut c = Command::new(root.join(".venv/bin/torchrun"));
+        c.args([format!("--nproc-per-node={n}").as_str(), "--master-port=29794"])
+            .arg(root.join("python/reference/mlp_fsdp.py"))
+            .env("MALLOC_MMAP_THRESHOLD_", "65536");
+        c
+    };
+    report.say(
+        "the README's line, strategy = \"fsdp\", on an unchanged loop over an nn::seq() of 24 \
+         linear layers of width 1536 (56.7M parameters, 216 MiB; plain SGD; \
+         examples/fsdp_unchanged.rs): peak MiB per process over the steps after the first \
+         (and over the whole run, which includes building the model whole)",
+    );
+    report.say(format!("{:<3} {:<44} {:>10} {:>10}", "N", "", "steps", "whole run"));
+    for n in [1usize, 2, 4] {
+        let mut rows =
+            vec![("accel fsdp (each layer a unit)", rank_results(&mut ours(n, None), n)?)];
+        if n == 4 {
+            rows.push((
+                "accel fsdp, units off (ACCEL_WRAP=none)",
+                rank_results(&mut ours(n, Some("none")), n)?,
+            ));
+        }
+        if n > 1 {
+            rows.push(("PyTorch FSDP2 fully_shard per layer", rank_results(&mut theirs(n), n)?));
+        }
+        for (name, objects) in rows {
+            let (steps, whole) =
+                (highest(&objects, "train_peak_bytes"), highest(&objects, "peak_bytes"));
+            report.say(format!("{n:<3} {name:<44} {:>10.0} {:>10.0}", steps / MIB, whole / MIB));
+            let key: String = name
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+                .collect();
+            report.figure(&format!("readme.{n}.{key}.steps_mib"), steps / MIB);
+            report.figure(&format!("readme.{n}.{key}.run_mib"), whole / MIB);
+        }
+    }
+    Ok(())
+}
