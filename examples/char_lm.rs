@@ -34,7 +34,7 @@ use accel_core::mesh::Dim;
 use accel_core::optim::{AdamConfig, AdamW, Schedule};
 use accel_core::pipeline::{self, Pipeline};
 use accel_core::strategy::cp::ContextParallel;
-use accel_core::{Accelerator, Precision, PreparedLoader, Strategy};
+use accel_core::{AcceleratedOptimizer, Accelerator, Precision, PreparedLoader, Strategy};
 use accel_examples::gpt::{Gpt, GptConfig};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -327,6 +327,43 @@ fn resume(acc: &Accelerator, asked: bool, restarted: bool) -> Result<u64> {
     })
 }
 
+/// AdamW with a cosine schedule over `args.steps`. As in Accelerate, the schedule advances
+/// once per data-parallel replica at each optimizer step, so its length counts the same way.
+fn optimizer(acc: &Accelerator, vs: &nn::VarStore, args: &Args) -> Result<AcceleratedOptimizer> {
+    let mut opt = acc.prepare_optimizer(AdamW::new(
+        acc.params(vs),
+        AdamConfig { lr: args.lr, weight_decay: 0.1, ..AdamConfig::adamw() },
+    )?);
+    let replicas = acc.mesh().dims().size(Dim::Batch) as u64;
+    opt.set_schedule(Schedule::CosineWarmup {
+        warmup_steps: args.steps * replicas / 20,
+        total_steps: args.steps * replicas,
+        num_cycles: 0.5,
+    })?;
+    Ok(opt)
+}
+
+/// The run in one line: the model, the text, the processes and the steps.
+fn describe(acc: &Accelerator, args: &Args, corpus: &Corpus, parameters: i64) -> String {
+    format!(
+        "{parameters} parameters here ({} blocks of width {}), {} characters ({} distinct), {} \
+         process(es) ({}), strategy {}, {} steps of {} x {} characters per replica",
+        args.blocks,
+        args.width,
+        corpus.ids.size()[0],
+        corpus.vocab.len(),
+        acc.num_processes(),
+        acc.mesh().dims(),
+        match acc.config().strategy {
+            Strategy::Single if acc.num_processes() > 1 => Strategy::Ddp,
+            other => other,
+        },
+        args.steps,
+        args.batch_size,
+        args.context
+    )
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if args.width % args.heads != 0 {
@@ -355,18 +392,8 @@ fn main() -> Result<()> {
     let model = Gpt::split(&acc, &vs.root(), &config, &acc.tensor_parallel(), &cp, layers)?;
     acc.prepare_model(&vs)?;
     let parameters: i64 = vs.trainable_variables().iter().map(|t| t.numel() as i64).sum();
-    let mut opt = acc.prepare_optimizer(AdamW::new(
-        acc.params(&vs),
-        AdamConfig { lr: args.lr, weight_decay: 0.1, ..AdamConfig::adamw() },
-    )?);
-    // As in Accelerate, the schedule advances once per data-parallel replica at each
-    // optimizer step, so its length counts the same way.
-    let replicas = acc.mesh().dims().size(Dim::Batch) as u64;
-    opt.set_schedule(Schedule::CosineWarmup {
-        warmup_steps: args.steps * replicas / 20,
-        total_steps: args.steps * replicas,
-        num_cycles: 0.5,
-    })?;
+    let mut opt = optimizer(&acc, &vs, &args)?;
+    acc.print(describe(&acc, &args, &corpus, parameters));
     let options = |shuffle: bool| LoaderOptions {
         batch_size: args.batch_size,
         sampler: if shuffle { Sampler::Shuffled { seed: 0 } } else { Sampler::Sequential },
@@ -374,23 +401,6 @@ fn main() -> Result<()> {
     };
     let mut loader = acc.prepare_loader(DataLoader::new(corpus.train, options(true))?)?;
     let mut held_out = acc.prepare_loader(DataLoader::new(corpus.held_out, options(false))?)?;
-    acc.print(format!(
-        "{parameters} parameters here ({} blocks of width {}), {} characters ({} distinct), {} \
-         process(es) ({}), strategy {}, {} steps of {} x {} characters per replica",
-        args.blocks,
-        args.width,
-        corpus.ids.size()[0],
-        corpus.vocab.len(),
-        acc.num_processes(),
-        acc.mesh().dims(),
-        match acc.config().strategy {
-            Strategy::Single if acc.num_processes() > 1 => Strategy::Ddp,
-            other => other,
-        },
-        args.steps,
-        args.batch_size,
-        args.context
-    ));
     let staged = pipeline.stages() > 1;
     let lm = Lm { acc, pipeline, model, cp, staged };
     let acc = &lm.acc;

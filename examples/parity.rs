@@ -20,7 +20,9 @@ use accel_core::optim::{AdamConfig, AdamW, Sgd, SgdConfig, named_params};
 use accel_core::pipeline::{Pipeline, Schedule};
 use accel_core::precision::Float8Linear;
 use accel_core::strategy::tp::{ColumnParallelLinear, LinearOptions, RowParallelLinear};
-use accel_core::{Accelerator, Fp8Recipe, Precision, ShardOptions, Strategy, Unit};
+use accel_core::{
+    AcceleratedOptimizer, Accelerator, Fp8Recipe, Precision, ShardOptions, Strategy, Unit,
+};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use tch::nn::{self, Module};
@@ -128,10 +130,9 @@ struct Args {
     profile: Option<PathBuf>,
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
-    // What the command line leaves out comes from `accel launch` (flags, --config-file:
-    // YAML or a DeepSpeed JSON), as the accelerator's builder layers them.
+/// The accelerator the command line asks for. What it leaves out comes from `accel launch`
+/// (flags, --config-file: YAML or a DeepSpeed JSON), as the accelerator's builder layers them.
+fn accelerator(args: &Args) -> Result<Accelerator> {
     let mut builder = Accelerator::builder()
         .fp8_recipe(args.fp8_recipe)
         .fp32_gathers(args.fp32_gathers)
@@ -161,15 +162,11 @@ fn main() -> Result<()> {
             ..Default::default()
         });
     }
-    let acc = builder.build()?;
-    acc.print(format!(
-        "parity: {} on {} process(es), collectives over {:?}{}",
-        acc.strategy().name(),
-        acc.num_processes(),
-        acc.mesh().everyone().backend(),
-        acc.process_group().map(|g| format!(" by {}", g.transport())).unwrap_or_default()
-    ));
+    Ok(builder.build()?)
+}
 
+/// The initial weights (`--init`) and their number of layers, checked against `--hidden`.
+fn read_init(args: &Args) -> Result<(Vec<(String, Tensor)>, usize)> {
     let init: Vec<(String, Tensor)> = Tensor::read_safetensors(&args.init)
         .with_context(|| format!("reading {}", args.init.display()))?;
     let weight =
@@ -188,12 +185,13 @@ fn main() -> Result<()> {
     if hidden != widths {
         bail!("--hidden {hidden:?} does not match the weights' hidden widths {widths:?}");
     }
+    Ok((init, layers))
+}
 
-    let vs = nn::VarStore::new(acc.device());
-    let net = build(&acc, &vs, &init, layers)?;
-    acc.prepare_model(&vs)?;
-    let params = named_params(&vs);
-    let mut opt = match args.optimizer.as_str() {
+/// `--optimizer` over the model's parameters, by name.
+fn optimizer(acc: &Accelerator, vs: &nn::VarStore, args: &Args) -> Result<AcceleratedOptimizer> {
+    let params = named_params(vs);
+    Ok(match args.optimizer.as_str() {
         "adamw" => acc.prepare_optimizer(AdamW::new(
             params,
             AdamConfig { lr: args.lr, weight_decay: args.weight_decay, ..AdamConfig::adamw() },
@@ -203,8 +201,11 @@ fn main() -> Result<()> {
             SgdConfig { lr: args.lr, weight_decay: args.weight_decay, ..Default::default() },
         )?),
         other => bail!("unknown optimizer `{other}`; use adamw or sgd"),
-    };
+    })
+}
 
+/// The batches of `--data` (its tensors `x` and `y`).
+fn loader(args: &Args) -> Result<DataLoader<TensorDataset>> {
     let data: Vec<(String, Tensor)> = Tensor::read_safetensors(&args.data)
         .with_context(|| format!("reading {}", args.data.display()))?;
     let get = |name: &str| {
@@ -219,8 +220,28 @@ fn main() -> Result<()> {
         prefetch: 0,
         ..Default::default()
     };
-    let loader = DataLoader::new(TensorDataset::new(vec![get("x")?, get("y")?])?, options)?;
-    let mut loader = acc.prepare_loader(loader)?;
+    Ok(DataLoader::new(TensorDataset::new(vec![get("x")?, get("y")?])?, options)?)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let acc = accelerator(&args)?;
+    acc.print(format!(
+        "parity: {} on {} process(es), collectives over {:?}{}",
+        acc.strategy().name(),
+        acc.num_processes(),
+        acc.mesh().everyone().backend(),
+        acc.process_group().map(|g| format!(" by {}", g.transport())).unwrap_or_default()
+    ));
+
+    let (init, layers) = read_init(&args)?;
+
+    let vs = nn::VarStore::new(acc.device());
+    let net = build(&acc, &vs, &init, layers)?;
+    acc.prepare_model(&vs)?;
+    let mut opt = optimizer(&acc, &vs, &args)?;
+
+    let mut loader = acc.prepare_loader(loader(&args)?)?;
 
     if let Some(dir) = &args.resume {
         acc.load_state(dir)?;
@@ -253,7 +274,7 @@ fn main() -> Result<()> {
         let pipeline = Pipeline::new(&acc, schedule);
         // One optimizer step over a window of micro-batches (emptied).
         let window = |batches: &mut Vec<(Tensor, Tensor)>,
-                      opt: &mut accel_core::AcceleratedOptimizer,
+                      opt: &mut AcceleratedOptimizer,
                       write: &mut dyn FnMut(u64, f64) -> Result<()>,
                       step: &mut u64|
          -> Result<()> {

@@ -19,7 +19,7 @@ use accel_core::data::{DataLoader, LoaderOptions, Sampler, TensorDataset};
 use accel_core::mesh::Dim;
 use accel_core::optim::{AdamConfig, AdamW, Schedule};
 use accel_core::tracking::{Value, plot};
-use accel_core::{Accelerator, LogWith, Precision};
+use accel_core::{AcceleratedOptimizer, Accelerator, LogWith, Precision};
 use accel_examples::Digits;
 use anyhow::{Result, bail};
 use clap::Parser;
@@ -142,11 +142,12 @@ fn misclassified(
     Ok(Some((Tensor::cat(&images, 1).unsqueeze(0), rows)))
 }
 
-fn main() -> Result<()> {
-    let args = Args::parse();
+/// The accelerator the command line asks for (what it leaves out comes from `accel launch`'s
+/// configuration), and the trackers' project name: OUT's parent is the project folder, OUT
+/// the project, so that the trackers write to OUT itself.
+fn accelerator(args: &Args) -> Result<(Accelerator, String)> {
     let mut builder =
         Accelerator::builder().seed(args.seed).checkpoints(args.out.join("checkpoints"), Some(2));
-    // The trackers write to OUT itself: OUT's parent is the project folder, OUT the project.
     let (project_dir, project) = match (args.out.parent(), args.out.file_name()) {
         (Some(parent), Some(name)) => (parent.to_path_buf(), name.to_string_lossy().into_owned()),
         _ => bail!("--out {} must name a folder", args.out.display()),
@@ -168,7 +169,80 @@ fn main() -> Result<()> {
     if let Some(accumulate) = args.accumulate {
         builder = builder.accumulate(accumulate);
     }
-    let acc = builder.build()?;
+    Ok((builder.build()?, project))
+}
+
+/// AdamW with a cosine schedule over `optimizer_steps`. As in Accelerate, the schedule
+/// advances once per data-parallel replica at each optimizer step (it counts the samples of
+/// every replica), so its length counts the same way.
+fn optimizer(
+    acc: &Accelerator,
+    vs: &nn::VarStore,
+    args: &Args,
+    optimizer_steps: u64,
+) -> Result<AcceleratedOptimizer> {
+    let mut opt = acc.prepare_optimizer(AdamW::new(
+        acc.params(vs),
+        AdamConfig { lr: args.lr, ..AdamConfig::adamw() },
+    )?);
+    let schedule_steps = optimizer_steps * acc.mesh().dims().size(Dim::Data) as u64;
+    opt.set_schedule(Schedule::CosineWarmup {
+        warmup_steps: schedule_steps / 20,
+        total_steps: schedule_steps,
+        num_cycles: 0.5,
+    })?;
+    Ok(opt)
+}
+
+/// The loss curve drawn from the JSONL metrics, where the main process writes them; its
+/// PNG's path.
+fn plot_curves(acc: &Accelerator, args: &Args) -> Result<PathBuf> {
+    let curve = args.out.join("loss_curve.png");
+    let jsonl = args.out.join("metrics.jsonl");
+    if acc.is_main_process()
+        && acc.config().log_with.iter().any(|w| matches!(w, LogWith::Jsonl | LogWith::All))
+    {
+        let title = format!("MLP on the 8x8 digits, {} process(es)", acc.num_processes());
+        let svg = args.out.join("loss_curve.svg");
+        plot::plot_jsonl(&jsonl, &title, &[&curve, &svg])?;
+    }
+    Ok(curve)
+}
+
+/// The trackers, with the run's settings as their configuration.
+fn init_trackers(acc: &Accelerator, args: &Args, project: &str) -> Result<()> {
+    acc.init_trackers(
+        project,
+        &serde_json::json!({
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "accumulate": acc.config().accumulate,
+            "precision": acc.config().precision.to_string(),
+            "lr": args.lr,
+            "hidden": args.hidden,
+            "seed": args.seed,
+            "processes": acc.num_processes(),
+        }),
+    )?;
+    Ok(())
+}
+
+/// Continues from the newest checkpoint when asked (`--resume`) or restarted (`accel launch
+/// --max-restarts` counts the attempts); whether this is a restart.
+fn resume(acc: &Accelerator, args: &Args) -> Result<bool> {
+    let restarted = std::env::var("ACCEL_RESTART_COUNT").is_ok_and(|n| n.trim() != "0");
+    if args.resume || restarted {
+        match acc.load_latest_checkpoint()? {
+            Some(dir) => acc.print(format!("resumed from {}", dir.display())),
+            None => acc.print("no checkpoint to resume from; starting afresh"),
+        }
+    }
+    Ok(restarted)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let (acc, project) = accelerator(&args)?;
     let device = acc.device();
     let data = Digits::load(device)?;
 
@@ -191,28 +265,8 @@ fn main() -> Result<()> {
     let mut test = acc.prepare_loader(test)?;
     let micro_steps = args.epochs * loader.len() as u64;
     let optimizer_steps = micro_steps.div_ceil(u64::from(acc.config().accumulate));
-    let mut opt = acc.prepare_optimizer(AdamW::new(
-        acc.params(&vs),
-        AdamConfig { lr: args.lr, ..AdamConfig::adamw() },
-    )?);
-    // As in Accelerate, the schedule advances once per data-parallel replica at each
-    // optimizer step (it counts the samples of every replica), so its length counts the same
-    // way.
-    let schedule_steps = optimizer_steps * acc.mesh().dims().size(Dim::Data) as u64;
-    opt.set_schedule(Schedule::CosineWarmup {
-        warmup_steps: schedule_steps / 20,
-        total_steps: schedule_steps,
-        num_cycles: 0.5,
-    })?;
-    // `accel launch --max-restarts` counts the attempts: a restarted run picks up where the
-    // last checkpoint left off instead of starting over.
-    let restarted = std::env::var("ACCEL_RESTART_COUNT").is_ok_and(|n| n.trim() != "0");
-    if args.resume || restarted {
-        match acc.load_latest_checkpoint()? {
-            Some(dir) => acc.print(format!("resumed from {}", dir.display())),
-            None => acc.print("no checkpoint to resume from; starting afresh"),
-        }
-    }
+    let mut opt = optimizer(&acc, &vs, &args, optimizer_steps)?;
+    let restarted = resume(&acc, &args)?;
     acc.print(format!(
         "training a 64-{h}-{h}-10 MLP on {} digits with {} process(es): {} epochs of {} \
          batches of {} per process, accumulate {}, precision {}, on {device:?}",
@@ -227,19 +281,7 @@ fn main() -> Result<()> {
     ));
 
     // After a resume, so that the JSONL file is added to rather than started over.
-    acc.init_trackers(
-        &project,
-        &serde_json::json!({
-            "epochs": args.epochs,
-            "batch_size": args.batch_size,
-            "accumulate": acc.config().accumulate,
-            "precision": acc.config().precision.to_string(),
-            "lr": args.lr,
-            "hidden": args.hidden,
-            "seed": args.seed,
-            "processes": acc.num_processes(),
-        }),
-    )?;
+    init_trackers(&acc, &args, &project)?;
     let bar = acc.progress_bar(micro_steps);
     bar.set_position(acc.counters().micro_steps_total);
     let started = std::time::Instant::now();
@@ -299,15 +341,7 @@ fn main() -> Result<()> {
     }
     // The trackers finish here (MLflow's run FINISHED); a failure before leaves it FAILED.
     acc.end_training()?;
-    let curve = args.out.join("loss_curve.png");
-    let jsonl = args.out.join("metrics.jsonl");
-    if acc.is_main_process()
-        && acc.config().log_with.iter().any(|w| matches!(w, LogWith::Jsonl | LogWith::All))
-    {
-        let title = format!("MLP on the 8x8 digits, {} process(es)", acc.num_processes());
-        let svg = args.out.join("loss_curve.svg");
-        plot::plot_jsonl(&jsonl, &title, &[&curve, &svg])?;
-    }
+    let curve = plot_curves(&acc, &args)?;
     acc.print(format!(
         "done in {:.1} s: test accuracy {:.2}% on {scored} images (target {:.0}%)\n  metrics {}, \
          curves {} (and .svg: training loss, test accuracy, learning rate), checkpoint {}",

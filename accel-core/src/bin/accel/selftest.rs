@@ -239,13 +239,11 @@ pub(crate) fn spin(nccl: bool) -> accel_core::Result<bool> {
     }
 }
 
-/// DDP and metric gathering through the Accelerator, for the multi-process tests.
+/// DDP's checks, on the processes `accel test` launched: loaders and `gather_for_metrics`,
+/// replicas and accumulation, checkpoints, then DDP's options. Whether all passed.
 pub(crate) fn ddp() -> accel_core::Result<bool> {
     use accel_core::Accelerator;
-    use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
-    use accel_core::optim::{Sgd, SgdConfig, named_params};
     use accel_core::strategy::ddp::DdpOptions;
-    use tch::nn::{self, Module};
 
     // Tiny buckets: the MLP's four parameters land in several buckets.
     let ddp = DdpOptions { bucket_bytes: 200, ..Default::default() };
@@ -256,12 +254,22 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
         .ddp(ddp)
         .data(accel_core::DataSharding::Manual)
         .build()?;
-    let group = acc.process_group().expect("launched with several processes").clone();
     let mut ok = true;
     let mut report = |name: &str, pass: bool| {
         ok &= pass;
         acc.print(format!("{} {name}", if pass { "PASS" } else { "FAIL" }));
     };
+    ddp_loaders(&acc, &mut report)?;
+    ddp_training(&acc, &mut report)?;
+    ddp_options(&acc, &mut report)?;
+    Ok(ok)
+}
+
+/// What `report` is told: a check's name and whether it passed.
+type Report<'a> = dyn FnMut(&str, bool) + 'a;
+
+fn ddp_loaders(acc: &accel_core::Accelerator, report: &mut Report) -> accel_core::Result<()> {
+    use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 
     // gather_for_metrics: 82 samples in batches of 16 come back as exactly 82, in order.
     let x = Tensor::arange(82, (Kind::Int64, Device::Cpu));
@@ -294,7 +302,14 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
             last == [18, 19, 20, 21],
         );
     }
+    Ok(())
+}
 
+fn ddp_training(acc: &accel_core::Accelerator, report: &mut Report) -> accel_core::Result<()> {
+    use accel_core::optim::{Sgd, SgdConfig, named_params};
+    use tch::nn::{self, Module};
+
+    let group = acc.process_group().expect("launched with several processes").clone();
     // Replicas start equal (rank 0's initial values are broadcast).
     tch::manual_seed(100 + acc.process_index() as i64);
     let vs = nn::VarStore::new(Device::Cpu);
@@ -370,7 +385,14 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
         "save_state/load_state with several processes (one folder, each rank's RNG state)",
         files.iter().all(|f| *f),
     );
+    Ok(())
+}
 
+fn ddp_options(acc: &accel_core::Accelerator, report: &mut Report) -> accel_core::Result<()> {
+    use accel_core::strategy::ddp::DdpOptions;
+    use tch::nn::{self, Module};
+
+    let r = acc.process_index() as f64;
     // bf16 gradient compression: close to the fp32 average, but not equal to it.
     let twin = |seed: i64| -> (nn::VarStore, nn::Linear) {
         tch::manual_seed(seed);
@@ -425,7 +447,7 @@ pub(crate) fn ddp() -> accel_core::Result<bool> {
         "a parameter that got no gradient is an error naming it",
         err.contains("parameter(s) [\"unused\"] received no gradient"),
     );
-    Ok(ok)
+    Ok(())
 }
 
 /// For GPU machines: NCCL collectives between the processes, one GPU each, through the
