@@ -76,7 +76,7 @@ fn main() -> Result<()> {
     acc.wait_for_everyone()?;
     std::fs::write("/proc/self/clear_refs", "5").context("resetting the peak RSS")?;
     if let Device::Cuda(index) = device {
-        accel_core::shim::cuda::reset_peak_memory(index)?;
+        accel_core::shim::cuda_runtime::reset_peak_memory(index)?;
     }
     let start = Instant::now();
     for _ in 1..STEPS {
@@ -87,7 +87,7 @@ fn main() -> Result<()> {
     let step_s = start.elapsed().as_secs_f64() / (STEPS - 1) as f64;
     let peak = proc_status_bytes("VmHWM:")? - before;
     let gpu_peak = match device {
-        Device::Cuda(index) => Some(accel_core::shim::cuda::max_memory_allocated(index)?),
+        Device::Cuda(index) => Some(accel_core::shim::cuda_runtime::max_memory_allocated(index)?),
         _ => None,
     };
     println!(

@@ -3,6 +3,7 @@
 
 use std::sync::Mutex;
 
+use crate::sync::Locked;
 use serde::{Deserialize, Serialize};
 
 /// The counters a checkpoint keeps.
@@ -52,7 +53,7 @@ impl GradientState {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // The state stays consistent even if a holder panicked: every update is one store.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.locked()
     }
 
     pub(crate) fn accumulate(&self) -> u64 {

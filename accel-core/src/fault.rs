@@ -13,6 +13,7 @@
 //! written, the checkpoint is not yet published), `save-before-publish` (every file and the
 //! manifest are written by the main process, the folder not yet renamed into place).
 
+use crate::sync::Locked;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -32,7 +33,7 @@ pub(crate) fn point(name: &'static str, rank: usize) {
     if point != name || who.parse() != Ok(rank) || !first_attempt {
         return;
     }
-    let mut passed = PASSED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut passed = PASSED.locked();
     let count = passed.get_or_insert_with(HashMap::new).entry(name).or_insert(0);
     *count += 1;
     if nth.parse() == Ok(*count) {

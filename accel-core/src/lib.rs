@@ -90,6 +90,7 @@ pub mod precision;
 pub mod profile;
 pub mod shim;
 pub mod strategy;
+mod sync;
 pub mod topology;
 pub mod tracking;
 mod world;

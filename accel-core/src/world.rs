@@ -13,6 +13,7 @@ use tch::Device;
 use crate::comm::{GroupOptions, ProcessGroup};
 use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, ParallelDims};
+use crate::sync::Locked;
 use crate::topology::Topology;
 
 /// The process's world, once joined.
@@ -30,7 +31,7 @@ struct World {
 static WORLD: Mutex<Option<World>> = Mutex::new(None);
 
 fn world() -> std::sync::MutexGuard<'static, Option<World>> {
-    WORLD.lock().unwrap_or_else(|e| e.into_inner())
+    WORLD.locked()
 }
 
 /// The mesh for a run of `topology` with `dims` on `device`, made by `who`: the process's

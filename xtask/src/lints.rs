@@ -171,6 +171,80 @@ fn accel_cores_modules_import_each_other_in_no_cycle() {
     assert!(edges.len() > 10, "the modules were found: {edges:?}");
 }
 
+/// Within each folder of the crates' sources, the files (siblings under one `mod.rs`)
+/// import each other in no cycle either: `super::x` from `y.rs` is an edge y → x.
+#[test]
+fn sibling_files_import_each_other_in_no_cycle() {
+    let mut folders = Vec::new();
+    for krate in ["accel-core", "accel-macros", "accel-models", "accel-choices"] {
+        let mut stack = vec![root().join(krate).join("src")];
+        while let Some(dir) = stack.pop() {
+            let entries: Vec<PathBuf> =
+                std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+            stack.extend(entries.iter().filter(|e| e.is_dir()).cloned());
+            folders.push(entries);
+        }
+    }
+    let (mut checked, mut cycles) = (0, Vec::new());
+    for entries in folders {
+        // A sibling is a file `x.rs` or a folder `x/`; what it names with `super::`.
+        let name = |p: &Path| p.file_stem().unwrap().to_string_lossy().into_owned();
+        let siblings: HashSet<String> = entries
+            .iter()
+            .filter(|e| e.is_dir() || e.extension().is_some_and(|x| x == "rs"))
+            .map(|e| name(e))
+            .filter(|n| !["mod", "lib", "main", "tests"].contains(&n.as_str()))
+            .collect();
+        let mut edges: std::collections::BTreeMap<String, HashSet<String>> = Default::default();
+        for entry in &entries {
+            let from = name(entry);
+            if !siblings.contains(&from) {
+                continue;
+            }
+            let files = if entry.is_dir() { rust_files(entry) } else { vec![entry.clone()] };
+            // Inside a folder `x/`, its siblings are `super::super::`.
+            let prefix = if entry.is_dir() { "super::super::" } else { "super::" };
+            for file in files.iter().filter(|f| !f.ends_with("tests.rs")) {
+                let code = code_of(&std::fs::read_to_string(file).unwrap());
+                for (i, _) in code.match_indices(prefix) {
+                    if i >= 7 && &code[i - 7..i] == "super::" {
+                        continue;
+                    }
+                    let word: String = code[i + prefix.len()..]
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect();
+                    if siblings.contains(&word) && word != from {
+                        edges.entry(from.clone()).or_default().insert(word);
+                    }
+                }
+            }
+        }
+        for start in edges.keys() {
+            let mut seen = HashSet::new();
+            let mut stack = vec![(start.clone(), vec![start.clone()])];
+            while let Some((at, path)) = stack.pop() {
+                for next in edges.get(&at).into_iter().flatten() {
+                    if next == start {
+                        let folder = entries[0].parent().unwrap();
+                        let folder = folder.strip_prefix(root()).unwrap_or(folder).display();
+                        cycles.push(format!("{folder}: {} -> {start}", path.join(" -> ")));
+                        continue;
+                    }
+                    if seen.insert(next.clone()) {
+                        let mut longer = path.clone();
+                        longer.push(next.clone());
+                        stack.push((next.clone(), longer));
+                    }
+                }
+            }
+        }
+        checked += edges.len();
+    }
+    assert!(checked > 20, "the files were found: {checked} with imports of siblings");
+    assert!(cycles.is_empty(), "files that import each other in a cycle:\n{}", cycles.join("\n"));
+}
+
 /// The README is the front door (what accel is, the two commands, the one line, the
 /// limits); the rest lives in docs/.
 const README_MAX_LINES: usize = 400;

@@ -7,6 +7,7 @@ use tch::nn::VarStore;
 use super::{AcceleratedOptimizer, Accelerator};
 use crate::error::Result;
 use crate::optim::{Adam, AdamConfig, AdamW, Optimizer, Param, Sgd, SgdConfig, TchOptimizer};
+use crate::sync::Locked;
 
 /// An optimizer configuration the attribute can turn into an accelerator optimizer: tch's
 /// `nn::Sgd`, `nn::Adam`, `nn::AdamW` (as accel's own optimizers, with exportable state,
@@ -33,7 +34,7 @@ pub trait IntoAccelOptimizer {
 /// sorted by name; one group when the store uses only group 0.
 fn param_groups(acc: &Accelerator, vs: &VarStore) -> Result<Vec<Vec<Param>>> {
     let group_of: std::collections::HashMap<usize, usize> = {
-        let variables = vs.variables_.lock().unwrap_or_else(|e| e.into_inner());
+        let variables = vs.variables_.locked();
         variables
             .trainable_variables
             .iter()

@@ -16,6 +16,7 @@ use crate::precision::{self, GradScaler, ScalerConfig};
 use crate::strategy::ModelOptions;
 use crate::strategy::ddp::DdpOptions;
 use crate::strategy::fsdp::ShardOptions;
+use crate::sync::Locked;
 use crate::topology::Topology;
 
 /// The builder's method of each setting the table marks `builder yes`: it sets the value,
@@ -425,7 +426,7 @@ impl AcceleratorBuilder {
         }
         let _ = CURRENT.set(Mutex::new(std::sync::Weak::new()));
         if let Some(current) = CURRENT.get() {
-            *current.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(&accelerator.inner);
+            *current.locked() = Arc::downgrade(&accelerator.inner);
         }
         Ok(accelerator)
     }

@@ -12,6 +12,7 @@ use crate::accumulation::GradientState;
 use crate::data::{Batches, DataLoader, Dataset};
 use crate::device::ToDevice;
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 
 /// Where a prepared data source stands (saved in checkpoints).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -102,7 +103,7 @@ impl LoopNotes {
 
 impl Drop for LoopNotes {
     fn drop(&mut self) {
-        let exit = self.exit.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let exit = self.exit.locked().take();
         if self.done || self.handed == 0 {
             return;
         }
@@ -155,7 +156,7 @@ where
 {
     type Item = I::Item;
     fn next(&mut self) -> Option<I::Item> {
-        let mut position = self.position.lock().unwrap_or_else(|e| e.into_inner());
+        let mut position = self.position.locked();
         let range = crate::shim::range("accel::data_wait");
         let advanced = self.lookahead.advance();
         drop(range);
@@ -218,7 +219,7 @@ where
     /// The epoch the next [`iter`](Self::iter) runs: 0 in a fresh run, the interrupted one
     /// after [`super::Accelerator::load_state`].
     pub fn epoch(&self) -> u64 {
-        self.position.lock().unwrap_or_else(|e| e.into_inner()).epoch
+        self.position.locked().epoch
     }
 
     /// Batches per epoch on this process.
@@ -234,13 +235,13 @@ where
     /// Skips the first `n` batches of the next epoch (Accelerate's `skip_first_batches`;
     /// `load_state` does this by itself for prepared loaders).
     pub fn skip_first_batches(&mut self, n: u64) {
-        self.position.lock().unwrap_or_else(|e| e.into_inner()).batches = n;
+        self.position.locked().batches = n;
     }
 
     /// One epoch of batches on the accelerator's device. Resumes inside an epoch after
     /// `load_state`.
     pub fn iter(&mut self) -> PreparedBatches<'_, D> {
-        let start = *self.position.lock().unwrap_or_else(|e| e.into_inner());
+        let start = *self.position.locked();
         self.loader.set_epoch(start.epoch);
         self.loader.skip_first_batches(start.batches as usize);
         let remainder = self.loader.remainder();
@@ -354,7 +355,7 @@ impl Accelerator {
             .or_insert_with(|| Arc::new(Mutex::new(DataPosition::default())))
             .clone();
         drop(registry);
-        let mut p = position.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = position.locked();
         let skip = match resumed {
             Some(saved) => {
                 *p = saved;
@@ -396,8 +397,7 @@ impl Accelerator {
     /// reported with this line.
     #[track_caller]
     pub fn leaving_loop(&self) {
-        *self.inner.loop_exit.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(std::panic::Location::caller());
+        *self.inner.loop_exit.locked() = Some(std::panic::Location::caller());
     }
 
     /// The epoch the prepared loops resume in after [`load_state`](Self::load_state) (the

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use super::Accelerator;
 use super::data::{DataPosition, LoopNotes, PreparedIter};
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 
 /// What the accelerator knows of the loops that draw their own batches.
 #[derive(Debug, Default)]
@@ -122,7 +123,7 @@ impl Accelerator {
         let offset = if device_specific { self.data_parallel().0 as u64 } else { 0 };
         tch::manual_seed(seed.wrapping_add(offset) as i64);
         if device_specific {
-            self.inner.drawn.lock().unwrap_or_else(|e| e.into_inner()).seeded_per_process = true;
+            self.inner.drawn.locked().seeded_per_process = true;
         }
     }
 
@@ -134,7 +135,7 @@ impl Accelerator {
             return;
         }
         let site = crate::comm::ledger::site_of(site);
-        let mut drawn = self.inner.drawn.lock().unwrap_or_else(|e| e.into_inner());
+        let mut drawn = self.inner.drawn.locked();
         if !drawn.seeded_per_process {
             drawn.seeded_per_process = true;
             let seed = crate::shim::initial_seed().unwrap_or(0);
@@ -155,8 +156,7 @@ impl Accelerator {
     /// At the first backward of a drawn loop: the losses of the data-parallel processes
     /// must differ, else they all trained on the same batches.
     pub(crate) fn check_drawn_batches(&self, loss: &tch::Tensor) -> Result<()> {
-        let Some(site) = self.inner.drawn.lock().unwrap_or_else(|e| e.into_inner()).check.take()
-        else {
+        let Some(site) = self.inner.drawn.locked().check.take() else {
             return Ok(());
         };
         let (_, replicas) = self.data_parallel();

@@ -190,7 +190,7 @@ pub fn find_executable_batch_size_with<R>(
             Err(e) if is_out_of_memory(&e) => {
                 // What the failed attempt held is freed when its tensors dropped; the
                 // caching allocator gives it back so that the next try can have it.
-                crate::shim::cuda::empty_cache()?;
+                crate::shim::cuda_runtime::empty_cache()?;
                 let next = reduce(batch_size);
                 eprintln!(
                     "accel: batch size {batch_size} ran out of memory; trying {next} ({})",

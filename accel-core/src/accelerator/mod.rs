@@ -29,6 +29,7 @@ use crate::mesh::DeviceMesh;
 use crate::optim::{Optimizer, Param, named_params};
 use crate::precision::GradScaler;
 use crate::strategy::ModelOptions;
+use crate::sync::Locked;
 use crate::topology::Topology;
 
 pub(crate) use crate::accumulation::GradientState;
@@ -72,7 +73,7 @@ static CURRENT: OnceLock<Mutex<std::sync::Weak<Inner>>> = OnceLock::new();
 /// # Ok::<(), accel_core::Error>(())
 /// ```
 pub fn current() -> Option<Accelerator> {
-    let current = CURRENT.get()?.lock().unwrap_or_else(|e| e.into_inner()).upgrade()?;
+    let current = CURRENT.get()?.locked().upgrade()?;
     Some(Accelerator { inner: current })
 }
 
@@ -192,7 +193,7 @@ impl Accelerator {
     }
 
     pub(crate) fn registry(&self) -> MutexGuard<'_, Registry> {
-        self.inner.registry.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.registry.locked()
     }
 
     /// The resolved configuration.
@@ -410,7 +411,7 @@ impl Accelerator {
         if let Some(group) = self.inner.strategy.buffer_group(&cx, &options) {
             let buffers = crate::strategy::buffers::BufferSync::new(vs, group)?;
             if !buffers.is_empty() {
-                self.inner.buffers.lock().unwrap_or_else(|e| e.into_inner()).push(buffers);
+                self.inner.buffers.locked().push(buffers);
             }
         }
         self.registry().models.push(params);
@@ -542,14 +543,14 @@ impl Accelerator {
 
     /// The current fp16 loss scale, if fp16 is on.
     pub fn loss_scale(&self) -> Option<f64> {
-        self.inner.scaler.as_ref().map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).scale())
+        self.inner.scaler.as_ref().map(|s| s.locked().scale())
     }
 
     /// Restores the fp16 loss scaler's state from a checkpoint (nothing without a scaler:
     /// the loader checked that the checkpoint's precision is this run's).
     pub(crate) fn restore_scaler(&self, saved: crate::precision::ScalerState) -> Result<()> {
         match &self.inner.scaler {
-            Some(scaler) => scaler.lock().unwrap_or_else(|e| e.into_inner()).load_state(saved),
+            Some(scaler) => scaler.locked().load_state(saved),
             None => Ok(()),
         }
     }

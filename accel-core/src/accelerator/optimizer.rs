@@ -12,6 +12,7 @@ use super::{Accelerator, Inner};
 use crate::error::{Error, Result};
 use crate::optim::{LrScheduler, Optimizer, Schedule};
 use crate::strategy::{OptimizerPlan, Replicated};
+use crate::sync::Locked;
 
 pub(crate) struct Slot {
     pub(crate) optimizer: Box<dyn Optimizer>,
@@ -148,7 +149,7 @@ impl AcceleratedOptimizer {
     }
 
     fn lock(&self) -> MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+        self.slot.locked()
     }
 
     /// Drives the learning rate with `schedule` from now on (applies its step 0 now).

@@ -12,6 +12,7 @@ use super::Accelerator;
 use crate::error::{Error, Result};
 use crate::precision::{self, ToFp32};
 use crate::shim::AutocastGuard;
+use crate::sync::Locked;
 
 /// What [`Accelerator::autocast`] returns: autocast for the configured precision and, in a
 /// profile, the `accel::forward` range, both until dropped.
@@ -99,7 +100,7 @@ impl Accelerator {
         let n = self.inner.state.accumulate();
         let loss = if n > 1 { loss.f_div_scalar(n as f64)? } else { loss.shallow_clone() };
         let loss = match &self.inner.scaler {
-            Some(scaler) => scaler.lock().unwrap_or_else(|e| e.into_inner()).scale_loss(&loss)?,
+            Some(scaler) => scaler.locked().scale_loss(&loss)?,
             None => loss,
         };
         let range = crate::shim::range("accel::backward");
@@ -162,7 +163,7 @@ impl Accelerator {
         let gradients = target.gradients();
         let skipped = match &self.inner.scaler {
             Some(scaler) => {
-                let mut scaler = scaler.lock().unwrap_or_else(|e| e.into_inner());
+                let mut scaler = scaler.locked();
                 // Where an overflow must be seen: the shards' group, or everyone if the model
                 // is split (an overflow anywhere skips the step everywhere).
                 let parallel = &self.inner.parallel;
@@ -200,13 +201,13 @@ impl Accelerator {
             Some(first) => crate::shim::tensor_id(first)?,
             None => return Ok(()),
         };
-        if !self.inner.prepared_gradients.lock().unwrap_or_else(|e| e.into_inner()).insert(key) {
+        if !self.inner.prepared_gradients.locked().insert(key) {
             return Ok(());
         }
         let gradients = target.gradients();
         self.inner.parallel.finalize_grads(trainable, &gradients)?;
         if let Some(scaler) = &self.inner.scaler {
-            scaler.lock().unwrap_or_else(|e| e.into_inner()).unscale(&gradients)?;
+            scaler.locked().unscale(&gradients)?;
         }
         Ok(())
     }
@@ -215,7 +216,7 @@ impl Accelerator {
     fn gradients_used(&self, target: &dyn StepTarget) -> Result<()> {
         if let Some(first) = target.trainable().first() {
             let key = crate::shim::tensor_id(first)?;
-            self.inner.prepared_gradients.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+            self.inner.prepared_gradients.locked().remove(&key);
         }
         Ok(())
     }
@@ -342,7 +343,7 @@ impl Accelerator {
 
     /// Every prepared model's buffers from the first rank of their group to the others.
     pub(crate) fn sync_buffers(&self) -> Result<()> {
-        for buffers in self.inner.buffers.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        for buffers in self.inner.buffers.locked().iter() {
             buffers.sync()?;
         }
         Ok(())

@@ -8,6 +8,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::Accelerator;
 use crate::config::LogWith;
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 use crate::tracking::{
     MetricsFiles, MlFlow, MlFlowSettings, TensorBoard, Tracker, Trackers, Wandb, WandbMode,
     WandbSettings,
@@ -190,7 +191,7 @@ impl Accelerator {
     }
 
     fn trackers(&self) -> std::sync::MutexGuard<'_, Trackers> {
-        self.inner.trackers.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.trackers.locked()
     }
 
     /// A progress bar of `len` steps on the local main process (hidden elsewhere). On a

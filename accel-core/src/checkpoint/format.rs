@@ -9,35 +9,18 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Tensor};
 
 use crate::accelerator::{DataPosition, StepCounters};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::optim::SchedulerState;
 use crate::precision::ScalerState;
+
+use super::ranges::{FileReader, ReadCounter, checksums};
+pub(crate) use super::ranges::{FileRecord, bad, io_error};
 
 pub(crate) const FORMAT: &str = "accel-checkpoint";
 pub(crate) const VERSION: u32 = 3;
 /// The oldest format this version reads (2: one CRC32 per file, no block checksums).
 const OLDEST_READ: u32 = 2;
 pub(crate) const MANIFEST: &str = "manifest.json";
-
-/// Size and checksums of one file of a checkpoint: of the whole, and of each `block`-byte
-/// block (the last one shorter), so that a process reading part of the file checks what it
-/// reads without reading the rest. Format 2 had the whole file's only (`block` 0).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct FileRecord {
-    pub bytes: u64,
-    pub crc32: u32,
-    #[serde(default)]
-    pub block: u64,
-    #[serde(default)]
-    pub blocks: Vec<u32>,
-}
-
-impl FileRecord {
-    /// The units a reader checks the file in: its blocks, or the whole (format 2) as one.
-    pub fn checked_units(&self) -> usize {
-        if self.block == 0 { 1 } else { self.blocks.len() }
-    }
-}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct OptimizerRecord {
@@ -104,14 +87,6 @@ pub(crate) fn shard_file(rank: usize) -> String {
     format!("shard_{rank}.safetensors")
 }
 
-pub(crate) fn io_error(path: &Path, source: std::io::Error) -> Error {
-    Error::Io { path: path.to_path_buf(), source }
-}
-
-pub(crate) fn bad(path: &Path, message: impl Into<String>) -> Error {
-    Error::Checkpoint { path: Some(path.to_path_buf()), message: message.into() }
-}
-
 impl Manifest {
     /// Reads and checks `dir`'s manifest.
     pub fn read(dir: &Path) -> Result<Self> {
@@ -149,8 +124,8 @@ impl Manifest {
     pub fn read_file(&self, dir: &Path, name: &str) -> Result<BTreeMap<String, Tensor>> {
         let path = dir.join(name);
         let record = self.files.get(name).ok_or_else(|| bad(&path, "missing from the manifest"))?;
-        let counter = super::ranges::ReadCounter::new(0);
-        super::ranges::FileReader::open(&path, Some(record), &counter)?.read_all()
+        let counter = ReadCounter::new(0);
+        FileReader::open(&path, Some(record), &counter)?.read_all()
     }
 
     /// The tensors saved in pieces whose key `keep` accepts, put back together whole
@@ -227,12 +202,8 @@ pub(crate) fn write_tensors(path: &Path, tensors: &[(String, Tensor)]) -> Result
         .collect::<Result<_>>()?;
     Tensor::write_safetensors(&cpu, path).map_err(|e| bad(path, format!("cannot write: {e}")))?;
     sync(path)?;
-    super::ranges::checksums(path)
+    checksums(path)
 }
-
-/// The largest safetensors header accepted: a checkpoint's lists each tensor's name, dtype,
-/// shape and offsets (~100 bytes), so this allows well over 100,000 tensors.
-pub(crate) const MAX_HEADER_BYTES: u64 = 16 << 20;
 
 /// Flushes a file's data, or a folder's entries, to the disk (fsync).
 pub(crate) fn sync(path: &Path) -> Result<()> {

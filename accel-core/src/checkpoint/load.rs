@@ -25,6 +25,7 @@ use crate::error::{Error, Result};
 use crate::optim::{OptimizerState, Param};
 use crate::shim::set_rng_state;
 use crate::strategy::Placement;
+use crate::sync::Locked;
 
 /// The elements of a whole tensor that one process holds: runs `(start, len)` of the whole's
 /// flattened elements, in the order of the process's own tensor, which has `numel` elements
@@ -453,7 +454,7 @@ impl Accelerator {
             manifest.optimizers.iter().zip(&registry.optimizers).enumerate()
         {
             let path = dir.join(optimizer_file(j));
-            let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
+            let slot = optimizer.slot.locked();
             if slot.optimizer.name() != record.name {
                 return Err(bad(
                     &path,
@@ -655,7 +656,7 @@ impl Accelerator {
         // The registered states first (a state that does not read back as its type is an
         // error before any tensor changes).
         for (i, (custom, saved)) in registry.custom.iter().zip(&manifest.custom).enumerate() {
-            let mut custom = custom.lock().unwrap_or_else(|e| e.into_inner());
+            let mut custom = custom.locked();
             custom.load(saved.clone()).map_err(|e| {
                 bad(dir, format!("registered state #{i} (register_for_checkpointing): {e}"))
             })?;
@@ -673,7 +674,7 @@ impl Accelerator {
         for ((optimizer, record), (path, state)) in
             registry.optimizers.iter().zip(&manifest.optimizers).zip(optimizers)
         {
-            let mut slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
+            let mut slot = optimizer.slot.locked();
             // Handed over: the tensors read become the optimizer's state, not copied again.
             slot.optimizer.take_state(state).map_err(|e| match e {
                 Error::Checkpoint { message, .. } => bad(&path, message),
@@ -689,7 +690,7 @@ impl Accelerator {
             self.restore_scaler(saved)?;
         }
         for (position, saved) in registry.loaders.iter().zip(&manifest.loaders) {
-            *position.lock().unwrap_or_else(|e| e.into_inner()) = *saved;
+            *position.locked() = *saved;
         }
         // Each dealt loop's next pass resumes where it stood (see `prepare_iter`).
         registry.resumed_epoch = manifest.loops.values().map(|p| p.epoch).max().unwrap_or(0);

@@ -28,6 +28,7 @@ use crate::accelerator::Accelerator;
 use crate::error::{Error, Result};
 use crate::shim::rng_state;
 use crate::strategy::Placement;
+use crate::sync::Locked;
 use format::{
     FileRecord, FolderLock, Manifest, OptimizerRecord, SavedPiece, bad, device_name, io_error,
     model_file, numbered_checkpoints, optimizer_file, publish, rng_devices, rng_file, shard_file,
@@ -170,7 +171,7 @@ impl Accelerator {
             part.models.push(whole);
         }
         for (j, optimizer) in registry.optimizers.iter().enumerate() {
-            let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
+            let slot = optimizer.slot.locked();
             let params = slot.named_trainable();
             let mut whole = Vec::new();
             for (key, tensor) in slot.optimizer.state()?.tensors {
@@ -203,7 +204,7 @@ impl Accelerator {
             return Ok(());
         }
         {
-            let checked = self.inner.shared_dirs.lock().unwrap_or_else(|e| e.into_inner());
+            let checked = self.inner.shared_dirs.locked();
             if checked.iter().any(|d| d == dir) {
                 return Ok(());
             }
@@ -249,7 +250,7 @@ impl Accelerator {
                 ),
             ));
         }
-        self.inner.shared_dirs.lock().unwrap_or_else(|e| e.into_inner()).push(dir.to_path_buf());
+        self.inner.shared_dirs.locked().push(dir.to_path_buf());
         Ok(())
     }
 
@@ -370,7 +371,7 @@ impl Accelerator {
             part.optimizers.iter().zip(&registry.optimizers).enumerate()
         {
             files.insert(optimizer_file(j), write_tensors(&tmp.join(optimizer_file(j)), tensors)?);
-            let slot = optimizer.slot.lock().unwrap_or_else(|e| e.into_inner());
+            let slot = optimizer.slot.locked();
             optimizers.push(OptimizerRecord {
                 name: slot.optimizer.name().to_owned(),
                 groups: slot.optimizer.state()?.groups,
@@ -385,31 +386,15 @@ impl Accelerator {
             world_size: self.num_processes(),
             files,
             counters: self.counters(),
-            scaler: self
-                .inner
-                .scaler
-                .as_ref()
-                .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).state()),
+            scaler: self.inner.scaler.as_ref().map(|s| s.locked().state()),
             models: registry.models.len(),
             optimizers,
-            loaders: registry
-                .loaders
-                .iter()
-                .map(|p| *p.lock().unwrap_or_else(|e| e.into_inner()))
-                .collect(),
-            loops: registry
-                .loops
-                .iter()
-                .map(|(site, p)| (site.clone(), *p.lock().unwrap_or_else(|e| e.into_inner())))
-                .collect(),
+            loaders: registry.loaders.iter().map(|p| *p.locked()).collect(),
+            loops: registry.loops.iter().map(|(site, p)| (site.clone(), *p.locked())).collect(),
             rng_devices: rng_devices().into_iter().map(device_name).collect(),
             pieces,
             shapes: part.shapes,
-            custom: registry
-                .custom
-                .iter()
-                .map(|c| c.lock().unwrap_or_else(|e| e.into_inner()).state())
-                .collect::<Result<_>>()?,
+            custom: registry.custom.iter().map(|c| c.locked().state()).collect::<Result<_>>()?,
         };
         manifest.write(tmp)
     }

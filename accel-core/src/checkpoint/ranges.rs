@@ -2,7 +2,7 @@
 //! only the byte ranges a process needs read, straight into the tensor that keeps them.
 //!
 //! A checkpoint's files are checked as they are read: the manifest records a CRC32 for each
-//! block of every file (format.rs, [`FileRecord`]), and no byte is used before the CRC of
+//! block of every file ([`FileRecord`], in format.rs's manifest), and no byte is used before the CRC of
 //! its whole block has been compared. Blocks no process needed are checked afterwards by one
 //! process each ([`FileReader::verify`]), so a corrupt byte anywhere is still found — and
 //! every block is read by about one process, not by all. Files of a Hugging Face checkpoint
@@ -13,10 +13,44 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use serde::{Deserialize, Serialize};
 use tch::{Kind, Tensor};
 
-use super::format::{FileRecord, MAX_HEADER_BYTES, bad, io_error};
-use crate::error::Result;
+use crate::error::{Error, Result};
+
+/// Size and checksums of one file of a checkpoint: of the whole, and of each `block`-byte
+/// block (the last one shorter), so that a process reading part of the file checks what it
+/// reads without reading the rest. Format 2 had the whole file's only (`block` 0).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct FileRecord {
+    pub bytes: u64,
+    pub crc32: u32,
+    #[serde(default)]
+    pub block: u64,
+    #[serde(default)]
+    pub blocks: Vec<u32>,
+}
+
+impl FileRecord {
+    /// The units a reader checks the file in: its blocks, or the whole (format 2) as one.
+    pub fn checked_units(&self) -> usize {
+        if self.block == 0 { 1 } else { self.blocks.len() }
+    }
+}
+
+/// The largest safetensors header accepted: a checkpoint's lists each tensor's name, dtype,
+/// shape and offsets (~100 bytes), so this allows well over 100,000 tensors.
+pub(crate) const MAX_HEADER_BYTES: u64 = 16 << 20;
+
+/// An I/O failure on `path`.
+pub(crate) fn io_error(path: &Path, source: std::io::Error) -> Error {
+    Error::Io { path: path.to_path_buf(), source }
+}
+
+/// A checkpoint file that is not what it should be, and why.
+pub(crate) fn bad(path: &Path, message: impl Into<String>) -> Error {
+    Error::Checkpoint { path: Some(path.to_path_buf()), message: message.into() }
+}
 
 /// Where one tensor lies in its file.
 #[derive(Debug, Clone, PartialEq)]

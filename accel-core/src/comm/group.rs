@@ -22,6 +22,7 @@ use super::ledger::{Ledger, Scope};
 use super::store::{StoreClient, StoreServer};
 use super::{Backend, Communicator, GroupOptions, Op, ReduceOp, Work, check_rank};
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 use crate::topology::Topology;
 
 /// What every group of a run shares: the store connection, and the next group id.
@@ -166,7 +167,7 @@ impl ProcessGroup {
         let world = members.len();
         let prefix = format!("group{id}");
         let (listener, addrs, hosts) = {
-            let mut store = shared.store.lock().unwrap_or_else(|e| e.into_inner());
+            let mut store = shared.store.locked();
             let ip = store.local_ip()?;
             let listener = TcpListener::bind((ip, 0)).map_err(|e| {
                 Error::Rendezvous(format!("rank {global_rank} cannot listen on {ip}: {e}"))
@@ -311,7 +312,7 @@ impl ProcessGroup {
     fn p2p_tag(&self, peer: usize, sending: bool, tensor: &Tensor) -> Result<Tag> {
         check_rank(peer, self.world)?;
         let seq = {
-            let mut counters = self.p2p.lock().unwrap_or_else(|e| e.into_inner());
+            let mut counters = self.p2p.locked();
             let counter = counters.entry((peer, sending)).or_insert(0);
             *counter += 1;
             *counter
@@ -465,7 +466,7 @@ impl ProcessGroup {
 
     /// A connection of its own to the run's store (authenticated as the group's are).
     pub(crate) fn new_store_connection(&self) -> Result<StoreClient> {
-        let store = self.shared.store.lock().unwrap_or_else(|e| e.into_inner());
+        let store = self.shared.store.locked();
         store.reconnect(self.options.timeout, &self.options.token)
     }
 

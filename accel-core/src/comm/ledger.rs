@@ -26,6 +26,7 @@ use super::progress::{parse_progress, progress_key};
 use super::store::StoreClient;
 use super::{Communicator, Op};
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 
 /// Entries kept per step for the report (the hash covers them all).
 const KEPT: usize = 256;
@@ -111,7 +112,7 @@ impl Ledger {
             return 0;
         }
         let entry = Entry { seq, call: format!("{op} of {what}"), site: site_of(site) };
-        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.inner.locked();
         p.shape_hash = fnv(p.shape_hash, entry.call.as_bytes());
         p.hash = fnv(fnv(p.hash, entry.call.as_bytes()), entry.site.as_bytes());
         p.count += 1;
@@ -129,7 +130,7 @@ impl Ledger {
         if !self.on {
             return;
         }
-        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.inner.locked();
         p.shape_hash = fnv(p.shape_hash, what.as_bytes());
         p.hash = fnv(p.hash, what.as_bytes());
         p.count += 1;
@@ -141,13 +142,13 @@ impl Ledger {
     /// The call sites recorded since the last check, in order (tests).
     #[cfg(test)]
     pub(crate) fn sites(&self) -> Vec<String> {
-        let p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let p = self.inner.locked();
         p.entries.iter().map(|e| e.site.clone()).collect()
     }
 
     /// Everything since the last call, and a fresh start (the next epoch).
     fn take(&self) -> Pending {
-        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.inner.locked();
         let last = p.last_seq;
         let taken = std::mem::take(&mut *p);
         *p = Pending { last_seq: last, ..Pending::default() };
@@ -260,7 +261,7 @@ impl SequenceChecker {
 
     /// The divergence found so far, as an error.
     pub fn failure(&self) -> Result<()> {
-        match &*self.failure.lock().unwrap_or_else(|e| e.into_inner()) {
+        match &*self.failure.locked() {
             Some(message) => Err(Error::Diverged(message.clone())),
             None => Ok(()),
         }
@@ -300,7 +301,7 @@ fn run(
             }
         }
         if let Some(report) = diverged {
-            *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
+            *failure.locked() = Some(report.clone());
             on_divergence(&report);
             for (_, _, comm) in &groups {
                 comm.abort();

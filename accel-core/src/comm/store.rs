@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use super::auth::{DialFailure, Token, authenticate_acceptor, try_authenticate_dialler};
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 
 /// How long a new connection may take to prove the run's token.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -234,7 +235,7 @@ fn serve(mut stream: TcpStream, shared: &Shared) {
     serve_requests(&mut stream, shared, peer, &mut claimed);
     // A rank's claim ends with its connection, so that a restarted process can take it.
     if let Some(rank) = claimed {
-        let mut table = shared.table.lock().unwrap_or_else(|e| e.into_inner());
+        let mut table = shared.table.locked();
         table.ranks.remove(&rank);
     }
 }
@@ -297,7 +298,7 @@ fn handle(
 ) -> std::result::Result<Vec<u8>, Handled> {
     let mut f = Fields(body);
     let op = f.u8().map_err(Handled::Malformed)?;
-    let mut table = shared.table.lock().unwrap_or_else(|e| e.into_inner());
+    let mut table = shared.table.locked();
     let mut ok = vec![REPLY_OK];
     match op {
         OP_HELLO => {

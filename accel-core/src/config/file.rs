@@ -4,51 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
-
-use super::check::{Report, Verdict};
-use super::{PartialConfig, Precision, Strategy};
+use super::check::Verdict;
+pub use super::launch::LaunchConfig;
+use super::{Precision, Strategy};
 use crate::error::{Error, Result};
-
-/// Settings of a launch; every field optional (flags and defaults fill the rest).
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct LaunchConfig {
-    /// Processes per machine.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub num_processes: Option<usize>,
-    /// Machines.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub num_machines: Option<usize>,
-    /// This machine's index.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub machine_rank: Option<usize>,
-    /// Address of machine 0 (rank 0's store listens there).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub main_process_ip: Option<String>,
-    /// Port of rank 0's store (0: a free one, single machine only).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub main_process_port: Option<u16>,
-    /// Training settings passed to the program as `ACCEL_*` variables.
-    #[serde(flatten)]
-    pub training: PartialConfig,
-    /// A DeepSpeed JSON config (the file given, or Accelerate's `deepspeed_config_file`):
-    /// its settings beyond `training` reach the program through `ACCEL_DEEPSPEED_CONFIG`.
-    #[serde(rename = "deepspeed_config_file", skip_serializing_if = "Option::is_none")]
-    pub deepspeed_config: Option<PathBuf>,
-    /// `CUDA_VISIBLE_DEVICES` for every process (Accelerate's `gpu_ids`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub gpu_ids: Option<String>,
-    /// `OMP_NUM_THREADS` for every process (default: cores ÷ processes).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub num_cpu_threads_per_process: Option<usize>,
-    /// What reading the file has to say (performance settings not followed), for the
-    /// caller to print once.
-    #[serde(skip)]
-    pub warnings: Vec<String>,
-    /// One note per key of the file(s) read.
-    #[serde(skip)]
-    pub report: Report,
-}
 
 /// Names the DeepSpeed JSON config whose settings the program's accelerator applies.
 pub const DEEPSPEED_CONFIG_ENV: &str = super::env::DEEPSPEED_CONFIG;
@@ -190,6 +149,7 @@ pub fn choices() -> (&'static [&'static str], &'static [&'static str]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::PartialConfig;
 
     #[test]
     fn accelerate_default_config_keys_are_translated() {

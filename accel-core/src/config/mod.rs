@@ -19,6 +19,7 @@ pub mod check;
 pub mod deepspeed;
 pub mod env;
 pub mod file;
+mod launch;
 mod yaml;
 
 use std::path::{Path, PathBuf};

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use serde_yaml_ng::Value;
 
 use super::check::{Report, Verdict, show_yaml};
-use super::file::LaunchConfig;
+use super::launch::LaunchConfig;
 use crate::config::{StateDict, Strategy, Wrap, closest};
 use crate::error::{Error, Result};
 

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 /// Re-exported where the launcher's flags parse their durations.
 pub use crate::config::parse_seconds;
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 
 /// Lines of each rank's output kept for the failure report.
 const TAIL_LINES: usize = 20;
@@ -287,10 +288,7 @@ fn spawn(
         .env("MASTER_ADDR", &plan.main_process_ip)
         .env("MASTER_PORT", port.to_string())
         .env(crate::config::env::LAUNCHED, "1")
-        .env(
-            PROGRESS_ENV,
-            if out.lock().unwrap_or_else(|e| e.into_inner()).tty { "tty" } else { "lines" },
-        )
+        .env(PROGRESS_ENV, if out.locked().tty { "tty" } else { "lines" })
         .env(crate::config::env::RESTART_COUNT, attempt.to_string())
         .envs(token.map(|t| (crate::comm::auth::TOKEN_ENV, t)))
         .stdin(Stdio::null())
@@ -346,12 +344,12 @@ fn spawn(
                 let text = String::from_utf8_lossy(&line).trim_end_matches(['\n', '\r']).to_owned();
                 line.clear();
                 if let Some(log) = &log {
-                    let mut file = log.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut file = log.locked();
                     // A full disk must not stop the run: the console still has the line.
                     let _ = writeln!(file, "{text}");
                 }
                 if show {
-                    let mut console = out.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut console = out.locked();
                     let line = format!("[rank{rank}] {text}");
                     if rank == 0 && !is_err && text.starts_with(PROGRESS_PREFIX) {
                         console.progress(line);
@@ -368,7 +366,7 @@ fn spawn(
                 if in_backtrace {
                     continue;
                 }
-                let mut tail = tail.lock().unwrap_or_else(|e| e.into_inner());
+                let mut tail = tail.locked();
                 if tail.len() == TAIL_LINES {
                     tail.pop_front();
                 }
@@ -562,7 +560,7 @@ const CAUSE_WINDOW: Duration = Duration::from_secs(2);
 /// Whether a failed rank's last words say that it failed because another one went away
 /// (the collectives' and the store's messages for a lost connection).
 fn lost_a_peer(rank: &Rank) -> bool {
-    let tail = rank.tail.lock().unwrap_or_else(|e| e.into_inner());
+    let tail = rank.tail.locked();
     tail.iter().any(|line| is_peer_loss(line))
 }
 
@@ -598,7 +596,7 @@ fn report_failure(ranks: &[Rank], failed: usize, failures: &[usize]) {
         describe(status),
         ranks.len() - 1
     );
-    let tail = r.tail.lock().unwrap_or_else(|e| e.into_inner());
+    let tail = r.tail.locked();
     if tail.is_empty() {
         report.push_str(&format!("  rank {} printed nothing\n", r.rank));
     } else {

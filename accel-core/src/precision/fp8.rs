@@ -18,6 +18,7 @@ use tch::{Device, Kind, Tensor};
 use crate::config::Fp8Recipe;
 use crate::error::{Error, Result};
 use crate::shim::{add_grad_hook, autocast, autocast_state};
+use crate::sync::Locked;
 
 /// Smallest amax used for a scale (torchao's `EPS`): an all-zero tensor gets a finite scale.
 const EPS: f64 = 1e-12;
@@ -303,7 +304,7 @@ fn pad_rows_to_16(t: &Tensor) -> Result<Tensor> {
 type Slot = Arc<Mutex<Option<Tensor>>>;
 
 fn take(slot: &Slot) -> Option<Tensor> {
-    slot.lock().unwrap_or_else(|e| e.into_inner()).take()
+    slot.locked().take()
 }
 
 /// `x @ wᵀ + bias` with the three matmuls in fp8 (torchao's `Float8Linear.forward`).
@@ -359,16 +360,14 @@ pub fn linear(x: &Tensor, w: &Tensor, bias: Option<&Tensor>, recipe: Fp8Recipe) 
             let computed = (|| -> Result<()> {
                 let _off = no_autocast(grad.device())?;
                 let grad2d = grad.f_reshape([-1, features_out])?;
-                let (x_saved, w_saved) = &*saved.lock().unwrap_or_else(|e| e.into_inner());
+                let (x_saved, w_saved) = &*saved.locked();
                 let (gi, gw) =
                     backward_values(&grad2d, x_saved, w_saved, spec, want_input, want_weight)?;
                 if let Some(gi) = gi {
-                    *input_out.lock().unwrap_or_else(|e| e.into_inner()) =
-                        Some(gi.f_to_kind(x_kind)?.f_reshape(shape.as_slice())?);
+                    *input_out.locked() = Some(gi.f_to_kind(x_kind)?.f_reshape(shape.as_slice())?);
                 }
                 if let Some(gw) = gw {
-                    *weight_out.lock().unwrap_or_else(|e| e.into_inner()) =
-                        Some(gw.f_to_kind(w_kind)?);
+                    *weight_out.locked() = Some(gw.f_to_kind(w_kind)?);
                 }
                 Ok(())
             })();
@@ -453,7 +452,7 @@ impl Fp8Layers {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Fp8Layer>> {
-        self.layers.lock().unwrap_or_else(|e| e.into_inner())
+        self.layers.locked()
     }
 }
 

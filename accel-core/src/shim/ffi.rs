@@ -6,7 +6,7 @@
 use std::ffi::{c_char, c_void};
 use torch_sys::C_tensor;
 
-use super::cuda::Stream;
+use super::cuda_runtime::Stream;
 
 /// A post-accumulate-grad callback: receives an owned `at::Tensor*` (the parameter).
 pub(crate) type PostAccFn = unsafe extern "C" fn(*mut c_void, *mut C_tensor) -> *mut c_char;

@@ -13,6 +13,7 @@ use torch_sys::C_tensor;
 
 use super::{check, ffi, malloc_message, panic_message, raw};
 use crate::error::Result;
+use crate::sync::Locked;
 
 type PostAccClosure = Box<dyn Fn(&Tensor) + Send + Sync>;
 type GradClosure = Box<dyn Fn(&Tensor) -> Option<Tensor> + Send + Sync>;
@@ -204,7 +205,7 @@ unsafe extern "C" fn forward_trampoline(
     let input = unsafe { Tensor::from_ptr(input) };
     // SAFETY: as in `post_acc_trampoline`.
     let forward = unsafe { &*ctx.cast::<ForwardClosure>() };
-    let run = || forward.lock().unwrap_or_else(|e| e.into_inner())(&input);
+    let run = || forward.locked()(&input);
     match catch_unwind(AssertUnwindSafe(run)) {
         Ok(mut out) => {
             // Ownership of the at::Tensor passes to the shim.

@@ -13,7 +13,7 @@
 //! - [`rng_state`] / [`set_rng_state`]: the default generators' states, for checkpoints.
 
 mod autocast;
-pub mod cuda;
+pub mod cuda_runtime;
 mod ffi;
 mod hooks;
 

@@ -202,14 +202,14 @@ fn freed_storage_reports_zero_bytes_and_reallocated_views_see_new_data() {
 
 #[test]
 fn cuda_streams_and_events_order_work_on_gpus_and_are_clear_errors_elsewhere() {
-    use super::cuda::{Event, Stream, record_stream};
+    use super::cuda_runtime::{Event, Stream, record_stream};
     crate::cuda::load_libtorch_cuda();
     if !tch::Cuda::is_available() {
         // Every entry point fails with libtorch's own reason, naming the operation.
         for (op, e) in [
             ("stream", Stream::current(0).unwrap_err()),
             ("stream_from_pool", Stream::from_pool(0, false).unwrap_err()),
-            ("max_memory_allocated", super::cuda::max_memory_allocated(0).unwrap_err()),
+            ("max_memory_allocated", super::cuda_runtime::max_memory_allocated(0).unwrap_err()),
         ] {
             assert!(e.to_string().starts_with(&format!("libtorch ({op}): ")), "{e}");
         }

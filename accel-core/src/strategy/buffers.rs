@@ -22,6 +22,7 @@ use tch::{Kind, Tensor};
 
 use crate::comm::Communicator;
 use crate::error::Result;
+use crate::sync::Locked;
 
 /// The buffers of one model and the group they are kept equal across.
 pub struct BufferSync {
@@ -40,7 +41,7 @@ impl std::fmt::Debug for BufferSync {
 /// The buffers of `vs` by name, sorted: its variables that are not in its list of
 /// trainable variables.
 pub fn buffers_of(vs: &tch::nn::VarStore) -> Result<Vec<(String, Tensor)>> {
-    let variables = vs.variables_.lock().unwrap_or_else(|e| e.into_inner());
+    let variables = vs.variables_.locked();
     let trainable: HashSet<usize> = variables
         .trainable_variables
         .iter()

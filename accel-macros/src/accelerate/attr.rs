@@ -304,7 +304,7 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
                 other => {
                     let keys = keys();
                     let list = keys.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
-                    let hint = super::check::did_you_mean(other, &keys);
+                    let hint = did_you_mean(other, &keys);
                     let hint = hint.replace('"', "`");
                     return Err(syn::Error::new(
                         span,
@@ -319,4 +319,11 @@ pub(crate) fn parse(args: TokenStream) -> (RawArgs, Option<syn::Error>) {
         }
     }
     (raw, errors)
+}
+
+/// " — did you mean `x`?" when a valid choice is close to what was written.
+fn did_you_mean(got: &str, valid: &[&str]) -> String {
+    accel_choices::closest(got, valid)
+        .map(|v| format!(" — did you mean \"{v}\"?"))
+        .unwrap_or_default()
 }

@@ -8,13 +8,6 @@ use accel_choices::{Fp8Recipe, Precision, Strategy};
 
 use super::attr::RawArgs;
 
-/// " — did you mean `x`?" when a valid choice is close to what was written.
-pub(crate) fn did_you_mean(got: &str, valid: &[&str]) -> String {
-    accel_choices::closest(got, valid)
-        .map(|v| format!(" — did you mean \"{v}\"?"))
-        .unwrap_or_default()
-}
-
 /// Accumulating zero micro-batches per step would never step the optimizer.
 fn accumulate_positive(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     if let Some(a) = raw.setting::<u64>("accumulate") {

@@ -134,7 +134,7 @@ const LAYERS: &[&str] = &[
     "group_norm",
 ];
 
-/// The rewrite of the body (its loops in loops.rs).
+/// The rewrite of the body (its loops are prepared first, by loops.rs).
 pub(super) struct Rewriter<'c> {
     pub(super) cx: &'c Context,
     optimizers: &'c Optimizers,
@@ -158,6 +158,17 @@ pub(super) struct Rewriter<'c> {
 }
 
 impl Rewriter<'_> {
+    /// Before the first statement that runs backward (looking into plain blocks), the model
+    /// named by `model = ..` is prepared, so that driven optimizers step a prepared model.
+    pub(super) fn prepare_model_before_training(&self, block: &mut Block) {
+        let (Some(model), name) = (&self.cx.model, &self.cx.name) else { return };
+        let Some(i) = block.stmts.iter().position(super::loops::runs_backward) else { return };
+        if let Stmt::Expr(Expr::Block(inner), _) = &mut block.stmts[i] {
+            return self.prepare_model_before_training(&mut inner.block);
+        }
+        block.stmts.insert(i, parse_quote!(#name.prepare_model_once(&#model)?;));
+    }
+
     /// A model for accel's own `Sgd/Adam/AdamW::new(..)`: the `model` key, else the
     /// VarStore its arguments name, else the function's only VarStore.
     fn model_for(&mut self, call: &syn::ExprCall) -> Option<Expr> {
@@ -748,7 +759,9 @@ pub(crate) fn function(
     if driven {
         rewriter.prepare_model_before_training(&mut body);
     }
-    rewriter.rewrite_loops(&mut body);
+    let prepared = super::loops::prepare(&mut body, cx.mode, &cx.name);
+    (rewriter.loops, rewriter.drawn) = (prepared.loops, prepared.drawn);
+    rewriter.errors.extend(prepared.errors);
     let manual = cx.mode == super::loops::Mode::Manual;
     let uncovered = super::loops::coverage(&body, manual);
     rewriter.errors.extend(uncovered);

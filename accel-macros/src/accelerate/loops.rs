@@ -14,7 +14,6 @@ use syn::visit_mut::VisitMut;
 use syn::{Block, Expr, ExprMethodCall, Pat, Stmt, parse_quote};
 
 use super::body::{self, called_in_place, span_of};
-use super::expand::Rewriter;
 
 /// An expression whose every token is at `span` (the user's loop or `break`): a call the
 /// accelerator locates with `#[track_caller]` must be wholly the user's line, or rustc
@@ -330,12 +329,41 @@ impl VisitMut for RenameNext<'_> {
     }
 }
 
-/// The search for training loops, over every expression position of the body.
-struct Loops<'r, 'c> {
-    rw: &'r mut Rewriter<'c>,
+/// What preparing the training loops of a body found.
+#[derive(Default)]
+pub(super) struct Prepared {
+    /// Data loops prepared.
+    pub(super) loops: usize,
+    /// Of those, loops that count and draw their own batches.
+    pub(super) drawn: usize,
+    /// Loops refused, at their spans.
+    pub(super) errors: Vec<syn::Error>,
 }
 
-impl VisitMut for Loops<'_, '_> {
+/// Prepares the training loops of `block` (see the module's documentation) for the
+/// accelerator named `name`.
+pub(super) fn prepare(block: &mut Block, mode: Mode, name: &syn::Ident) -> Prepared {
+    let mut loops = Loops { mode, name, found: Prepared::default() };
+    loops.visit_block_mut(block);
+    loops.found
+}
+
+/// Whether `stmt` calls `.backward()` anywhere.
+pub(super) fn runs_backward(stmt: &Stmt) -> bool {
+    let mut f = BackwardFinder(false);
+    f.visit_stmt(stmt);
+    f.0
+}
+
+/// The search for training loops, over every expression position of the body.
+struct Loops<'a> {
+    mode: Mode,
+    /// The accelerator's variable.
+    name: &'a syn::Ident,
+    found: Prepared,
+}
+
+impl VisitMut for Loops<'_> {
     fn visit_block_mut(&mut self, block: &mut Block) {
         for i in 0..block.stmts.len() {
             let (before, rest) = block.stmts.split_at_mut(i);
@@ -384,7 +412,7 @@ fn peel_parens_mut(expr: &mut Expr) -> &mut Expr {
     }
 }
 
-impl Loops<'_, '_> {
+impl Loops<'_> {
     /// A loop that runs backward: searched further when a loop inside it is the one to
     /// prepare, else prepared (or refused). Returns a replacement when it had to be wrapped.
     ///
@@ -392,7 +420,7 @@ impl Loops<'_, '_> {
     /// training loop, which counts (its body draws its own batches). A counting loop inside
     /// a data loop (`for _ in 0..n_critic`) only repeats the step on the batch dealt around it.
     fn training_loop(&mut self, expr: &mut Expr, before: &mut [Stmt]) -> Option<Expr> {
-        let mode = self.rw.cx.mode;
+        let mode = self.mode;
         let manual = mode == Mode::Manual;
         let data = data_of(expr, mode);
         let body = loop_body_mut(expr).expect("a training loop");
@@ -403,12 +431,12 @@ impl Loops<'_, '_> {
         }
         // Its body runs under autocast in every case: a refused loop is reported once, at
         // the loop, not again at each of its backward calls.
-        self.rw.add_autocast(body);
+        self.add_autocast(body);
         if manual {
-            self.rw.loops += 1;
+            self.found.loops += 1;
             return None;
         }
-        let name = self.rw.cx.name.clone();
+        let name = self.name.clone();
         match data {
             Data::Iterable | Data::Indexed => {
                 let Expr::ForLoop(l) = expr else { unreachable!("only `for` loops iterate") };
@@ -430,19 +458,19 @@ impl Loops<'_, '_> {
                     }
                     data => *data = prepare(data),
                 }
-                self.rw.loops += 1;
-                self.rw.note_exits(loop_body_mut(expr).expect("a loop"));
+                self.found.loops += 1;
+                self.note_exits(loop_body_mut(expr).expect("a loop"));
                 None
             }
             Data::Next(it) => {
-                self.rw.loops += 1;
-                self.rw.note_exits(loop_body_mut(expr).expect("a loop"));
-                self.rw.prepare_iterator(it, before, expr)
+                self.found.loops += 1;
+                self.note_exits(loop_body_mut(expr).expect("a loop"));
+                self.prepare_iterator(it, before, expr)
             }
             Data::Counting => {
-                self.rw.loops += 1;
-                self.rw.drawn += 1;
-                self.rw.note_exits(loop_body_mut(expr).expect("a loop"));
+                self.found.loops += 1;
+                self.found.drawn += 1;
+                self.note_exits(loop_body_mut(expr).expect("a loop"));
                 if let Expr::ForLoop(l) = expr {
                     let (at, range) = (span_of(&l.for_token), &l.expr);
                     let name = respan(&name, at);
@@ -462,11 +490,11 @@ impl Loops<'_, '_> {
                 }))
             }
             Data::Refused(errors) => {
-                self.rw.errors.extend(errors);
+                self.found.errors.extend(errors);
                 None
             }
             Data::Unseen { span } => {
-                self.rw.errors.push(syn::Error::new(
+                self.found.errors.push(syn::Error::new(
                     span,
                     "#[accelerate] prepares the data of the loop that calls `.backward()`, but \
                      cannot see where this loop takes its batches from; write `for batch in \
@@ -482,12 +510,7 @@ impl Loops<'_, '_> {
     }
 }
 
-impl Rewriter<'_> {
-    /// Prepares the training loops of `block` (see the module's documentation).
-    pub(super) fn rewrite_loops(&mut self, block: &mut Block) {
-        Loops { rw: self }.visit_block_mut(block);
-    }
-
+impl Loops<'_> {
     /// Prepares the iterator `it` of a `while`/`loop` that calls `it.next()`: where it is
     /// made, when that is a `let` just before and nothing between uses it; else by borrowing
     /// it for the loop (an iterator configured first, `it.shuffle()`, keeps its own type).
@@ -498,7 +521,7 @@ impl Rewriter<'_> {
         the_loop: &mut Expr,
     ) -> Option<Expr> {
         let at = span_of(&*the_loop);
-        let name = respan(&self.cx.name, at);
+        let name = respan(self.name, at);
         let made = before.iter().rposition(|s| match s {
             Stmt::Local(local) => {
                 body::simple_binding(&local.pat).is_some_and(|i| *i == it) && local.init.is_some()
@@ -598,31 +621,15 @@ impl Rewriter<'_> {
             fn visit_item_mut(&mut self, _: &mut syn::Item) {}
             fn visit_macro_mut(&mut self, _: &mut syn::Macro) {}
         }
-        Exits { name: &self.cx.name, inner: Vec::new() }.visit_block_mut(body);
+        Exits { name: self.name, inner: Vec::new() }.visit_block_mut(body);
     }
 
     /// The whole loop body runs under autocast: the forward passes of the step, however they
     /// are nested. `backward` and the optimizer step switch it off while they run.
     fn add_autocast(&self, body: &mut Block) {
-        let name = &self.cx.name;
+        let name = self.name;
         let guard = syn::Ident::new(AUTOCAST, Span::call_site());
         body.stmts.insert(0, parse_quote!(let #guard = #name.autocast_step()?;));
-    }
-
-    /// Before the first statement that runs backward (looking into plain blocks), the model
-    /// named by `model = ..` is prepared, so that driven optimizers step a prepared model.
-    pub(super) fn prepare_model_before_training(&self, block: &mut Block) {
-        let (Some(model), name) = (&self.cx.model, &self.cx.name) else { return };
-        let has_backward = |s: &Stmt| {
-            let mut f = BackwardFinder(false);
-            f.visit_stmt(s);
-            f.0
-        };
-        let Some(i) = block.stmts.iter().position(has_backward) else { return };
-        if let Stmt::Expr(Expr::Block(inner), _) = &mut block.stmts[i] {
-            return self.prepare_model_before_training(&mut inner.block);
-        }
-        block.stmts.insert(i, parse_quote!(#name.prepare_model_once(&#model)?;));
     }
 }
 

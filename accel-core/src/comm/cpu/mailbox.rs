@@ -21,8 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::diagnosis::{Fault, FaultResult};
-use super::tcp::{check_header, mismatch};
-use super::wire::{HEADER, Tag, decode, encode};
+use super::wire::{HEADER, Tag, check_header, decode, encode, mismatch};
 
 /// One signal: the sender's wire header (with its buffer's address as the payload word),
 /// then the round it belongs to, written last.

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::diagnosis::{Fault, FaultResult, io_fault};
 use super::mailbox::Mailbox;
-use super::wire::{HEADER, Tag, decode, encode};
+use super::wire::{HEADER, Tag, check_header, encode};
 use crate::comm::auth::{Token, authenticate_acceptor, authenticate_dialler};
 use crate::error::{Error, Result};
 
@@ -64,40 +64,6 @@ pub(crate) struct Links {
     /// The direct path's signals (mailbox.rs), where it has them.
     pub mailbox: Option<Mailbox>,
     pub timeout: Duration,
-}
-
-/// What a rank in another collective than this one is told.
-pub(crate) fn mismatch(peer: usize, theirs: Tag, tag: Tag) -> String {
-    format!(
-        "rank {peer} is in collective #{} {} of {} × {}, this rank in #{} {} of {} × {}; every \
-         rank must call the same collectives in the same order with the same shapes",
-        theirs.seq,
-        theirs.op,
-        theirs.numel,
-        theirs.kind.name(),
-        tag.seq,
-        tag.op,
-        tag.numel,
-        tag.kind.name()
-    )
-}
-
-/// The payload word of `peer`'s header `h` if it belongs to `tag`; else what is wrong
-/// (`verb`: how it came, "sent" or "signalled").
-pub(crate) fn check_header(
-    peer: usize,
-    h: &[u8; HEADER],
-    tag: Tag,
-    verb: &str,
-) -> FaultResult<u64> {
-    let (theirs, payload) = decode(h).map_err(|detail| Fault::Mismatch {
-        peer,
-        detail: format!("rank {peer} {verb} {detail}"),
-    })?;
-    if theirs != tag {
-        return Err(Fault::Mismatch { peer, detail: mismatch(peer, theirs, tag) });
-    }
-    Ok(payload)
 }
 
 fn tune(stream: &TcpStream, timeout: Duration) -> std::io::Result<()> {

@@ -5,6 +5,7 @@
 
 use tch::Kind;
 
+use super::diagnosis::{Fault, FaultResult};
 use crate::comm::{Op, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -165,6 +166,40 @@ pub(crate) fn decode(h: &[u8; HEADER]) -> std::result::Result<(Tag, u64), String
     let kind = WireKind::from_code(h[13])
         .ok_or_else(|| format!("a header with unknown dtype {}", h[13]))?;
     Ok((Tag { seq: word(4..12), op, kind, numel: word(16..24) }, word(24..32)))
+}
+
+/// What a rank in another collective than this one is told.
+pub(crate) fn mismatch(peer: usize, theirs: Tag, tag: Tag) -> String {
+    format!(
+        "rank {peer} is in collective #{} {} of {} × {}, this rank in #{} {} of {} × {}; every \
+         rank must call the same collectives in the same order with the same shapes",
+        theirs.seq,
+        theirs.op,
+        theirs.numel,
+        theirs.kind.name(),
+        tag.seq,
+        tag.op,
+        tag.numel,
+        tag.kind.name()
+    )
+}
+
+/// The payload word of `peer`'s header `h` if it belongs to `tag`; else what is wrong
+/// (`verb`: how it came, "sent" or "signalled").
+pub(crate) fn check_header(
+    peer: usize,
+    h: &[u8; HEADER],
+    tag: Tag,
+    verb: &str,
+) -> FaultResult<u64> {
+    let (theirs, payload) = decode(h).map_err(|detail| Fault::Mismatch {
+        peer,
+        detail: format!("rank {peer} {verb} {detail}"),
+    })?;
+    if theirs != tag {
+        return Err(Fault::Mismatch { peer, detail: mismatch(peer, theirs, tag) });
+    }
+    Ok(payload)
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use crate::comm::ledger::site_of;
 use crate::comm::progress::{progress_key, progress_value};
 use crate::comm::store::StoreClient;
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 
 type Job = Box<dyn FnOnce(&Links) -> FaultResult<()> + Send>;
 
@@ -57,8 +58,7 @@ impl Worker {
                 .spawn(move || {
                     let mut posted = 0;
                     while let Some(progress) = progress.upgrade() {
-                        let (seq, epoch, described) =
-                            progress.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                        let (seq, epoch, described) = progress.locked().clone();
                         drop(progress);
                         if seq != posted {
                             if let Ok(mut store) = store.lock() {
@@ -87,8 +87,7 @@ impl Worker {
                 for Queued { tag, site, what, job, done } in queue {
                     if let Some((site, epoch)) = site {
                         let described = format!("{} of {what} at {}", tag.op, site_of(site));
-                        *progress.lock().unwrap_or_else(|e| e.into_inner()) =
-                            (tag.seq, epoch, described);
+                        *progress.locked() = (tag.seq, epoch, described);
                     }
                     // In a profile, each transfer is a range on this thread.
                     crate::shim::profiler_follow_main();

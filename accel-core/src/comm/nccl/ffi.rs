@@ -11,6 +11,7 @@ use tch::Kind;
 
 use crate::collective::ReduceOp;
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 
 /// `ncclComm_t`.
 pub(crate) type RawComm = *mut c_void;
@@ -266,8 +267,7 @@ impl Nccl {
     /// same table).
     pub fn load(path: &Path) -> Result<&'static Nccl> {
         static LOADED: OnceLock<Mutex<HashMap<PathBuf, &'static Nccl>>> = OnceLock::new();
-        let mut loaded =
-            LOADED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        let mut loaded = LOADED.get_or_init(Default::default).locked();
         if let Some(nccl) = loaded.get(path) {
             return Ok(nccl);
         }

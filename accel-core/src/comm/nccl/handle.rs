@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use super::ffi::{Config, IN_PROGRESS, Nccl, RawComm, SUCCESS, UniqueId};
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 
 /// Who is using the communicator, and whether it is still there.
 #[derive(Debug, Default)]
@@ -209,7 +210,7 @@ impl Handle {
     }
 
     fn life(&self) -> MutexGuard<'_, Life> {
-        self.life.lock().unwrap_or_else(|e| e.into_inner())
+        self.life.locked()
     }
 
     /// A use of the communicator, refused once an abort was asked for.
@@ -224,33 +225,32 @@ impl Handle {
 
     /// Held around each NCCL call on the communicator: no two overlap (see the module).
     pub fn api(&self) -> MutexGuard<'_, ()> {
-        self.api.lock().unwrap_or_else(|e| e.into_inner())
+        self.api.locked()
     }
 
     /// Runs `call` (one NCCL launch) on the communicator under [`Handle::api`], marked as
     /// under way for the watchdog ([`Handle::stuck_launch`]).
     pub fn launch<T>(&self, during: &str, call: impl FnOnce(RawComm) -> T) -> Result<T> {
         let _use = self.enter()?;
-        *self.launching.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some((Instant::now(), during.to_owned()));
+        *self.launching.locked() = Some((Instant::now(), during.to_owned()));
         let out = {
             let _api = self.api();
             call(self.comm)
         };
-        *self.launching.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.launching.locked() = None;
         Ok(out)
     }
 
     /// The launch under way for longer than the timeout, if any: how long, and what.
     pub fn stuck_launch(&self) -> Option<(Duration, String)> {
-        let launching = self.launching.lock().unwrap_or_else(|e| e.into_inner());
+        let launching = self.launching.locked();
         let (since, what) = launching.as_ref()?;
         (since.elapsed() > self.timeout).then(|| (since.elapsed(), what.clone()))
     }
 
     /// Serialises calls on the communicator, and keeps it alive while they run.
     pub fn lock(&self) -> Result<Calls<'_>> {
-        let calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+        let calls = self.calls.locked();
         Ok(Calls { _use: self.enter()?, _calls: calls })
     }
 

@@ -43,7 +43,7 @@ use super::ledger::{Ledger, Scope};
 use super::progress::{progress_key, progress_value};
 use super::{Backend, Communicator, Op, ProcessGroup, ReduceOp, Work, WorkHandle, check_rank};
 use crate::error::{Error, Result};
-use crate::shim::cuda::{Event, Stream, record_stream};
+use crate::shim::cuda_runtime::{Event, Stream, record_stream};
 
 /// The default timeout of an NCCL operation (torch's: 10 minutes).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10 * 60);

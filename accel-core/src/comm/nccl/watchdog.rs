@@ -17,6 +17,7 @@ use super::ffi::{IN_PROGRESS, SUCCESS};
 use super::handle::Handle;
 use crate::comm::Op;
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 
 /// Something that says whether an operation has completed (a CUDA event in practice).
 pub(crate) trait Completion: Send + Sync {
@@ -24,7 +25,7 @@ pub(crate) trait Completion: Send + Sync {
     fn is_done(&self) -> Result<bool>;
 }
 
-impl Completion for crate::shim::cuda::Event {
+impl Completion for crate::shim::cuda_runtime::Event {
     fn is_done(&self) -> Result<bool> {
         self.query()
     }
@@ -110,17 +111,17 @@ impl Watchdog {
     /// Watches `op` until it completes.
     pub fn track(&self, op: Tracked) {
         if op.collective {
-            let mut enqueued = self.shared.enqueued.lock().unwrap_or_else(|e| e.into_inner());
+            let mut enqueued = self.shared.enqueued.locked();
             if op.seq > enqueued.0 {
                 *enqueued = (op.seq, op.epoch);
             }
         }
-        self.shared.pending.lock().unwrap_or_else(|e| e.into_inner()).push_back(op);
+        self.shared.pending.locked().push_back(op);
     }
 
     /// The failure the watchdog found, if any, as an error (every call after it fails).
     pub fn failure(&self) -> Result<()> {
-        match &*self.shared.failure.lock().unwrap_or_else(|e| e.into_inner()) {
+        match &*self.shared.failure.locked() {
             Some(message) => Err(Error::Training(message.clone())),
             None => Ok(()),
         }
@@ -134,7 +135,7 @@ impl Watchdog {
             if self.failure().is_err() || self.shared.handle.is_aborted() {
                 return false;
             }
-            if self.shared.pending.lock().unwrap_or_else(|e| e.into_inner()).is_empty() {
+            if self.shared.pending.locked().is_empty() {
                 return true;
             }
             if Instant::now() >= deadline || self.thread.as_ref().is_none_or(|t| t.is_finished()) {
@@ -147,7 +148,7 @@ impl Watchdog {
     /// Operations not yet seen complete (tests).
     #[cfg(test)]
     pub fn in_flight(&self) -> usize {
-        self.shared.pending.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.shared.pending.locked().len()
     }
 }
 
@@ -177,12 +178,12 @@ fn watch(shared: &Shared, options: &WatchdogOptions) {
             if shared.handle.is_aborted() {
                 return;
             }
-            *shared.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(message.clone());
+            *shared.failure.locked() = Some(message.clone());
             (options.on_failure)(&message);
             shared.handle.abort_at_once();
             return;
         }
-        let (seq, epoch) = *shared.enqueued.lock().unwrap_or_else(|e| e.into_inner());
+        let (seq, epoch) = *shared.enqueued.locked();
         if seq != posted {
             (options.post_progress)(seq, epoch);
             posted = seq;
@@ -207,11 +208,10 @@ fn inspect(shared: &Shared, options: &WatchdogOptions, rank: usize) -> Option<St
         Ok(SUCCESS | IN_PROGRESS) => {}
         Ok(code) => {
             let e = shared.handle.error("ncclCommGetAsyncError", code, None);
-            let oldest =
-                shared.pending.lock().unwrap_or_else(|e| e.into_inner()).front().map(|t| {
-                    let kind = if t.collective { "collective" } else { "point-to-point transfer" };
-                    format!("; operation in flight: {kind} #{} {} of {}", t.seq, t.op, t.what)
-                });
+            let oldest = shared.pending.locked().front().map(|t| {
+                let kind = if t.collective { "collective" } else { "point-to-point transfer" };
+                format!("; operation in flight: {kind} #{} {} of {}", t.seq, t.op, t.what)
+            });
             return Some(format!(
                 "NCCL reported an asynchronous error: {e}{}; the communicator was aborted",
                 oldest.unwrap_or_default()
@@ -219,7 +219,7 @@ fn inspect(shared: &Shared, options: &WatchdogOptions, rank: usize) -> Option<St
         }
         Err(e) => return Some(e.to_string()),
     }
-    let mut pending = shared.pending.lock().unwrap_or_else(|e| e.into_inner());
+    let mut pending = shared.pending.locked();
     while let Some(oldest) = pending.front() {
         match oldest.done.is_done() {
             Ok(true) => {

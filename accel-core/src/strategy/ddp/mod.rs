@@ -11,6 +11,7 @@ use crate::comm::{Communicator, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::optim::Param;
 use crate::shim::{PostAccumulateGradHook, add_post_accumulate_grad_hook};
+use crate::sync::Locked;
 
 /// DDP settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -91,7 +92,7 @@ pub(crate) struct Ddp {
 }
 
 fn lock(p: &Mutex<Pending>) -> MutexGuard<'_, Pending> {
-    p.lock().unwrap_or_else(|e| e.into_inner())
+    p.locked()
 }
 
 fn launch(bucket: &mut Bucket, group: &dyn Communicator) -> Result<()> {
@@ -319,13 +320,13 @@ impl Strategy for DdpStrategy {
         let state = cx.state.clone();
         let ddp =
             Ddp::new(params, self.group.clone(), state, options.ddp, options.sync_module_states)?;
-        self.models.lock().unwrap_or_else(|e| e.into_inner()).push(ddp);
+        self.models.locked().push(ddp);
         Ok(())
     }
 
     fn after_backward(&self, _: &Context<'_>, sync: bool) -> Result<()> {
         if sync {
-            for ddp in self.models.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            for ddp in self.models.locked().iter() {
                 ddp.finish()?;
             }
         }

@@ -11,21 +11,12 @@ use tch::{Device, Kind, Tensor};
 
 use super::flat::{Engine, Frozen, Shard, UnitState};
 use super::layout::{chunk_of, size_based_units, unit_of};
-use super::unit::{PendingUnits, in_model};
 use super::{ShardOptions, Stage};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::optim::Param;
 use crate::shim::{self, PostAccumulateGradHook, add_grad_hook, add_post_accumulate_grad_hook};
-
-/// Elements of the variables under `prefix` (`sizes`: each variable's name and size).
-fn unit_size(sizes: &[(&str, i64)], prefix: &str) -> i64 {
-    sizes
-        .iter()
-        .filter(|(name, _)| name.starts_with(prefix) && name[prefix.len()..].starts_with('.'))
-        .map(|(_, n)| n)
-        .sum()
-}
+use crate::sync::Locked;
 
 /// Under zero3: what of the model stays whole on every process because no unit is released
 /// at rest, when that is more than the largest unit (or there is no unit at all).
@@ -112,7 +103,7 @@ impl std::fmt::Debug for ShardedModel {
 }
 
 fn lock(engine: &Mutex<Engine>) -> MutexGuard<'_, Engine> {
-    engine.lock().unwrap_or_else(|e| e.into_inner())
+    engine.locked()
 }
 
 /// Hooks every trainable shard's parameter so that a unit's gradients are reduce-scattered
@@ -258,12 +249,12 @@ impl ShardedModel {
     ///
     /// `data` spans every data-parallel process (rank 0's values are broadcast over it);
     /// parameters are split across `group`, and under hybrid sharding `replicas` holds the
-    /// same shards on the other machines. The [`super::Unit`]s pending in `units` under the
-    /// model's names are bound to it.
+    /// same shards on the other machines. `wrapped`: the prefixes of the [`super::Unit`]s
+    /// that wrap parts of it ([`super::shard_model`] binds them).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
+    pub(crate) fn place(
         params: &[Param],
-        units: &PendingUnits,
+        wrapped: &BTreeSet<String>,
         data: &dyn Communicator,
         group: Arc<dyn Communicator>,
         replicas: Option<Arc<dyn Communicator>>,
@@ -273,19 +264,8 @@ impl ShardedModel {
         device: Device,
         placed: &AtomicU64,
     ) -> Result<Arc<Self>> {
-        let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
         let sizes: Vec<(&str, i64)> =
             params.iter().map(|p| (p.name.as_str(), p.tensor.numel() as i64)).collect();
-        let handles = units.take(in_model(&names))?;
-        // Units the attribute wrapped by itself yield to the size-based policy.
-        let handles: Vec<_> = handles
-            .into_iter()
-            .filter(|h| match (h.automatic, options.min_unit_params) {
-                (true, Some(min)) => unit_size(&sizes, &h.prefix) >= min,
-                _ => true,
-            })
-            .collect();
-        let wrapped: BTreeSet<String> = handles.iter().map(|h| h.prefix.clone()).collect();
         let sized = options.min_unit_params.map(|min| size_based_units(&sizes, min));
         let placing = Placing {
             device,
@@ -300,7 +280,7 @@ impl ShardedModel {
         let (mut shards, mut units) = (Vec::new(), Vec::<UnitState>::new());
         for p in params {
             let trainable = p.tensor.requires_grad();
-            let prefix = unit_of(&p.name, options.units.as_deref(), &wrapped, sized.as_deref());
+            let prefix = unit_of(&p.name, options.units.as_deref(), wrapped, sized.as_deref());
             let managed = stage == Stage::Parameters && wrapped.contains(&prefix);
             // A parameter released at rest never reaches the device whole; any other is
             // kept there whole.
@@ -372,11 +352,6 @@ impl ShardedModel {
             whole_notice: whole_notice.flatten(),
             _hooks: Mutex::new(hooks),
         });
-        for handle in &handles {
-            if let Some(unit) = model.unit(&handle.prefix) {
-                handle.bind(&model, unit);
-            }
-        }
         Ok(model)
     }
 

@@ -130,3 +130,12 @@ pub(crate) fn unit_of(
     }
     String::new()
 }
+
+/// Elements of the variables under `prefix` (`sizes`: each variable's name and size).
+pub(super) fn unit_size(sizes: &[(&str, i64)], prefix: &str) -> i64 {
+    sizes
+        .iter()
+        .filter(|(name, _)| name.starts_with(prefix) && name[prefix.len()..].starts_with('.'))
+        .map(|(_, n)| n)
+        .sum()
+}

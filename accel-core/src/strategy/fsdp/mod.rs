@@ -17,6 +17,7 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, Dim};
 use crate::optim::{Optimizer, Param};
+use crate::sync::Locked;
 pub(crate) use engine::ShardedModel;
 pub(crate) use layout::chunk_of;
 pub(crate) use unit::in_model;
@@ -87,7 +88,7 @@ impl Sharded {
     }
 
     fn models(&self) -> MutexGuard<'_, Vec<Arc<ShardedModel>>> {
-        self.models.lock().unwrap_or_else(|e| e.into_inner())
+        self.models.locked()
     }
 
     /// The model holding `param` and its master shard.
@@ -121,7 +122,7 @@ impl Strategy for Sharded {
     }
 
     fn prepare_model(&self, cx: &Context<'_>, params: &[Param], o: &ModelOptions) -> Result<()> {
-        let model = ShardedModel::new(
+        let model = shard_model(
             params,
             cx.units,
             self.data.as_ref(),
@@ -305,6 +306,43 @@ impl OptimizerPlan for ShardedPlan {
             _ => Placement::Replicated,
         }
     }
+}
+
+/// `params` sharded ([`ShardedModel::place`]) and the [`Unit`]s pending in `units` under
+/// their names bound to it (units the attribute wrapped by itself yield to the size-based
+/// policy, `ShardOptions::min_unit_params`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn shard_model(
+    params: &[Param],
+    units: &PendingUnits,
+    data: &dyn Communicator,
+    group: Arc<dyn Communicator>,
+    replicas: Option<Arc<dyn Communicator>>,
+    stage: Stage,
+    options: ShardOptions,
+    broadcast: bool,
+    device: tch::Device,
+    placed: &std::sync::atomic::AtomicU64,
+) -> Result<Arc<ShardedModel>> {
+    let names: Vec<&str> = params.iter().map(|p| p.name.as_str()).collect();
+    let sizes: Vec<(&str, i64)> =
+        params.iter().map(|p| (p.name.as_str(), p.tensor.numel() as i64)).collect();
+    let handles: Vec<_> = (units.take(unit::in_model(&names))?.into_iter())
+        .filter(|h| match (h.automatic, options.min_unit_params) {
+            (true, Some(min)) => layout::unit_size(&sizes, &h.prefix) >= min,
+            _ => true,
+        })
+        .collect();
+    let wrapped = handles.iter().map(|h| h.prefix.clone()).collect();
+    let model = ShardedModel::place(
+        params, &wrapped, data, group, replicas, stage, options, broadcast, device, placed,
+    )?;
+    for handle in &handles {
+        if let Some(unit) = model.unit(&handle.prefix) {
+            handle.bind(&model, unit);
+        }
+    }
+    Ok(model)
 }
 
 #[cfg(test)]

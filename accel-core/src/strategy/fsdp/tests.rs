@@ -97,7 +97,7 @@ fn sharded(
 ) -> Arc<ShardedModel> {
     let group: Arc<dyn Communicator> = Arc::new(group.clone());
     let stage = Stage::Parameters;
-    ShardedModel::new(
+    shard_model(
         params,
         pending,
         group.as_ref(),
@@ -251,7 +251,7 @@ fn units_bind_to_the_model_of_the_accelerator_they_were_made_for() {
         let stage = Stage::Parameters;
         let options = ShardOptions::default();
         let params = model(rank);
-        ShardedModel::new(
+        shard_model(
             &params,
             &both,
             group.as_ref(),
@@ -324,7 +324,7 @@ fn zero3_places_a_units_chunks_on_the_device_never_the_unit_whole() {
             let counter = std::sync::atomic::AtomicU64::new(0);
             let group: Arc<dyn Communicator> = Arc::new(group.clone());
             let options = ShardOptions::default();
-            let model = ShardedModel::new(
+            let model = shard_model(
                 &params,
                 &pending,
                 group.as_ref(),
@@ -578,11 +578,11 @@ fn zero3_prepare_never_holds_the_model_whole_on_the_gpu_cuda() {
         let _units: Vec<Unit<()>> =
             (0..4).map(|i| Unit::new(&pending, &(vs.root() / "blocks" / i), ())).collect();
         if device != Device::Cpu {
-            crate::shim::cuda::reset_peak_memory(0).unwrap();
+            crate::shim::cuda_runtime::reset_peak_memory(0).unwrap();
         }
         let group: Arc<dyn Communicator> = Arc::new(group.clone());
         let placed = std::sync::atomic::AtomicU64::new(0);
-        let model = ShardedModel::new(
+        let model = shard_model(
             &params,
             &pending,
             group.as_ref(),
@@ -600,7 +600,7 @@ fn zero3_prepare_never_holds_the_model_whole_on_the_gpu_cuda() {
             assert_eq!(shim::storage_nbytes(&p.tensor).unwrap(), 0, "placed released");
         }
         let gpu_peak = match device {
-            Device::Cuda(_) => Some(crate::shim::cuda::max_memory_allocated(0).unwrap()),
+            Device::Cuda(_) => Some(crate::shim::cuda_runtime::max_memory_allocated(0).unwrap()),
             _ => None,
         };
         drop(model);

@@ -16,6 +16,7 @@ use tch::nn::Module;
 
 use super::engine::ShardedModel;
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 
 /// A unit's link to the sharded model that holds its parameters, set when the model is
 /// prepared.
@@ -68,7 +69,7 @@ impl AsRef<PendingUnits> for PendingUnits {
 impl PendingUnits {
     /// The live pending handles (units dropped meanwhile leave the list).
     fn live(&self) -> std::sync::MutexGuard<'_, Vec<Weak<UnitHandle>>> {
-        let mut units = self.units.lock().unwrap_or_else(|e| e.into_inner());
+        let mut units = self.units.locked();
         units.retain(|h| h.strong_count() > 0);
         units
     }

@@ -21,6 +21,7 @@ use tch::Tensor;
 
 use crate::comm::{Communicator, LocalComm};
 use crate::error::Result;
+use crate::sync::Locked;
 pub use layers::{
     ColumnParallelLinear, LinearOptions, RowParallelLinear, VocabParallelEmbedding,
     parallel_layer_norm,
@@ -122,7 +123,7 @@ impl TensorParallel {
     }
 
     fn registry(&self) -> MutexGuard<'_, Registry> {
-        self.registry.lock().unwrap_or_else(|e| e.into_inner())
+        self.registry.locked()
     }
 
     /// Records that `param` is this rank's slice along `dim` of a whole of shape `whole`.
