@@ -4,6 +4,9 @@
 //! Accelerate's side; examples/tests/parity.rs compares them.
 //!
 //! Logits:     llama --model DIR --eval TOKENS.safetensors --logits-out OUT.safetensors
+//!                 [--attention sdpa|eager]
+//! Generate:   llama generate --model DIR --prompt-ids 1,2,3 --max-new-tokens N [...]
+//!                 (llama_cli/generate.rs)
 //! Fine-tune:  accel launch --num-processes 2 target/debug/examples/llama --model DIR \
 //!                 --data TOKENS.safetensors --steps 10 --batch-size 2 --lr 1e-3 \
 //!                 --weight-decay 0.01 --out DIR2 --losses losses.jsonl --strategy zero3 \
@@ -25,7 +28,7 @@ use std::path::PathBuf;
 use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW};
 use accel_core::{Accelerator, Precision, Strategy};
-use accel_models::llama::Llama;
+use accel_models::llama::{Attention, Llama};
 use accel_models::lora::{self, LoraConfig, LoraInit};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
@@ -43,6 +46,9 @@ struct Args {
     /// Where the forward pass's `logits` (f32 [B, T, vocab]) go.
     #[arg(long)]
     logits_out: Option<PathBuf>,
+    /// The `attention_mask` (int64 [B, T], 0 where padded) of `--eval`'s rows.
+    #[arg(long, requires = "eval")]
+    eval_mask: Option<PathBuf>,
     /// Token ids (`input_ids`, int64 [N, T]) to fine-tune on.
     #[arg(long, requires = "out")]
     data: Option<PathBuf>,
@@ -76,6 +82,9 @@ struct Args {
     /// Recompute each decoder layer in backward instead of keeping its activations.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// How attention is computed: `sdpa` (fused, transformers' default) or `eager`.
+    #[arg(long, default_value = "sdpa")]
+    attention: Attention,
     /// LoRA: train fresh adapters of this rank on the base frozen (PEFT's initialisation);
     /// `--out` then gets PEFT's adapter folder.
     #[arg(long, conflicts_with = "lora_adapter")]
@@ -104,14 +113,19 @@ struct Args {
     resume: Option<PathBuf>,
 }
 
-fn input_ids(path: &PathBuf) -> Result<Tensor> {
+/// The tensor `name` of safetensors file `path`.
+fn named_tensor(path: &PathBuf, name: &str) -> Result<Tensor> {
     let tensors =
         Tensor::read_safetensors(path).with_context(|| format!("reading {}", path.display()))?;
-    let ids = tensors
+    tensors
         .into_iter()
-        .find(|(n, _)| n == "input_ids")
+        .find(|(n, _)| n == name)
         .map(|(_, t)| t)
-        .with_context(|| format!("{} has no `input_ids`", path.display()))?;
+        .with_context(|| format!("{} has no `{name}`", path.display()))
+}
+
+fn input_ids(path: &PathBuf) -> Result<Tensor> {
+    let ids = named_tensor(path, "input_ids")?;
     if ids.kind() != tch::Kind::Int64 || ids.dim() != 2 {
         bail!(
             "{}: input_ids must be int64 [rows, tokens], is {:?} {:?}",
@@ -133,7 +147,16 @@ fn rss() -> (f64, f64) {
     (now, accel_examples::proc_status_bytes("VmHWM:").unwrap_or(0.0))
 }
 
+#[path = "llama_cli/generate.rs"]
+mod generate;
+
 fn main() -> Result<()> {
+    // `llama generate ...`: its own flags.
+    let mut words = std::env::args();
+    if std::env::args().nth(1).as_deref() == Some("generate") {
+        let program = words.next().unwrap_or_default();
+        return generate::run(std::iter::once(program).chain(words.skip(1)));
+    }
     let args = Args::parse();
     let mut builder =
         Accelerator::builder().activation_checkpointing(args.activation_checkpointing);
@@ -160,13 +183,15 @@ fn main() -> Result<()> {
         return with_lora(&args, &acc, &mut vs, &lora_config, lora_init, baseline);
     }
 
-    if let (Some(eval), Some(out)) = (&args.eval, &args.logits_out) {
-        let model = Llama::load_pretrained(&acc, &vs, &args.model)?;
-        return evaluate(&acc, &model, eval, out);
+    if args.eval.is_some() && args.logits_out.is_some() {
+        let mut model = Llama::load_pretrained(&acc, &vs, &args.model)?;
+        model.attention = args.attention;
+        return evaluate(&acc, &model, &args);
     }
     let Some(data) = &args.data else { bail!("give --eval (with --logits-out) or --data") };
 
-    let model = Llama::from_pretrained(&acc, &vs, &args.model)?;
+    let mut model = Llama::from_pretrained(&acc, &vs, &args.model)?;
+    model.attention = args.attention;
     if !fine_tune_and_report(&args, &acc, &model, &vs, data, baseline)? {
         return Ok(());
     }
@@ -227,10 +252,16 @@ fn report(
 }
 
 /// Writes the logits of `--eval`'s ids to `out` (the main process).
-fn evaluate(acc: &Accelerator, model: &Llama, eval: &PathBuf, out: &PathBuf) -> Result<()> {
+fn evaluate(acc: &Accelerator, model: &Llama, args: &Args) -> Result<()> {
+    let (eval, out) =
+        (args.eval.as_ref().expect("--eval"), args.logits_out.as_ref().expect("--logits-out"));
     let ids = input_ids(eval)?;
     model.config.check_ids(&ids).with_context(|| format!("{}", eval.display()))?;
-    let logits = tch::no_grad(|| model.forward(&ids.to_device(acc.device())));
+    let mask = match &args.eval_mask {
+        Some(path) => Some(named_tensor(path, "attention_mask")?.to_device(acc.device())),
+        None => None,
+    };
+    let logits = tch::no_grad(|| model.forward_padded(&ids.to_device(acc.device()), mask.as_ref()));
     if acc.is_main_process() {
         Tensor::write_safetensors(&[("logits", &logits.to_kind(tch::Kind::Float))], out)?;
     }
@@ -340,13 +371,14 @@ fn with_lora(
         );
     }
     let training = args.data.is_some() && args.merge_out.is_none() && args.eval.is_none();
-    let model = if training && matches!(configured, Strategy::Zero3 | Strategy::Fsdp) {
+    let mut model = if training && matches!(configured, Strategy::Zero3 | Strategy::Fsdp) {
         Llama::from_pretrained_frozen(acc, vs, &args.model)?
     } else {
         let model = Llama::load_pretrained(acc, vs, &args.model)?;
         vs.freeze();
         model
     };
+    model.attention = args.attention;
     let adapters = tch::nn::VarStore::new(acc.device());
     model.attach_lora(&adapters, lora_config, init)?;
     if let Some(dir) = &args.lora_adapter {
@@ -357,8 +389,8 @@ fn with_lora(
         model.save_pretrained(acc, vs, out, args.max_shard_size)?;
         return Ok(());
     }
-    if let (Some(eval), Some(out)) = (&args.eval, &args.logits_out) {
-        return evaluate(acc, &model, eval, out);
+    if args.eval.is_some() && args.logits_out.is_some() {
+        return evaluate(acc, &model, args);
     }
     let Some(data) = &args.data else { bail!("give --eval, --merge-out or --data") };
     if lora_config.dropout != 0.0 {

@@ -104,6 +104,19 @@ fn decide(env: impl Fn(&str) -> Option<String>) -> Result<HeapSetup, String> {
     Ok(HeapSetup::Kept)
 }
 
+/// Hands the heap's free memory back to the kernel now (glibc's `malloc_trim`): what a
+/// program that frees a large block it will not need again soon calls, such as big-model
+/// inference after an offloaded module has run, where [`keep_step_memory`]'s kept heap would
+/// otherwise hold every module it has read. Nothing outside glibc.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free pages of malloc's heaps to the kernel; it is
+    // thread-safe (it takes each arena's lock).
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 #[cfg(all(target_os = "linux", target_env = "gnu", target_pointer_width = "64"))]
 fn set_thresholds() -> Result<(), String> {
     for (name, param, value) in [

@@ -1477,7 +1477,8 @@ fn hf_families(args: &[&str]) {
     );
 }
 
-/// Every family and RoPE type the model implements gives transformers' logits (eager, fp32)
+/// Every family and RoPE type the model implements gives transformers' logits (sdpa and
+/// eager, whole rows and padded ones, fp32, 1e-5)
 /// on random checkpoints that transformers itself wrote: Llama with default, linear,
 /// dynamic (past max_position_embeddings), llama3 and yarn RoPE; Qwen2 (biases), Qwen2 with
 /// sliding layers, tied Qwen2, Qwen3 (q/k norms, head_dim ≠ hidden/heads), Mistral with and
@@ -1490,6 +1491,13 @@ fn every_family_gives_transformers_logits_and_what_is_not_understood_is_refused(
     let t = tokens.to_str().unwrap();
     hf_families(&["tokens", "--out", t, "--vocab", "128", "--batch", "2", "--seq", "24"]);
     let llama = |model: &Path, ids: &Path, out: &Path| llama_eval(model, ids, out, &[]);
+    // Row 0 padded on the left (3 tokens), row 1 on the right (5).
+    let ids = read_tensor(&tokens, "input_ids");
+    let mask = dir.join("mask.safetensors");
+    let attention_mask = ids.ones_like();
+    let _ = attention_mask.get(0).narrow(0, 0, 3).fill_(0);
+    let _ = attention_mask.get(1).narrow(0, 19, 5).fill_(0);
+    tch::Tensor::write_safetensors(&[("attention_mask", &attention_mask)], &mask).unwrap();
     for variant in [
         "llama",
         "llama-linear",
@@ -1505,24 +1513,37 @@ fn every_family_gives_transformers_logits_and_what_is_not_understood_is_refused(
     ] {
         let model = dir.join(variant);
         hf_families(&["make", "--variant", variant, "--out", model.to_str().unwrap()]);
-        let (py, rs) = (
-            dir.join(format!("{variant}-py.safetensors")),
-            dir.join(format!("{variant}-rs.safetensors")),
-        );
-        hf_families(&[
-            "logits",
-            "--model",
-            model.to_str().unwrap(),
-            "--tokens",
-            t,
-            "--out",
-            py.to_str().unwrap(),
-        ]);
-        let output = llama(&model, &tokens, &rs);
-        assert!(output.status.success(), "{variant}: {}", String::from_utf8_lossy(&output.stderr));
-        let diff = max_abs_difference(&read_tensor(&py, "logits"), &read_tensor(&rs, "logits"));
-        assert!(diff <= 1e-4, "{variant}: logits differ from transformers' by {diff}");
-        eprintln!("{variant}: logits within {diff:e} of transformers'");
+        // Each attention, on whole rows and on padded ones (compared where not padded).
+        for (attention, padded) in
+            [("sdpa", false), ("eager", false), ("sdpa", true), ("eager", true)]
+        {
+            let what = format!("{variant}, {attention}{}", if padded { ", padded" } else { "" });
+            let tag = what.replace(", ", "-");
+            let (py, rs) = (
+                dir.join(format!("{tag}-py.safetensors")),
+                dir.join(format!("{tag}-rs.safetensors")),
+            );
+            let m = mask.to_str().unwrap();
+            let mut py_args = vec!["logits", "--model", model.to_str().unwrap(), "--tokens", t];
+            py_args.extend(["--out", py.to_str().unwrap(), "--attention", attention]);
+            let mut rs_args = vec!["--attention", attention];
+            if padded {
+                py_args.extend(["--mask", m]);
+                rs_args.extend(["--eval-mask", m]);
+            }
+            hf_families(&py_args);
+            let output = llama_eval(&model, &tokens, &rs, &rs_args);
+            assert!(output.status.success(), "{what}: {}", String::from_utf8_lossy(&output.stderr));
+            let real = if padded { read_tensor(&mask, "attention_mask") } else { ids.ones_like() };
+            let real = real.to_kind(tch::Kind::Bool).unsqueeze(-1);
+            let (a, b) = (read_tensor(&py, "logits"), read_tensor(&rs, "logits"));
+            let diff = max_abs_difference(
+                &a.masked_fill(&real.logical_not(), 0.0),
+                &b.masked_fill(&real.logical_not(), 0.0),
+            );
+            assert!(diff <= 1e-5, "{what}: logits differ from transformers' by {diff}");
+            eprintln!("{what}: logits within {diff:e} of transformers'");
+        }
     }
 
     // Each refusal: a copy of a checkpoint with one thing changed.
@@ -1614,6 +1635,228 @@ fn every_family_gives_transformers_logits_and_what_is_not_understood_is_refused(
         );
         assert!(!out.exists(), "{}: logits were written", model.display());
     }
+}
+
+/// One generation, run by transformers (`hf_families.py generate`) and by `llama generate`
+/// with the same `flags` (and each side's own spelling of the rest): each one's new tokens
+/// and processed scores ([steps, vocab]).
+struct Generation<'a> {
+    dir: &'a Path,
+    model: &'a Path,
+    flags: Vec<&'a str>,
+    theirs: Vec<&'a str>,
+    ours: Vec<&'a str>,
+}
+
+impl Generation<'_> {
+    fn run(&self, tag: &str) -> [(Vec<i64>, tch::Tensor); 2] {
+        let s = |p: &Path| p.to_str().unwrap().to_owned();
+        let one = |mut cmd: Command, side: &str, extra: &[&str]| {
+            let scores = self.dir.join(format!("{}-{side}.safetensors", tag.replace(' ', "-")));
+            cmd.args(["--model", &s(self.model), "--scores-out", &s(&scores)]);
+            let output = cmd.args(&self.flags).args(extra).output().unwrap();
+            let said = String::from_utf8_lossy(&output.stderr).into_owned();
+            assert!(output.status.success(), "{tag} ({side}): {said}");
+            let line = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+            let tokens = line.split(',').filter(|t| !t.is_empty()).map(|t| t.parse().unwrap());
+            (tokens.collect(), read_tensor(&scores, "scores"))
+        };
+        let mut theirs = Command::new(root().join(".venv/bin/python"));
+        theirs.arg(root().join("python/reference/hf_families.py")).arg("generate");
+        let mut ours = Command::new(example("llama"));
+        ours.arg("generate");
+        [one(theirs, "transformers", &self.theirs), one(ours, "accel", &self.ours)]
+    }
+
+    /// Runs both; asserts equal tokens, the same tokens kept at each step and the kept
+    /// scores within `tolerance`. Our tokens.
+    fn equal(&self, tag: &str, tolerance: f64) -> Vec<i64> {
+        let [(theirs, their_scores), (ours, our_scores)] = self.run(tag);
+        assert_eq!(ours, theirs, "{tag}: tokens differ from transformers'");
+        let kept = their_scores.isfinite();
+        let same_kept = kept.eq_tensor(&our_scores.isfinite()).all().int64_value(&[]) != 0;
+        assert!(same_kept, "{tag}: the tokens kept differ from transformers'");
+        let zeroed = |t: &tch::Tensor| t.masked_fill(&kept.logical_not(), 0.0);
+        let diff = max_abs_difference(&zeroed(&their_scores), &zeroed(&our_scores));
+        assert!(diff <= tolerance, "{tag}: scores differ from transformers' by {diff}");
+        eprintln!("{tag}: {} tokens as transformers', scores within {diff:e}", ours.len());
+        ours
+    }
+}
+
+/// `llama generate` makes transformers' `generate` tokens: greedy on every family shape
+/// (a sliding window crossed while decoding, Qwen3's norms, dynamic RoPE growing past
+/// max_position_embeddings), sampling with temperature, top-k, top-p and a repetition
+/// penalty under one seed (the same draws from libtorch's generator; another seed, other
+/// tokens), a stop token, a PEFT adapter, and bf16 weights; each step's processed scores
+/// agree too (the same tokens kept; fp32 1e-4).
+#[test]
+fn generation_gives_transformers_tokens() {
+    let dir = scratch("generate");
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    let prompt = vec!["--prompt-ids", "5,17,99,3,42", "--max-new-tokens", "12"];
+    // Stop tokens: the checkpoint's (config.json's eos_token_id), on both sides.
+    let no_stop: [&str; 0] = [];
+    let (llama, mistral) = (dir.join("llama"), dir.join("mistral"));
+    for variant in ["llama", "llama-dynamic", "qwen2-sliding", "qwen3", "mistral"] {
+        let model = dir.join(variant);
+        hf_families(&["make", "--variant", variant, "--out", &s(&model)]);
+        let flags = [prompt.clone(), no_stop.to_vec()].concat();
+        let run = Generation { dir: &dir, model: &model, flags, theirs: vec![], ours: vec![] };
+        run.equal(&format!("{variant} greedy"), 1e-4);
+    }
+    let mut sampling = [prompt.clone(), no_stop.to_vec()].concat();
+    sampling.extend(["--do-sample", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9"]);
+    sampling.extend(["--repetition-penalty", "1.3", "--seed", "7"]);
+    let sampled = Generation {
+        dir: &dir,
+        model: &llama,
+        flags: sampling.clone(),
+        theirs: vec![],
+        ours: vec![],
+    };
+    let tokens = sampled.equal("llama sampled", 1e-4);
+    Generation { model: &mistral, ..sampled }.equal("mistral sampled", 1e-4);
+    let mut reseeded = sampling.clone();
+    *reseeded.last_mut().unwrap() = "8";
+    let other =
+        Generation { dir: &dir, model: &llama, flags: reseeded, theirs: vec![], ours: vec![] };
+    assert_ne!(other.equal("llama sampled, seed 8", 1e-4), tokens, "the seed changed nothing");
+
+    // A stop token: the second greedy token, so generation stops after two.
+    let greedy = Generation {
+        dir: &dir,
+        model: &llama,
+        flags: [prompt.clone(), no_stop.to_vec()].concat(),
+        theirs: vec![],
+        ours: vec![],
+    };
+    let second = greedy.equal("llama greedy", 1e-4)[1].to_string();
+    let stop = ["--eos-ids", second.as_str()];
+    let stopping = Generation { flags: [prompt.clone(), stop.to_vec()].concat(), ..greedy };
+    assert_eq!(stopping.equal("llama with a stop token", 1e-4).len(), 2);
+
+    // A PEFT adapter on top, and bf16 weights.
+    let adapter = dir.join("adapter");
+    hf_families(&["adapter", "--model", &s(&llama), "--out", &s(&adapter), "--seed", "3"]);
+    let adapter = s(&adapter);
+    let flags = [prompt.clone(), no_stop.to_vec()].concat();
+    Generation {
+        dir: &dir,
+        model: &llama,
+        flags: flags.clone(),
+        theirs: vec!["--adapter", &adapter],
+        ours: vec!["--lora-adapter", &adapter],
+    }
+    .equal("llama greedy with a LoRA adapter", 1e-4);
+    Generation {
+        dir: &dir,
+        model: &llama,
+        flags,
+        theirs: vec!["--dtype", "bfloat16"],
+        ours: vec!["--precision", "bf16"],
+    }
+    .equal("llama greedy in bf16", 5e-2);
+}
+
+/// `llama generate` of the bench's 106M Llama with `flags`: its new tokens and its report
+/// (peak resident memory above its baseline, the budget, the largest module), and the
+/// device map it printed (as a map from module to place), if any.
+fn generate_with(
+    model: &Path,
+    flags: &[&str],
+) -> (Vec<i64>, serde_json::Value, Option<serde_json::Value>) {
+    let output = Command::new(example("llama"))
+        .args(["generate", "--model", model.to_str().unwrap(), "--prompt-ids", "11,222,3333,4"])
+        .args(["--max-new-tokens", "6"])
+        .args(flags)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "llama generate {flags:?}: {said}");
+    let map = said.lines().find_map(|l| l.strip_prefix("llama generate: device map ")).map(|m| {
+        serde_json::from_str(&m.replace('\'', "\"")).unwrap_or_else(|e| panic!("{m}: {e}"))
+    });
+    // (`--print-map` stops before generating: no report.)
+    let report = said.lines().rev().find(|l| l.starts_with('{')).unwrap_or("null");
+    let line = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    let tokens = line.split(',').filter(|t| !t.is_empty()).map(|t| t.parse().unwrap()).collect();
+    (tokens, serde_json::from_str(report).unwrap(), map)
+}
+
+/// Big-model inference on the CPU, the bench's 106M Llama (424 MB in fp32): the device map
+/// for a memory budget is Accelerate's `infer_auto_device_map` of the same model (whole on
+/// the CPU, part on the disk, all on the disk; fp32 and bf16); generating by the map gives
+/// the tokens of the model loaded whole, while this process's peak resident memory stays
+/// within the budget plus its largest module (the part of the model that is in memory at
+/// once, the embedding or the head, 98 MB) and a small margin for activations; modules
+/// converted to another dtype are written to the offload folder and read from there.
+#[test]
+fn a_model_larger_than_its_budget_generates_by_a_device_map() {
+    let dir = scratch("dispatch");
+    let model = dir.join("llama-106m");
+    llama_reference(&["make", "--size", "100m", "--out", model.to_str().unwrap()]);
+    for (budget, dtype) in [
+        ("150MiB", "float32"),
+        ("300MiB", "float32"),
+        ("500MiB", "float32"),
+        ("170MiB", "bfloat16"),
+    ] {
+        let output = Command::new(root().join(".venv/bin/python"))
+            .arg(root().join("python/reference/hf_families.py"))
+            .args(["device-map", "--model", model.to_str().unwrap(), "--max-memory", budget])
+            .args(["--dtype", dtype])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        let theirs: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        let precision = if dtype == "bfloat16" { "bf16" } else { "no" };
+        let flags = ["--max-memory", budget, "--precision", precision, "--print-map"];
+        let ours = generate_with(&model, &flags).2.expect("a device map");
+        assert_eq!(ours, theirs, "{budget} {dtype}: the device map differs from Accelerate's");
+        eprintln!("{budget} {dtype}: Accelerate's device map {ours}");
+    }
+    let mib = |n: f64| n * 1024.0 * 1024.0;
+    // Activations, the key/value cache, the logits and the allocator's slack.
+    let margin = mib(24.0);
+    let (whole, report, _) = generate_with(&model, &[]);
+    eprintln!(
+        "whole: {whole:?}, peak {:.0} MiB",
+        report["peak_bytes"].as_f64().unwrap() / mib(1.0)
+    );
+    for budget in ["150MiB", "300MiB"] {
+        let (tokens, report, _) = generate_with(&model, &["--max-memory", budget]);
+        assert_eq!(tokens, whole, "{budget}: tokens differ from the model loaded whole");
+        let peak = report["peak_bytes"].as_f64().unwrap();
+        let limit = report["budget_bytes"].as_f64().unwrap()
+            + report["largest_module_bytes"].as_f64().unwrap()
+            + margin;
+        assert!(peak <= limit, "{budget}: peak {peak} above {limit}");
+        eprintln!(
+            "{budget}: the same tokens, peak {:.0} MiB (limit {:.0})",
+            peak / mib(1.0),
+            limit / mib(1.0)
+        );
+    }
+    // bf16: the checkpoint holds fp32, so the modules on the disk are written converted.
+    let folder = dir.join("offload");
+    let (bf16_whole, _, _) = generate_with(&model, &["--precision", "bf16"]);
+    let offloaded = ["--precision", "bf16", "--max-memory", "100MiB", "--offload-folder"];
+    let (tokens, report, _) =
+        generate_with(&model, &[&offloaded[..], &[folder.to_str().unwrap()]].concat());
+    assert_eq!(tokens, bf16_whole, "bf16 offloaded: tokens differ from bf16 whole");
+    let files = std::fs::read_dir(&folder).unwrap().count();
+    assert!(files > 0, "nothing was written to the offload folder");
+    // Converting a module reads it in fp32 first: the largest module in both dtypes.
+    let peak = report["peak_bytes"].as_f64().unwrap();
+    let largest = report["largest_module_bytes"].as_f64().unwrap();
+    let limit = mib(100.0) + 3.0 * largest + margin;
+    assert!(peak <= limit, "bf16 under 100MiB: peak {peak} above {limit}");
+    eprintln!(
+        "bf16 under 100MiB: {files} modules written to the offload folder, peak {:.0} MiB (limit {:.0})",
+        peak / mib(1.0),
+        limit / mib(1.0)
+    );
 }
 
 /// A 2-process zero3 fine-tune with activation checkpointing of Qwen2 (sliding layers; tied),

@@ -5,7 +5,20 @@ model classes, and their reference logits. python/reference/MODELS.md has the ma
     make    --variant V --out DIR [--seed S] [--dtype float32|bfloat16]
     tokens  --out T.safetensors --vocab N --batch B --seq L [--seed S]        random input_ids
     logits  --model DIR --tokens T.safetensors --out O.safetensors [--adapter ADIR]
-            AutoModelForCausalLM, eager attention, fp32; `logits` (f32 [B, L, vocab])
+            [--attention sdpa|eager] [--mask M.safetensors]
+            AutoModelForCausalLM, fp32; `logits` (f32 [B, L, vocab]); --mask: its
+            `attention_mask` (int64 [B, L], 0 where padded)
+    generate --model DIR --prompt-ids 1,2,3 --max-new-tokens N [--do-sample] [--temperature T]
+            [--top-k K] [--top-p P] [--repetition-penalty R] [--seed S] [--eos-ids 2,3]
+            [--dtype bfloat16] [--attention sdpa|eager] [--adapter ADIR] [--scores-out S]
+            [--offload-folder DIR --max-memory 150MiB]
+            model.generate for one prompt: the new ids on one line; --scores-out: the
+            processed scores of each step (output_scores), `scores` f32 [steps, vocab];
+            with --offload-folder, loaded by Accelerate's device_map="auto" under the budget
+            (the rest offloaded to that folder); stderr: the tokens per second
+    device-map --model DIR --max-memory 150MiB [--dtype bfloat16]
+            Accelerate's infer_auto_device_map of the model (on the meta device, the
+            class's _no_split_modules), as JSON
     adapter --model DIR --out ADIR [--r 4] [--alpha 8] [--target q_proj,v_proj] [--seed S]
             [--rslora]   a PEFT LoRA adapter with random (non-zero) A and B (needs peft)
     verify  --work DIR   makes every variant and checks that its options change the logits,
@@ -138,11 +151,11 @@ def tokens(args):
     save_file({"input_ids": ids}, args.out)
 
 
-def load(model_dir, adapter=None, **overrides):
+def load(model_dir, adapter=None, attention="eager", dtype=torch.float32, **overrides):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="eager", **overrides
+        model_dir, dtype=dtype, attn_implementation=attention, **overrides
     )
     if adapter:
         from peft import PeftModel
@@ -158,7 +171,58 @@ def run(model, ids, **kwargs):
 
 def logits(args):
     ids = load_file(args.tokens)["input_ids"]
-    save_file({"logits": run(load(args.model, args.adapter), ids)}, args.out)
+    extra = {"attention_mask": load_file(args.mask)["attention_mask"]} if args.mask else {}
+    model = load(args.model, args.adapter, attention=args.attention)
+    save_file({"logits": run(model, ids, **extra)}, args.out)
+
+
+def device_map(args):
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.model)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    found = infer_auto_device_map(model, max_memory={"cpu": args.max_memory},
+                                  no_split_module_classes=model._no_split_modules, dtype=dtype)
+    print(json.dumps(dict(found)))
+
+
+def generate(args):
+    import time
+
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    overrides = {}
+    if args.offload_folder:
+        overrides = dict(device_map="auto", max_memory={"cpu": args.max_memory},
+                         offload_folder=args.offload_folder)
+    model = load(args.model, args.adapter, attention=args.attention, dtype=dtype, **overrides)
+    ids = torch.tensor([[int(i) for i in args.prompt_ids.split(",")]])
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                  output_scores=True, return_dict_in_generate=True)
+    for key in ("temperature", "top_k", "top_p", "repetition_penalty"):
+        if getattr(args, key) is not None:
+            kwargs[key] = getattr(args, key)
+    if args.eos_ids is not None:
+        stops = [int(i) for i in args.eos_ids.split(",") if i]
+        if stops:
+            kwargs["eos_token_id"] = stops
+        else:
+            # No stop token: the full length, whatever the model's config says.
+            model.generation_config.eos_token_id = None
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    seconds = time.perf_counter() - started
+    new = out.sequences[0, ids.shape[1]:].tolist()
+    print(",".join(str(i) for i in new))
+    print(f"transformers generate: {len(new)} tokens in {seconds:.3f} s "
+          f"({len(new) / seconds:.1f} tokens/s, prompt included)", file=sys.stderr)
+    if args.scores_out:
+        save_file({"scores": torch.cat(out.scores, 0).float().contiguous()}, args.scores_out)
 
 
 def adapter(args):
@@ -454,10 +518,24 @@ def spec_merge(model_dir, adapter_dir):
 
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("mode", choices=["make", "tokens", "logits", "adapter", "verify"])
+p.add_argument("mode", choices=["make", "tokens", "logits", "adapter", "verify", "generate",
+                                "device-map"])
+p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
+p.add_argument("--mask")
+p.add_argument("--prompt-ids")
+p.add_argument("--max-new-tokens", type=int)
+p.add_argument("--do-sample", action="store_true")
+p.add_argument("--temperature", type=float)
+p.add_argument("--top-k", type=int)
+p.add_argument("--top-p", type=float)
+p.add_argument("--repetition-penalty", type=float)
+p.add_argument("--eos-ids")
+p.add_argument("--scores-out")
+p.add_argument("--offload-folder")
+p.add_argument("--max-memory", default="150MiB")
 p.add_argument("--variant", choices=VARIANTS)
 p.add_argument("--out")
-p.add_argument("--seed", type=int, default=0)
+p.add_argument("--seed", type=int)
 p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 p.add_argument("--vocab", type=int, default=128)
 p.add_argument("--batch", type=int, default=2)
@@ -474,8 +552,13 @@ args = p.parse_args()
 required = {
     "make": ["variant", "out"], "tokens": ["out"], "logits": ["model", "tokens", "out"],
     "adapter": ["model", "out"], "verify": ["work"],
+    "generate": ["model", "prompt_ids", "max_new_tokens"], "device-map": ["model"],
 }
 missing = [f"--{k}" for k in required[args.mode] if getattr(args, k) is None]
 if missing:
     p.error(f"{args.mode} needs {' '.join(missing)}")
-{"make": make, "tokens": tokens, "logits": logits, "adapter": adapter, "verify": verify}[args.mode](args)
+if args.seed is None and args.mode not in ("generate", "device-map"):
+    args.seed = 0
+modes = {"make": make, "tokens": tokens, "logits": logits, "adapter": adapter, "verify": verify,
+         "generate": generate, "device-map": device_map}
+modes[args.mode](args)

@@ -2,7 +2,9 @@
 
     make   --out DIR [--tied] [--max-shard-size 40KB]   a random Llama, save_pretrained (shards)
     tokens --out T.safetensors --rows 16 --len 12 --vocab 64   random input_ids
-    logits --model DIR --eval T.safetensors --logits-out OUT.safetensors   eager attention, fp32
+    logits --model DIR --eval T.safetensors --logits-out OUT.safetensors   fp32
+
+Every mode loads the model with --attention (sdpa, transformers' default, or eager).
     train  --model DIR --data T.safetensors --steps K --batch-size B --lr LR --weight-decay WD \
            --out DIR2 --losses L.jsonl        (under torchrun: Accelerate DDP)
            [--lora-adapter ADIR]   peft: the adapter trained on the frozen base, saved as PEFT does
@@ -69,7 +71,7 @@ def load(path):
     """Any family's checkpoint (Llama, Qwen2, Qwen3, Mistral: AutoModelForCausalLM), refused
     when transformers' load report has anything MISSING, UNEXPECTED or MISMATCHED."""
     model, info = AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32, output_loading_info=True
+        path, attn_implementation=ATTENTION, dtype=torch.float32, output_loading_info=True
     )
     problems = {k: v for k, v in info.items() if v and k != "error_msgs"}
     if problems or info.get("error_msgs"):
@@ -230,6 +232,7 @@ def memory(args):
 p = argparse.ArgumentParser()
 p.add_argument("mode", choices=["make", "tokens", "logits", "train", "load", "memory"])
 p.add_argument("--size", default="small", choices=["small", "100m"])
+p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
 p.add_argument("--checkpointing", action="store_true")
 how = p.add_mutually_exclusive_group()
 how.add_argument("--ddp", action="store_true", help="memory: torch DDP instead of FSDP2")
@@ -254,5 +257,6 @@ p.add_argument("--lora-adapter", help="train: a PEFT adapter folder trained on t
 p.add_argument("--save-state", help="memory: save the model and optimizer state here (DCP)")
 p.add_argument("--resume", help="memory: load the state saved there (DCP) before training")
 args = p.parse_args()
+ATTENTION = args.attention
 modes = {"make": make, "tokens": tokens, "logits": logits, "train": train, "load": logits, "memory": memory}
 modes[args.mode](args)

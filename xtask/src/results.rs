@@ -9,6 +9,8 @@ pub(crate) const SCALE_RESULTS: &str = "bench/scale.json";
 
 /// Where the Llama benchmark's results are kept.
 pub(crate) const LLAMA_RESULTS: &str = "bench/llama.json";
+/// Where `cargo xtask bench generate` writes its figures.
+pub(crate) const GENERATE_RESULTS: &str = "bench/generate.json";
 
 /// Where the overhead benchmark's results are kept, per model (each run of
 /// `cargo xtask bench overhead [model]` replaces its models' rows).
@@ -150,9 +152,12 @@ pub(crate) fn readme_from_results() -> Result<(), String> {
     };
     let mut updated = format!("{}{block}{}", &page[..start], &page[end + END.len()..]);
     // The blocks of the other benchmarks, where they have run.
-    for (name, file) in
-        [("scale", SCALE_RESULTS), ("llama", LLAMA_RESULTS), ("overhead", OVERHEAD_RESULTS)]
-    {
+    for (name, file) in [
+        ("scale", SCALE_RESULTS),
+        ("llama", LLAMA_RESULTS),
+        ("overhead", OVERHEAD_RESULTS),
+        ("generate", GENERATE_RESULTS),
+    ] {
         let (begin, end) = (format!("<!-- {name}:begin -->"), format!("<!-- {name}:end -->"));
         let (Ok(text), Some(start), Some(stop)) =
             (std::fs::read_to_string(root.join(file)), updated.find(&begin), updated.find(&end))

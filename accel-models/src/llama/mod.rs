@@ -1,15 +1,19 @@
-//! The decoder-only families people fine-tune, as transformers 5.22 computes them (eager
-//! attention, fp32): `LlamaForCausalLM` (Llama 1, 2, 3.x), `Qwen2ForCausalLM`,
-//! `Qwen3ForCausalLM` and `MistralForCausalLM`, with their checkpoint names, so that Hugging
-//! Face checkpoints load and save by their own names. RMSNorm in fp32 with the config's eps,
-//! rotary embeddings in transformers' `rotate_half` layout with every RoPE type these
-//! families use (default, linear, dynamic, llama3, yarn), grouped-query attention
-//! (`repeat_kv`), eager attention with the causal mask — within a sliding window on the
-//! layers that slide (Qwen2/3 per `layer_types`, Mistral on all) — and an fp32 softmax,
-//! Qwen2's q/k/v biases, Qwen3's per-head q/k norms, the SiLU-gated MLP, and the head tied to
-//! the embedding or not. Each decoder layer is an `accel_core::Unit` (zero3 gathers it for its
-//! forward and backward, and activation checkpointing recomputes it), and so are the
-//! embedding and the head.
+//! The decoder-only families people fine-tune, as transformers 5.22 computes them:
+//! `LlamaForCausalLM` (Llama 1, 2, 3.x), `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and
+//! `MistralForCausalLM`, with their checkpoint names, so that Hugging Face checkpoints load
+//! and save by their own names. RMSNorm in fp32 with the config's eps, rotary embeddings in
+//! transformers' `rotate_half` layout with every RoPE type these families use (default,
+//! linear, dynamic, llama3, yarn), grouped-query attention, attention through `sdpa` (ATen's
+//! fused `scaled_dot_product_attention`, transformers' default) or `eager`, with the causal
+//! mask — within a sliding window on the layers that slide (Qwen2/3 per `layer_types`,
+//! Mistral on all) — and padding masks (attention.rs), Qwen2's q/k/v biases, Qwen3's
+//! per-head q/k norms, the SiLU-gated MLP, and the head tied to the embedding or not. Each
+//! decoder layer is an `accel_core::Unit` (zero3 gathers it for its forward and backward,
+//! and activation checkpointing recomputes it), and so are the embedding and the head.
+//!
+//! Beyond training: a key/value cache and generation as transformers' `generate`
+//! (generate.rs), and big-model inference by a device map, modules offloaded to the disk
+//! read just before they run (dispatch.rs, over `crate::device_map`).
 //!
 //! Closed world: a config.json is read only when every key is one this model honours or
 //! knows to change nothing (`LlamaConfig::parse`), and a checkpoint only when its tensors are
@@ -25,8 +29,16 @@ use anyhow::{Context, Result, bail};
 use tch::nn::Path as VarPath;
 use tch::{Kind, Tensor};
 
+mod attention;
 mod config;
+mod dispatch;
+mod generate;
+pub use attention::{Attention, KvCache};
+use attention::{LayerCache, Pass};
 pub use config::{Family, LlamaConfig, Rope};
+use dispatch::Dispatch;
+pub use dispatch::modules;
+pub use generate::{Generated, GenerationConfig};
 
 /// How the model's variables start.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -173,15 +185,13 @@ impl DecoderLayer {
         }
     }
 
-    /// `x` [B, T, hidden] → [B, T, hidden]; `cos`, `sin` [T, head_dim]; `masks` [T, T] (0 or
-    /// the dtype's lowest value where a query may not look): causal, and causal within the
-    /// sliding window for layers that slide.
-    pub fn forward(
+    /// `x` [B, T, hidden] → [B, T, hidden], its positions' rotary tables and masks in `pass`;
+    /// with a `cache`, after the positions cached there (which it then holds too).
+    pub(crate) fn forward(
         &self,
         x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        masks: &(Tensor, Tensor),
+        pass: &Pass,
+        cache: Option<&mut LayerCache>,
     ) -> Tensor {
         let (b, t) = (x.size()[0], x.size()[1]);
         let h = rms_norm(x, &self.input_norm, self.eps);
@@ -193,28 +203,17 @@ impl DecoderLayer {
             q = rms_norm(&q, q_norm, self.eps);
             k = rms_norm(&k, k_norm, self.eps);
         }
-        let mask = if self.sliding { &masks.1 } else { &masks.0 };
         let v = split(self.v.forward(&h), self.kv_heads);
-        let (cos, sin) = (cos.to_kind(q.kind()), sin.to_kind(q.kind()));
+        let (cos, sin) = (pass.cos.to_kind(q.kind()), pass.sin.to_kind(q.kind()));
         let q = &q * &cos + rotate_half(&q) * &sin;
         let k = &k * &cos + rotate_half(&k) * &sin;
-        // `repeat_kv`: each key/value head serves `heads / kv_heads` consecutive query heads.
-        let groups = self.heads / self.kv_heads;
-        let repeat =
-            |y: Tensor| {
-                if groups == 1 {
-                    return y;
-                }
-                y.unsqueeze(2)
-                    .expand([b, self.kv_heads, groups, t, self.head_dim], false)
-                    .reshape([b, self.heads, t, self.head_dim])
-            };
-        let (k, v) = (repeat(k), repeat(v));
-        let scores = q.matmul(&k.transpose(2, 3)) * (self.head_dim as f64).powf(-0.5);
-        let mask = mask.to_kind(scores.kind());
-        let scores = scores + mask;
-        let weights = scores.softmax(-1, Kind::Float).to_kind(q.kind());
-        let attn = weights.matmul(&v).transpose(1, 2).contiguous().reshape([b, t, -1]);
+        let (k, v) = match cache {
+            Some(cache) => cache.append(k, v),
+            None => (k, v),
+        };
+        let mask = if self.sliding { &pass.sliding } else { &pass.full };
+        let attn = attention::attend(&q, &k, &v, mask, pass.attention);
+        let attn = attn.transpose(1, 2).contiguous().reshape([b, t, -1]);
         let x = x + self.o.forward(&attn);
         let h = rms_norm(&x, &self.post_norm, self.eps);
         let mlp = self.down.forward(&(self.gate.forward(&h).silu() * self.up.forward(&h)));
@@ -233,6 +232,10 @@ pub struct Llama {
     norm: Tensor,
     /// `None` when tied to the embedding.
     lm_head: Option<Unit<Tensor>>,
+    /// How attention is computed: `sdpa` unless set otherwise (as transformers).
+    pub attention: Attention,
+    /// Where each module runs, and what waits on the disk, once dispatched by a device map.
+    dispatch: Option<Dispatch>,
 }
 
 impl Llama {
@@ -261,18 +264,113 @@ impl Llama {
             let path = root / "lm_head";
             Unit::new(acc, &path, weight(&path, "weight", &[config.vocab_size, h], init, std))
         });
-        Self { config: config.clone(), embed, layers, norm, lm_head }
+        Self {
+            config: config.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            attention: Attention::Sdpa,
+            dispatch: None,
+        }
     }
 
     /// Logits [B, T, vocab] of `input_ids` [B, T] (int64).
     pub fn forward(&self, input_ids: &Tensor) -> Tensor {
+        self.forward_padded(input_ids, None)
+    }
+
+    /// [`Llama::forward`] of rows padded where `attention_mask` [B, T] is 0 (transformers'
+    /// `attention_mask`): no query looks at a padded key. Positions count from 0 at the
+    /// first column, as transformers' forward counts them.
+    pub fn forward_padded(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Tensor {
+        assert!(
+            self.dispatch.is_none(),
+            "a model dispatched by a device map runs through forward_cached or generate"
+        );
+        let x = self.embed_tokens(input_ids);
+        let pass = self.pass(input_ids.size()[1], 0, attention_mask, input_ids.device());
+        let mut x = x;
+        for layer in &self.layers {
+            // Owned: a checkpointed layer runs its forward again in backward.
+            let pass = pass.shallow_clone();
+            x = layer.run_on(&x, move |l, x| l.forward(x, &pass, None));
+        }
+        self.head(&x)
+    }
+
+    /// Logits [B, T, vocab] of `input_ids` [B, T] that follow the positions in `cache`, which
+    /// then holds these too: a step of generation. `attention_mask` [B, cached + T] as in
+    /// [`Llama::forward_padded`]. No gradient flows through the cache. A model dispatched by
+    /// a device map runs each module where the map put it, reading those on the disk just
+    /// before they run (hence the error: a read that failed).
+    pub fn forward_cached(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
         let t = input_ids.size()[1];
-        let device = input_ids.device();
+        let mut x = self.stage("model.embed_tokens", |device| {
+            self.embed_tokens(&input_ids.to_device(device))
+        })?;
+        let first = self.stage_device("model.layers.0", x.device());
+        let mask = attention_mask.map(|m| m.to_device(first));
+        let mut pass = self.pass(t, cache.len, mask.as_ref(), first);
+        for (i, (layer, cache)) in self.layers.iter().zip(&mut cache.layers).enumerate() {
+            x = self.stage(&format!("model.layers.{i}"), |device| {
+                if pass.cos.device() != device {
+                    pass = pass.to_device(device);
+                }
+                layer.run_with(&x.to_device(device), |l, x| l.forward(x, &pass, Some(cache)))
+            })?;
+        }
+        cache.len += t;
+        let eps = self.config.rms_norm_eps;
+        let x =
+            self.stage("model.norm", |device| rms_norm(&x.to_device(device), &self.norm, eps))?;
+        // A tied head computes with the embedding's weight: fetched again if offloaded.
+        let head = if self.lm_head.is_some() { "lm_head" } else { "model.embed_tokens" };
+        self.stage(head, |device| self.project(&x.to_device(device)))
+    }
+
+    /// `run(device)` for module `prefix`: on its device, its weights read first if they
+    /// wait on the disk, and released after.
+    fn stage<T>(&self, prefix: &str, run: impl FnOnce(tch::Device) -> T) -> Result<T> {
+        let Some(dispatch) = &self.dispatch else { return Ok(run(self.embed.inner().device())) };
+        let device = dispatch.device(prefix).unwrap_or(tch::Device::Cpu);
+        dispatch.fetch(prefix, device)?;
+        let out = run(device);
+        dispatch.release(prefix)?;
+        Ok(out)
+    }
+
+    /// The device module `prefix` computes on (`default` for a model not dispatched).
+    fn stage_device(&self, prefix: &str, default: tch::Device) -> tch::Device {
+        self.dispatch.as_ref().and_then(|d| d.device(prefix)).unwrap_or(default)
+    }
+
+    fn embed_tokens(&self, input_ids: &Tensor) -> Tensor {
         let padding = self.config.pad_token_id.unwrap_or(-1);
-        let x = self.embed.run(|w| Tensor::embedding(w, input_ids, padding, false, false));
-        // RoPE: positions × inv_freq; emb = cat(freqs, freqs) for positions 0..T.
-        let (inv_freq, scale) = self.config.inv_freq(t, device);
-        let positions = Tensor::arange(t, (Kind::Float, device));
+        self.embed.run(|w| Tensor::embedding(w, input_ids, padding, false, false))
+    }
+
+    /// The final norm and the head.
+    fn head(&self, x: &Tensor) -> Tensor {
+        self.project(&rms_norm(x, &self.norm, self.config.rms_norm_eps))
+    }
+
+    /// The head (the embedding's weight when tied) on the normed `x`.
+    fn project(&self, x: &Tensor) -> Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed).run_with(x, |w, x| x.linear::<Tensor>(w, None))
+    }
+
+    /// What the layers of a pass over `t` positions after `past` share: RoPE's cos/sin of
+    /// positions past..past + t (positions × inv_freq, emb = cat(freqs, freqs)) and the
+    /// masks of full and sliding layers.
+    fn pass(&self, t: i64, past: i64, padding: Option<&Tensor>, device: tch::Device) -> Pass {
+        let (inv_freq, scale) = self.config.inv_freq(past + t, device);
+        let positions = Tensor::arange_start(past, past + t, (Kind::Float, device));
         let freqs = positions.unsqueeze(-1) * inv_freq.unsqueeze(0);
         let emb = Tensor::cat(&[&freqs, &freqs], -1);
         let (cos, sin) = if scale == 1.0 {
@@ -280,29 +378,15 @@ impl Llama {
         } else {
             (emb.cos() * scale, emb.sin() * scale)
         };
-        let causal = Tensor::full([t, t], f32::MIN as f64, (Kind::Float, device)).triu(1);
-        // Query i sees key j when j <= i and i - j < window (transformers' masking_utils).
         let window = self.config.windows.iter().flatten().next().copied();
-        let sliding = match window {
-            Some(w) => {
-                let far = Tensor::full([t, t], f32::MIN as f64, (Kind::Float, device)).tril(-w);
-                causal.minimum(&far)
-            }
-            None => causal.shallow_clone(),
-        };
-        let masks = (causal, sliding);
-        let mut x = x;
-        for layer in &self.layers {
-            // Owned copies: a checkpointed layer runs its forward again in backward.
-            let (cos, sin) = (cos.shallow_clone(), sin.shallow_clone());
-            let masks = (masks.0.shallow_clone(), masks.1.shallow_clone());
-            x = layer.run_on(&x, move |l, x| l.forward(x, &cos, &sin, &masks));
+        let how = self.attention;
+        Pass {
+            cos,
+            sin,
+            full: attention::mask(t, past, None, padding, how, device),
+            sliding: attention::mask(t, past, window, padding, how, device),
+            attention: how,
         }
-        let x = rms_norm(&x, &self.norm, self.config.rms_norm_eps);
-        self.lm_head
-            .as_ref()
-            .unwrap_or(&self.embed)
-            .run_with(&x, |w, x| x.linear::<Tensor>(w, None))
     }
 
     /// The model of Hugging Face folder `dir` (config.json, `model.safetensors` or an index

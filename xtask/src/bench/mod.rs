@@ -1,6 +1,7 @@
 //! The benchmarks of `cargo xtask bench`, one file each, and what the memory benchmarks
 //! share: reading the figures each rank prints as a JSON object.
 
+mod generate;
 mod llama;
 mod loader;
 mod memory;
@@ -10,6 +11,7 @@ mod speed;
 
 use std::process::Command;
 
+pub(crate) use generate::generate_bench;
 pub(crate) use llama::llama_memory_bench;
 pub(crate) use loader::loader_bench;
 pub(crate) use memory::memory_bench;
