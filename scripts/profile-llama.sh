@@ -4,6 +4,7 @@
 #
 #     cargo xtask bench llama            # once: the model, the tokens, the release binaries
 #     bash scripts/profile-llama.sh [SHORT LONG]
+#     LEN=1024 bash scripts/profile-llama.sh 1 3     # rows of 1024 tokens instead of 128
 #
 # Each side runs twice under `perf record -g` (SHORT and LONG steps, 2 and 6 by default);
 # python/reference/perf_where.py puts every sample in a category (page faults, matrix
@@ -15,6 +16,7 @@ cd "$(dirname "$0")/.."
 short=${1:-2} long=${2:-6}
 [ "$long" -gt "$short" ] || { echo "LONG ($long) must exceed SHORT ($short)"; exit 1; }
 dir=target/bench-llama model=target/bench-llama/model-100m data=target/bench-llama/tokens.safetensors
+[ "${LEN:-128}" = 1024 ] && data=target/bench-llama/tokens-1024.safetensors
 [ -f "$model/config.json" ] && [ -x target/release/examples/llama ] ||
   { echo "run \`cargo xtask bench llama\` first (it makes $model and the binaries)"; exit 1; }
 command -v perf >/dev/null || { echo "perf is not installed: apt-get install linux-perf"; exit 1; }
