@@ -28,6 +28,12 @@ enum Outcome {
     Refused { line: usize, says: &'static str },
     /// Saved mid-epoch and resumed on 2 processes, it ends as the uninterrupted run.
     Resumes,
+    /// Runs on 1 and 2 processes, the data dealt (2 processes with half the batch take as
+    /// many steps as 1), the ranks equal; not comparable with 1 process (its own unseeded
+    /// draws, per-process batch statistics).
+    RanksEqual,
+    /// Stops on 1 process saying `one`, and on 2 saying `two`.
+    FailsEverywhere { one: &'static str, two: &'static str },
 }
 use Outcome::*;
 
@@ -73,12 +79,46 @@ const PROGRAMS: &[(&str, Outcome)] = &[
     ("index_to_helper", Refused { line: 27, says: "is passed to `log_progress(..)`" }),
     ("double_accumulation", Refused { line: 16, says: "steps the optimizer every few batches" }),
     ("step_in_helper", Refused { line: 20, says: "the training step runs in `train_step(..)`" }),
+    // From crates.io packages (tests/real_code/crates/, README.md there).
+    ("tch011_jit_train", Equal),
+    ("tch011_cifar", RanksEqual),
+    ("tch011_rl_a2c", Draws),
+    ("tch011_rl_ppo", Draws),
+    ("tch011_rl_policy_gradient", Draws),
+    ("tch011_transfer_learning", FailsOnTwo { says: "computed the same loss", line: None }),
+    ("tch011_neural_style_transfer", FailsOnTwo { says: "computed the same loss", line: None }),
+    (
+        "tch011_optimizer_test",
+        FailsEverywhere {
+            one: "created after the optimizer was built",
+            two: "computed the same loss",
+        },
+    ),
+    (
+        "tch011_custom_optimizer",
+        Refused { line: 215, says: "is not an optimizer the accelerator can prepare" },
+    ),
+    ("tch011_rl_ddpg", Refused { line: 386, says: "found no `loss.backward()`" }),
+    ("tch011_check_param_group", Refused { line: 27, says: "is passed in" }),
+    ("reinforcex_ppo_update", Refused { line: 429, says: "is kept in a field" }),
+    (
+        "syntaxdot_run_epoch_steps",
+        Refused { line: 1139, says: "cannot see where the optimizer `scaler` is made" },
+    ),
+    ("syntaxdot_finetune_run", Refused { line: 1192, says: "found no `loss.backward()`" }),
+    ("syntaxdot_train_steps", Refused { line: 834, says: "is passed in" }),
+    (
+        "sticker2_run_epoch",
+        Refused { line: 932, says: "cannot see where the optimizer `scaler` is made" },
+    ),
+    ("border_dqn_opt", Refused { line: 436, says: "found no `loss.backward()`" }),
 ];
 
 /// The crate: every program that compiles in one binary (`loops NAME`), each refused one
 /// in a binary of its own.
 fn write_crate(dir: &Path) {
     copy_dir(&root().join("tests/real_code/loops"), &dir.join("real"));
+    copy_dir(&root().join("tests/real_code/crates"), &dir.join("real"));
     let mut main = String::from("#[path = \"../real/data.rs\"]\nmod data;\n");
     for (name, outcome) in PROGRAMS {
         if matches!(outcome, Refused { .. }) {
@@ -215,6 +255,35 @@ fn check(crate_: (&Path, &Path), name: &str, outcome: &Outcome) -> Result<(), St
                 return Err(format!(
                     "ranks differ by {ranks:e}; micro-steps: 1 process {single}, ranks {r0} and {r1}"
                 ));
+            }
+            Ok(())
+        }
+        RanksEqual => {
+            let (one, ok1, said1) = run(dir, name, "1", 1, &batch(64));
+            let (two, ok2, said2) = run(dir, name, "2", 2, &batch(32));
+            if !ok1 || !ok2 {
+                return Err(format!("failed:\n{said1}\n{said2}"));
+            }
+            let ranks = differ_by(&two.join("final"), 0, &two.join("final"), 1)?;
+            let steps = |s: &Path, r| counter(&s.join("final"), r, "micro_steps_total");
+            let (single, r0) = (steps(&one, 0), steps(&two, 0));
+            // Half the batch on each of 2 processes: as many steps as 1 process takes (not
+            // twice as many, which each would take if the data were not dealt).
+            if ranks > 1e-6 || r0 != single {
+                return Err(format!(
+                    "ranks differ by {ranks:e}; micro-steps: 1 process {single}, rank 0 of 2 {r0}"
+                ));
+            }
+            Ok(())
+        }
+        FailsEverywhere { one, two } => {
+            for (processes, b, says) in [(1, 64, one), (2, 32, two)] {
+                let (_, ok, said) = run(dir, name, &processes.to_string(), processes, &batch(b));
+                if ok || !said.contains(says) {
+                    return Err(format!(
+                        "{processes} process(es) did not stop saying {says:?}:\n{said}"
+                    ));
+                }
             }
             Ok(())
         }

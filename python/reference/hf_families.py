@@ -183,8 +183,13 @@ def device_map(args):
     config = AutoConfig.from_pretrained(args.model)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
+    # As Accelerate's guide says before inferring a map, and as `from_pretrained(device_map=
+    # "auto")` ends up placing them: a tied head shares the embedding's weight and its place.
+    model.tie_weights()
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    found = infer_auto_device_map(model, max_memory={"cpu": args.max_memory},
+    # Accelerate takes a number of bytes as an int, a size with a unit as a string.
+    budget = int(args.max_memory) if args.max_memory.isdigit() else args.max_memory
+    found = infer_auto_device_map(model, max_memory={"cpu": budget},
                                   no_split_module_classes=model._no_split_modules, dtype=dtype)
     print(json.dumps(dict(found)))
 

@@ -167,7 +167,9 @@ impl Accelerator {
     ) -> Result<AcceleratedOptimizer> {
         self.prepare_model_once(vs)?;
         let optimizer = config.into_accel(self, vs, lr)?;
-        Ok(self.prepare_boxed_optimizer(optimizer))
+        let prepared = self.prepare_boxed_optimizer(optimizer);
+        prepared.built_over(vs);
+        Ok(prepared)
     }
 
     /// Prepares the model in `vs` (once) and then `optimizer`, made elsewhere: what an

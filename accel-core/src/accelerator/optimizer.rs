@@ -27,6 +27,10 @@ pub(crate) struct Slot {
     trainable: Vec<Tensor>,
     /// Whether the first sync step checked that every parameter belongs to a prepared model.
     membership_checked: bool,
+    /// The VarStore it was built over (tch's `config.build(&vs, lr)`) and its number of
+    /// trainable variables then: tch's own optimizer adds variables created later at its
+    /// next step; a prepared one cannot, so a step refuses them by name.
+    store: Option<(Arc<Mutex<tch::nn::Variables>>, usize)>,
 }
 
 impl Slot {
@@ -129,8 +133,17 @@ impl AcceleratedOptimizer {
             deferred,
             trainable,
             membership_checked: false,
+            store: None,
         };
         Self { slot: Arc::new(Mutex::new(slot)), accelerator: Arc::downgrade(inner) }
+    }
+
+    /// Remembers that this optimizer was built over every trainable variable of `vs` as it
+    /// is now (what tch's `OptimizerConfig::build` does), so that a step refuses variables
+    /// created since, which tch's optimizer would have added.
+    pub(crate) fn built_over(&self, vs: &tch::nn::VarStore) {
+        let count = vs.variables_.locked().trainable_variables.len();
+        self.lock().store = Some((vs.variables_.clone(), count));
     }
 
     fn accelerator(&self) -> Result<Accelerator> {
@@ -278,6 +291,9 @@ impl AcceleratedOptimizer {
     pub fn step(&mut self) -> Result<()> {
         let accelerator = self.accelerator()?;
         let mut slot = self.lock();
+        if let Some((variables, built)) = &slot.store {
+            grown_since_built(&variables.locked(), *built)?;
+        }
         if accelerator.sync_gradients() {
             if let Some(why) = &slot.deferred {
                 return Err(crate::Error::Unsupported(why.clone()));
@@ -301,4 +317,34 @@ impl AcceleratedOptimizer {
         let gradients = slot.gradients();
         accelerator.zero_grads(&gradients, || slot.optimizer.zero_grad())
     }
+}
+
+/// An error naming the trainable variables `variables` gained after an optimizer was built
+/// over its first `built` ones.
+fn grown_since_built(variables: &tch::nn::Variables, built: usize) -> Result<()> {
+    let later = &variables.trainable_variables;
+    if later.len() <= built {
+        return Ok(());
+    }
+    let mut names: Vec<&str> = later[built..]
+        .iter()
+        .filter_map(|v| {
+            let ptr = v.tensor.data_ptr();
+            variables
+                .named_variables
+                .iter()
+                .find(|(_, t)| t.data_ptr() == ptr)
+                .map(|(n, _)| n.as_str())
+        })
+        .collect();
+    names.sort_unstable();
+    Err(Error::Config(format!(
+        "{} trainable variable(s) were created after the optimizer was built ({}): tch's own \
+         optimizer adds them at its next step, but accel prepared the model and its optimizer \
+         when the optimizer was built, so they would not train and the processes would not \
+         keep them equal. Build the optimizer after the model (`config.build(&vs, lr)` once \
+         every layer exists)",
+        later.len() - built,
+        names.join(", ")
+    )))
 }

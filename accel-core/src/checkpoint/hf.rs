@@ -124,6 +124,14 @@ impl HfCheckpoint {
         })
     }
 
+    /// Where tensor `name`'s bytes lie: its file, the offset of its first byte there, its
+    /// dtype and its shape — to map them into memory rather than read them (as
+    /// safetensors' `safe_open` does).
+    pub fn location(&self, name: &str) -> Result<(&Path, u64, tch::Kind, &[i64])> {
+        let e = self.entry(name)?;
+        Ok((&e.file, e.place.start, e.place.kind, &e.place.shape))
+    }
+
     /// Tensor `name`, whole.
     pub fn read(&self, name: &str) -> Result<Tensor> {
         let e = self.entry(name)?;

@@ -6,12 +6,15 @@
 //!
 //! Disk offload reads from safetensors files: the checkpoint's own when the run keeps its
 //! dtype (as Accelerate does for safetensors checkpoints), else files written to the offload
-//! folder in the run's dtype, one per offloaded module. Each read goes through the page cache
-//! into a fresh tensor, so a module's bytes count in this process's memory only while it runs.
+//! folder in the run's dtype, one per offloaded module. A module computing on the CPU maps its
+//! files' pages (the kernel's page cache, no copy, as `safe_open` does) and unmaps them after
+//! it ran; one computing on a GPU reads them into a fresh tensor and copies that over. Either
+//! way a module's bytes count in this process's memory only while it runs.
 
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use accel_core::HfCheckpoint;
 use anyhow::{Context, Result, bail};
@@ -27,6 +30,9 @@ pub(crate) struct Offloaded {
     checkpoint: HfCheckpoint,
     /// Each variable: its name in `checkpoint`, the model's tensor, and its dtype.
     vars: Vec<(String, Tensor, Kind)>,
+    /// The file pages the variables point into while fetched: unmapped by `release`, only
+    /// after the variables have let go of them.
+    maps: Mutex<Vec<memmap2::Mmap>>,
 }
 
 /// How a dispatched model runs: where it computes, and what waits on the disk.
@@ -44,6 +50,13 @@ impl Dispatch {
     pub(crate) fn fetch(&self, prefix: &str, device: Device) -> Result<()> {
         let Some(module) = self.offloaded.get(prefix) else { return Ok(()) };
         for (name, var, kind) in &module.vars {
+            if device == Device::Cpu {
+                if let Some((value, map)) = mapped(&module.checkpoint, name, *kind)? {
+                    tch::no_grad(|| var.shallow_clone().set_data(&value));
+                    module.maps.lock().unwrap_or_else(|e| e.into_inner()).push(map);
+                    continue;
+                }
+            }
             let value = module.checkpoint.read(name)?.to_kind(*kind).to_device(device);
             tch::no_grad(|| var.shallow_clone().set_data(&value));
         }
@@ -56,6 +69,8 @@ impl Dispatch {
         for (_, var, _) in &module.vars {
             release(var)?;
         }
+        // Nothing points into the pages any more: unmap them.
+        module.maps.lock().unwrap_or_else(|e| e.into_inner()).clear();
         // The accelerator keeps freed memory for the next training step; here the next
         // module is another one, so what this one held goes back to the kernel.
         accel_core::heap::release_free_memory();
@@ -66,6 +81,37 @@ impl Dispatch {
     pub(crate) fn device(&self, prefix: &str) -> Option<Device> {
         self.devices.get(prefix).copied()
     }
+}
+
+/// Tensor `name` of `checkpoint` as its file's pages, mapped read-only, and the mapping
+/// (which must outlive every use of the tensor); `None` where it cannot be used as it lies
+/// (another dtype than `kind`, no bytes, or misaligned for its dtype).
+fn mapped(
+    checkpoint: &HfCheckpoint,
+    name: &str,
+    kind: Kind,
+) -> Result<Option<(Tensor, memmap2::Mmap)>> {
+    let (path, start, stored, shape) = checkpoint.location(name)?;
+    let elt = stored.elt_size_in_bytes();
+    let bytes = shape.iter().product::<i64>() as usize * elt;
+    if stored != kind || bytes == 0 || start % elt as u64 != 0 {
+        return Ok(None);
+    }
+    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: the offload files and the checkpoint are not written while the model runs (the
+    // folder is the run's own; a checkpoint changed under a running model is refused by no
+    // one, as with `safe_open`). `populate` faults the pages in at once.
+    let map = unsafe { memmap2::MmapOptions::new().offset(start).len(bytes).populate().map(&file) }
+        .with_context(|| format!("mapping `{name}` from {}", path.display()))?;
+    let mut strides = vec![1i64; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * shape[d + 1];
+    }
+    // SAFETY: `map` holds exactly the tensor's `bytes`, aligned for its dtype (the file offset
+    // is, and mappings start on a page); the tensor is read only (inference, no gradients) and
+    // the caller keeps `map` until nothing uses the tensor.
+    let tensor = unsafe { Tensor::f_from_blob(map.as_ptr(), shape, &strides, kind, Device::Cpu)? };
+    Ok(Some((tensor, map)))
 }
 
 /// `var` without memory (its shape kept), until a fetch fills it.
@@ -267,7 +313,10 @@ impl Llama {
                 release_as(&var, kind)?;
                 kept.push((name, var, kind));
             }
-            dispatch.offloaded.insert(module, Offloaded { checkpoint: source, vars: kept });
+            dispatch.offloaded.insert(
+                module,
+                Offloaded { checkpoint: source, vars: kept, maps: Mutex::default() },
+            );
         }
         model.dispatch = Some(dispatch);
         Ok(model)
