@@ -94,6 +94,25 @@ const PROGRAMS: &[(&str, Outcome)] = &[
             two: "computed the same loss",
         },
     ),
+    ("tch011_gradient_descent", FailsOnTwo { says: "computed the same loss", line: None }),
+    (
+        "tch011_gradient_descent_clip_norm",
+        FailsOnTwo { says: "computed the same loss", line: None },
+    ),
+    (
+        "tch011_layer_norm_parameters",
+        FailsEverywhere {
+            one: "created after the optimizer was built",
+            two: "computed the same loss",
+        },
+    ),
+    (
+        "tch011_param_group_weight_decay",
+        FailsEverywhere {
+            one: "created after the optimizer was built",
+            two: "computed the same loss",
+        },
+    ),
     (
         "tch011_custom_optimizer",
         Refused { line: 215, says: "is not an optimizer the accelerator can prepare" },

@@ -547,9 +547,13 @@ impl Llama {
     /// positions 0..T-1 against the ids at 1..T, in fp32.
     pub fn loss(logits: &Tensor, input_ids: &Tensor) -> Tensor {
         let (b, t, v) = (logits.size()[0], logits.size()[1], logits.size()[2]);
-        let logits = logits.narrow(1, 0, t - 1).to_kind(Kind::Float).reshape([b * (t - 1), v]);
-        let targets = input_ids.narrow(1, 1, t - 1).reshape([b * (t - 1)]);
-        logits.cross_entropy_for_logits(&targets)
+        // As transformers' `ForCausalLMLoss`: the labels shifted left with the ignored index
+        // after the last, so the logits are taken whole as a view — cutting off their last
+        // position instead would copy all B×T×V of them, and their gradient again.
+        let ignored = input_ids.narrow(1, 0, 1).full_like(-100);
+        let targets = Tensor::cat(&[input_ids.narrow(1, 1, t - 1), ignored], 1).reshape([b * t]);
+        let logits = logits.to_kind(Kind::Float).reshape([b * t, v]);
+        logits.cross_entropy_loss::<Tensor>(&targets, None, tch::Reduction::Mean, -100, 0.0)
     }
 }
 
