@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=target/gpu-check
-examples=(train parity char_lm lm_bench memory_bench)
+examples=(train parity char_lm lm_bench memory_bench llama)
 cargo build --release -p accel-core --bin accel -p accel-examples "${examples[@]/#/--example=}"
 tests=$(cargo test --release -p accel-core --lib --no-run --message-format json |
   .venv/bin/python -c 'import json, sys
@@ -22,4 +22,6 @@ cp "$tests" "$out/bin/accel_core_tests"
 strip "$out"/bin/*
 .venv/bin/python python/reference/parity_accelerate.py make --n 45 --d 10 --hidden 16,16 \
   --classes 3 --seed 0 --init "$out/W.safetensors" --data "$out/D.safetensors"
+# A small Llama checkpoint (transformers' own classes) for generation by a device map.
+.venv/bin/python python/reference/hf_families.py make --variant llama --out "$out/llama-small"
 du -sh "$out"

@@ -138,6 +138,31 @@ bf16_parameters() {
 }
 check "zero3 with bf16 parameters on $dev:0 near bf16 DDP (1e-2)" bf16_parameters
 
+# Big-model inference: a small Llama generating by a device map that puts the embedding and
+# its first layer on the GPU, the other layers in main memory (brought to the GPU as each
+# runs) and the norm and head on the disk; its greedy tokens equal the whole model's on the
+# CPU. (A dry run maps "cpu" where the GPU would be.)
+generate_by_map() {
+  local gpu=0
+  [ "$dry" = 1 ] && gpu='"cpu"'
+  local args=(generate --model "$dir/llama-small" --prompt-ids 1,5,9,13 --max-new-tokens 8)
+  local map="{\"model.embed_tokens\": $gpu, \"model.layers.0\": $gpu, \"model.layers\": \"cpu\",
+    \"model.norm\": \"disk\", \"model.rotary_emb\": \"disk\", \"lm_head\": \"disk\"}"
+  local whole mapped
+  whole=$("$bin/llama" "${args[@]}" 2>"$out/generate-whole.log") || { cat "$out/generate-whole.log"; return 1; }
+  mapped=$("$bin/llama" "${args[@]}" --device-map "$map" --offload-folder "$out/offload" \
+    2>"$out/generate-map.log") || { cat "$out/generate-map.log"; return 1; }
+  echo "whole on the CPU: $whole"
+  echo "by the map:       $mapped"
+  [ -n "$whole" ] && [ "$whole" = "$mapped" ]
+}
+if [ -x "$bin/llama" ] && [ -f "$dir/llama-small/config.json" ]; then
+  check "generation by a device map over $dev:0, the CPU and the disk = the whole model" \
+    generate_by_map
+else
+  skip "generation by a device map" "no $bin/llama or $dir/llama-small"
+fi
+
 if [ "$gpus" -ge 2 ]; then
   check "parity on CPU, DDP on $gpus processes (the reference)" \
     parity "cpu-$gpus" --num-processes "$gpus" --cpu --

@@ -1436,11 +1436,13 @@ fn gpu_check_runs_end_to_end_as_a_cpu_dry_run() {
     let bin = dir.join("bin");
     std::fs::create_dir_all(&bin).unwrap();
     std::os::unix::fs::symlink(build_dir().join("accel"), bin.join("accel")).unwrap();
-    for name in ["train", "parity", "char_lm", "lm_bench", "memory_bench"] {
+    for name in ["train", "parity", "char_lm", "lm_bench", "memory_bench", "llama"] {
         std::os::unix::fs::symlink(example(name), bin.join(name)).unwrap();
     }
     let (w, d) = make_weights_and_data(&dir, 0);
     assert!(w.exists() && d.exists());
+    let small = dir.join("llama-small");
+    hf_families(&["make", "--variant", "llama", "--out", small.to_str().unwrap()]);
     let output = Command::new("bash")
         .arg(root().join("scripts/gpu-check.sh"))
         .arg("--cpu-dry-run")
@@ -1459,6 +1461,7 @@ fn gpu_check_runs_end_to_end_as_a_cpu_dry_run() {
         "PASS  the main job on cpu:0 in bf16",
         "PASS  zero3 at world size 1 through the CPU communicator on cpu:0 = CPU (1e-4)",
         "PASS  zero3: step time and peak memory beside PyTorch",
+        "PASS  generation by a device map over cpu:0, the CPU and the disk = the whole model",
         "zero3 on 1 device(s): step",
         "GPT width 64, bf16, 1 cpu: accel",
     ] {
