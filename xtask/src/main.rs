@@ -116,6 +116,7 @@ fn test(rest: &[OsString]) -> Result<(), String> {
     // The crates as crates.io would take them: packaged in dependency order (versions on the
     // path dependencies, the `include` lists), each then built from its package alone.
     eprintln!("xtask: packaging accel-choices, accel-macros, accel-core and accel-models");
+    forget_unpacked_packages()?;
     run(cargo_command(&["package", "--allow-dirty", "--quiet"], &[])
         .args(["-p", "accel-choices", "-p", "accel-macros", "-p", "accel-core"])
         .args(["-p", "accel-models"])
@@ -125,6 +126,59 @@ fn test(rest: &[OsString]) -> Result<(), String> {
     run(cargo_command(&["doc", "--no-deps", "--workspace", "--quiet"], &[])
         .env("RUSTDOCFLAGS", "-D warnings")
         .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only"))
+}
+
+/// Removes what cargo kept of this workspace's packages from an earlier `cargo package`.
+/// Verifying a package takes its workspace dependencies from a local registry of the packages
+/// just made, and cargo treats a registry crate of a given version as never changing: it
+/// unpacks it under `$CARGO_HOME/registry/src/-<hash>/NAME-VERSION` once, and its build in
+/// `target/` (a fingerprint listing no source files) stays fresh for ever. A later run with
+/// the same version would build accel-models against the old accel-core and fail for no fault
+/// of the code.
+fn forget_unpacked_packages() -> Result<(), String> {
+    let ours = ["accel-choices-", "accel-macros-", "accel-core-", "accel-models-"];
+    for profile in ["debug", "release"] {
+        let Ok(dirs) = std::fs::read_dir(root().join("target").join(profile).join(".fingerprint"))
+        else {
+            continue;
+        };
+        for dir in dirs.flatten() {
+            let name = dir.file_name().to_string_lossy().into_owned();
+            if !ours.iter().any(|p| name.starts_with(p)) {
+                continue;
+            }
+            // A build from a path lists its source files; one from a registry lists none.
+            let from_registry =
+                std::fs::read_dir(dir.path()).into_iter().flatten().flatten().any(|f| {
+                    f.file_name().to_string_lossy().starts_with("dep-lib-")
+                        && f.metadata().is_ok_and(|m| m.len() <= 16)
+                });
+            if from_registry {
+                std::fs::remove_dir_all(dir.path())
+                    .map_err(|e| format!("removing {}: {e}", dir.path().display()))?;
+            }
+        }
+    }
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")));
+    let Some(src) = home.map(|h| h.join("registry/src")) else { return Ok(()) };
+    let Ok(registries) = std::fs::read_dir(&src) else { return Ok(()) };
+    for registry in registries.flatten() {
+        // Local registries' folders are named `-<hash>`; crates.io's is `index.crates.io-..`.
+        if !registry.file_name().to_string_lossy().starts_with('-') {
+            continue;
+        }
+        let Ok(packages) = std::fs::read_dir(registry.path()) else { continue };
+        for package in packages.flatten() {
+            let name = package.file_name().to_string_lossy().into_owned();
+            if ours.iter().any(|p| name.starts_with(p)) {
+                std::fs::remove_dir_all(package.path())
+                    .map_err(|e| format!("removing {}: {e}", package.path().display()))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 pub(crate) fn cargo(args: &[&str], rest: &[OsString]) -> Result<(), String> {

@@ -6,7 +6,7 @@
 //! - [`autocast`]: CPU/CUDA autocast with a chosen dtype, as a guard;
 //! - [`free_storage`] / [`allocate_storage`]: release and re-create a tensor's memory while
 //!   its views stay valid objects (ZeRO-3 parameters between uses);
-//! - [`cuda`]: CUDA streams and events, `record_stream`, peak memory (what the NCCL
+//! - [`cuda_runtime`]: CUDA streams and events, `record_stream`, peak memory (what the NCCL
 //!   communicator orders its work with);
 //! - [`fused_adamw`], [`fused_adam`], [`fused_sgd`]: ATen's fused optimizer kernels;
 //! - [`amp_unscale`]: GradScaler's fused inf/NaN check and unscale;
