@@ -54,3 +54,16 @@ pub use llama::{
     Attention, Family, Generated, GenerationConfig, Init, KvCache, Llama, LlamaConfig, Rope,
 };
 pub use lora::{LoraConfig, LoraInit};
+
+/// `parse` of the text of file `name` in `dir` (a config.json), errors naming the file.
+fn read_config<T>(
+    dir: &std::path::Path,
+    name: &str,
+    parse: impl FnOnce(&str) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    use anyhow::Context;
+    let path = dir.join(name);
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    parse(&text).with_context(|| format!("{}", path.display()))
+}

@@ -45,10 +45,7 @@ impl LoraConfig {
 
     /// Reads `dir/adapter_config.json` as PEFT 0.21 writes it.
     pub fn read(dir: &Path) -> Result<Self> {
-        let path = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("reading {}", path.display()))?;
-        Self::parse(&text).with_context(|| format!("{}", path.display()))
+        crate::read_config(dir, "adapter_config.json", Self::parse)
     }
 
     /// [`LoraConfig::read`] of the text of an adapter_config.json.

@@ -288,10 +288,7 @@ fn need_i64(map: &Json, key: &str) -> Result<i64> {
 impl LlamaConfig {
     /// Reads `dir/config.json` and checks that this model computes what it describes.
     pub fn read(dir: &Path) -> Result<Self> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("reading {}", path.display()))?;
-        Self::parse(&text).with_context(|| format!("{}", path.display()))
+        crate::read_config(dir, "config.json", Self::parse)
     }
 
     /// [`LlamaConfig::read`] of the text of a config.json.

@@ -20,7 +20,7 @@ use accel_core::HfCheckpoint;
 use anyhow::{Context, Result, bail};
 use tch::{Device, Kind, Tensor};
 
-use super::{Init, Llama, LlamaConfig};
+use super::{Llama, LlamaConfig};
 use crate::device_map::{DeviceMap, Module, Place};
 
 /// A module whose weights wait on the disk: its variables (released between uses) and the
@@ -70,10 +70,15 @@ impl Dispatch {
             release(var)?;
         }
         // Nothing points into the pages any more: unmap them.
-        module.maps.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        // The accelerator keeps freed memory for the next training step; here the next
-        // module is another one, so what this one held goes back to the kernel.
-        accel_core::heap::release_free_memory();
+        let mut maps = module.maps.lock().unwrap_or_else(|e| e.into_inner());
+        let read = module.vars.len() - maps.len();
+        maps.clear();
+        // What was read rather than mapped lies on the heap: the accelerator keeps freed memory
+        // for the next training step, but here the next module is another one, so it goes
+        // back to the kernel.
+        if read > 0 {
+            accel_core::heap::release_free_memory();
+        }
         Ok(())
     }
 
@@ -239,9 +244,7 @@ impl Llama {
         kind: Kind,
     ) -> Result<Self> {
         let dir = dir.as_ref();
-        let config = LlamaConfig::read(dir)?;
-        let mut model = Self::new(acc, &vs.root(), &config, Init::Uninit);
-        model.check_checkpoint(vs, dir)?;
+        let mut model = Self::unloaded(acc, vs, dir)?;
         let checkpoint = HfCheckpoint::open(dir)?;
         let compute = map
             .places()

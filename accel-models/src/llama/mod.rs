@@ -389,6 +389,14 @@ impl Llama {
         }
     }
 
+    /// The model of folder `dir`'s config.json, its variables in `vs` without memory, checked
+    /// against the checkpoint's names and shapes: what every loading path starts from.
+    fn unloaded(acc: &accel_core::Accelerator, vs: &tch::nn::VarStore, dir: &Path) -> Result<Self> {
+        let model = Self::new(acc, &vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
+        model.check_checkpoint(vs, dir)?;
+        Ok(model)
+    }
+
     /// The model of Hugging Face folder `dir` (config.json, `model.safetensors` or an index
     /// and its shards), its variables in `vs`, prepared by `acc` for training: under zero3
     /// each process reads only its shards' bytes. The family comes from config.json; what
@@ -400,8 +408,7 @@ impl Llama {
         dir: impl AsRef<Path>,
     ) -> Result<Self> {
         let dir = dir.as_ref();
-        let model = Self::new(acc, &vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
-        model.check_checkpoint(vs, dir)?;
+        let model = Self::unloaded(acc, vs, dir)?;
         acc.prepare_model_from_checkpoint(vs, dir)?;
         Ok(model)
     }
@@ -417,8 +424,7 @@ impl Llama {
         dir: impl AsRef<Path>,
     ) -> Result<Self> {
         let dir = dir.as_ref();
-        let model = Self::new(acc, &vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
-        model.check_checkpoint(vs, dir)?;
+        let model = Self::unloaded(acc, vs, dir)?;
         vs.freeze();
         acc.prepare_model_from_checkpoint(vs, dir)?;
         Ok(model)
@@ -432,8 +438,7 @@ impl Llama {
         dir: impl AsRef<Path>,
     ) -> Result<Self> {
         let dir = dir.as_ref();
-        let model = Self::new(acc, &vs.root(), &LlamaConfig::read(dir)?, Init::Uninit);
-        model.check_checkpoint(vs, dir)?;
+        let model = Self::unloaded(acc, vs, dir)?;
         acc.load_checkpoint_in_model(vs, dir)?;
         Ok(model)
     }

@@ -19,9 +19,9 @@ pub(crate) use overhead::overhead_bench;
 pub(crate) use scale::scale_bench;
 pub(crate) use speed::bench;
 
-/// Runs a memory benchmark command of `n` processes; returns each rank's JSON object (as
-/// text: ranks print concurrently, so objects may share a line).
-fn rank_results(command: &mut Command, n: usize) -> Result<Vec<String>, String> {
+/// Runs `command` and returns what it printed on stdout; an error with both outputs if it
+/// fails.
+fn stdout_of(command: &mut Command) -> Result<String, String> {
     let output = command.output().map_err(|e| format!("cannot run {command:?}: {e}"))?;
     let text = String::from_utf8_lossy(&output.stdout).into_owned();
     if !output.status.success() {
@@ -30,6 +30,13 @@ fn rank_results(command: &mut Command, n: usize) -> Result<Vec<String>, String> 
             String::from_utf8_lossy(&output.stderr)
         ));
     }
+    Ok(text)
+}
+
+/// Runs a memory benchmark command of `n` processes; returns each rank's JSON object (as
+/// text: ranks print concurrently, so objects may share a line).
+fn rank_results(command: &mut Command, n: usize) -> Result<Vec<String>, String> {
+    let text = stdout_of(command)?;
     let objects: Vec<String> = text
         .split('{')
         .filter(|o| o.contains("\"peak_bytes\""))

@@ -11,14 +11,7 @@ use crate::{cargo, root};
 
 /// Runs `command` and returns its `samples_per_s=` and `peak_rss_mib=` figures.
 fn mlp_figures(command: &mut Command) -> Result<Figures, String> {
-    let output = command.output().map_err(|e| format!("cannot run {command:?}: {e}"))?;
-    let text = String::from_utf8_lossy(&output.stdout).into_owned();
-    if !output.status.success() {
-        return Err(format!(
-            "{command:?} failed:\n{text}{}",
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
+    let text = super::stdout_of(command)?;
     let figure = |key: &str| -> Result<f64, String> {
         text.split_whitespace()
             .find_map(|w| w.strip_prefix(key))
@@ -413,18 +406,11 @@ fn compile_time_row(report: &mut Report) -> Result<(), String> {
 
 /// `accel bench allreduce` on 2 processes beside gloo; its lines go into the report as printed.
 fn allreduce_rows(report: &mut Report, accel: &Path) -> Result<(), String> {
-    let output = Command::new(accel)
-        .args(["bench", "allreduce", "--num-processes", "2", "--main-process-port", "0"])
-        .args(["--sizes", "1MiB,4MiB,16MiB,64MiB", "--compare-gloo"])
-        .output()
-        .map_err(|e| format!("cannot run accel bench allreduce: {e}"))?;
-    let text = String::from_utf8_lossy(&output.stdout).into_owned();
-    if !output.status.success() {
-        return Err(format!(
-            "accel bench allreduce failed:\n{text}{}",
-            String::from_utf8_lossy(&output.stderr)
-        ));
-    }
+    let text = super::stdout_of(
+        Command::new(accel)
+            .args(["bench", "allreduce", "--num-processes", "2", "--main-process-port", "0"])
+            .args(["--sizes", "1MiB,4MiB,16MiB,64MiB", "--compare-gloo"]),
+    )?;
     for line in text.lines() {
         report.say(line);
     }
