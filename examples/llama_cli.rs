@@ -10,7 +10,7 @@
 //! Fine-tune:  accel launch --num-processes 2 target/debug/examples/llama --model DIR \
 //!                 --data TOKENS.safetensors --steps 10 --batch-size 2 --lr 1e-3 \
 //!                 --weight-decay 0.01 --out DIR2 --losses losses.jsonl --strategy zero3 \
-//!                 [--precision bf16] [--activation-checkpointing]
+//!                 [--precision bf16] [--activation-checkpointing] [--optimizer-in-backward]
 //!
 //! `TOKENS.safetensors` holds `input_ids` (int64 [N, T]). The fine-tune uses AdamW (betas
 //! 0.9/0.999, eps 1e-8) on the rows in order, dealt as Accelerate's prepared DataLoader deals
@@ -82,6 +82,10 @@ struct Args {
     /// Recompute each decoder layer in backward instead of keeping its activations.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Apply each layer's AdamW update inside backward and drop its gradient shard at once
+    /// (zero2/zero3).
+    #[arg(long)]
+    optimizer_in_backward: bool,
     /// How attention is computed: `sdpa` (fused, transformers' default) or `eager`.
     #[arg(long, default_value = "sdpa")]
     attention: Attention,
@@ -158,8 +162,9 @@ fn main() -> Result<()> {
         return generate::run(std::iter::once(program).chain(words.skip(1)));
     }
     let args = Args::parse();
-    let mut builder =
-        Accelerator::builder().activation_checkpointing(args.activation_checkpointing);
+    let mut builder = Accelerator::builder()
+        .activation_checkpointing(args.activation_checkpointing)
+        .optimizer_in_backward(args.optimizer_in_backward);
     if let Some(strategy) = args.strategy {
         builder = builder.strategy(strategy);
     }

@@ -70,6 +70,9 @@ struct Args {
     /// Clip the global gradient norm (0: off).
     #[arg(long, default_value_t = 0.0)]
     clip_grad_norm: f64,
+    /// Apply each unit's update inside backward (zero2/zero3).
+    #[arg(long)]
+    optimizer_in_backward: bool,
     /// Split each batch across processes instead of dealing whole batches.
     #[arg(long)]
     split_batches: bool,
@@ -138,6 +141,7 @@ fn accelerator(args: &Args) -> Result<Accelerator> {
         .fp32_gathers(args.fp32_gathers)
         .tensor_parallel(args.tensor_parallel)
         .pipeline_parallel(args.pipeline_parallel)
+        .optimizer_in_backward(args.optimizer_in_backward)
         .cpu(args.device != "cuda");
     if let Some(strategy) = args.strategy {
         builder = builder.strategy(strategy);

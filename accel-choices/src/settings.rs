@@ -93,6 +93,13 @@ macro_rules! settings {
             /// Accelerate's `DistributedDataParallelKwargs`; zero2/zero3 too).
             find_unused_parameters: required bool = false,
                 env "ACCEL_FIND_UNUSED_PARAMETERS", attribute yes, builder yes;
+            /// Apply the optimizer's update inside backward, each unit's as soon as its
+            /// gradient shard is reduced, and free that gradient at once (torchtune's
+            /// `optimizer_in_bwd`): no process ever holds the gradients of the whole model.
+            /// zero2, zero3, fsdp and hybrid_shard; not with accumulate > 1, clip_grad_norm,
+            /// fp16 or model parallelism, and one prepared optimizer.
+            optimizer_in_backward: required bool = false,
+                env "ACCEL_OPTIMIZER_IN_BACKWARD", attribute yes, builder yes;
             /// The trackers `init_trackers` starts (Accelerate's `log_with`), comma-separated.
             log_with: required ::std::vec::Vec<$crate::LogWith> = ::std::vec::Vec::new(),
                 env "ACCEL_LOG_WITH", attribute yes, builder no;

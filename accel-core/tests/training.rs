@@ -715,3 +715,40 @@ fn a_deepspeed_json_config_file_sets_the_run() {
         "{err}"
     );
 }
+
+/// `optimizer_in_backward` on one process (zero3 there is one process's training, with a
+/// hook per parameter): the update is applied inside backward and the gradients dropped;
+/// what would need them afterwards, or would apply one twice, is refused by name.
+#[test]
+fn the_update_inside_backward_is_applied_there_and_misuse_is_refused() {
+    let _serial = serial();
+    let acc = Accelerator::builder()
+        .cpu(true)
+        .strategy(accel_core::Strategy::Zero3)
+        .optimizer_in_backward(true)
+        .build()
+        .unwrap();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = nn::linear(vs.root() / "lin", 4, 2, Default::default());
+    acc.prepare_model(&vs).unwrap();
+    let config = SgdConfig { lr: 0.1, ..Default::default() };
+    let mut opt = acc.prepare_optimizer(Sgd::new(named_params(&vs), config).unwrap());
+    let x = Tensor::ones([3, 4], (Kind::Float, Device::Cpu));
+    let loss = || net.forward(&x).square().mean(Kind::Float);
+    let before = net.ws.copy();
+    let expected = {
+        let l = loss();
+        let grad = Tensor::run_backward(&[l], &[&net.ws], false, false).remove(0);
+        &before - grad * 0.1
+    };
+    acc.backward(&loss()).unwrap();
+    assert!(!net.ws.grad().defined(), "the gradient was kept");
+    let diff = (&net.ws - &expected).abs().max().double_value(&[]);
+    assert!(diff < 1e-7, "the update inside backward differs from SGD's by {diff}");
+    let err = opt.clip_grad_norm(1.0).unwrap_err().to_string();
+    assert!(err.contains("nothing left to clip"), "{err}");
+    let err = opt.zero_grad().unwrap_err().to_string();
+    assert!(err.contains("zero_grad() after a backward but before"), "{err}");
+    let err = acc.backward(&loss()).unwrap_err().to_string();
+    assert!(err.contains("got a second gradient before the optimizer's step()"), "{err}");
+}

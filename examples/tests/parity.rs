@@ -324,6 +324,52 @@ fn every_zero_stage_trains_to_the_same_weights_as_ddp_on_2_and_3_processes() {
     }
 }
 
+/// `optimizer_in_backward`: each unit's update applied inside backward, its gradient shard
+/// dropped at once. Under zero2 and zero3, with plain SGD (which sees the gradients' scale)
+/// and AdamW, on 2 processes: equal to the ordinary step on 2 processes, and to 1 process
+/// with twice the batch (whose own in-backward update, a hook per parameter, equals its
+/// ordinary step too).
+#[test]
+fn the_update_inside_backward_equals_the_ordinary_step_on_1_and_2_processes() {
+    let dir = scratch("in-backward");
+    let (w, d) = make_weights_and_samples(&dir, 3, "16,16", 48);
+    let train = |n: usize, strategy: &str, optimizer: &str, in_backward: bool| {
+        let tag = format!("{strategy}-{optimizer}-{n}-{in_backward}");
+        let out = dir.join(format!("{tag}.safetensors"));
+        let batch = (8 / n).to_string();
+        let mut program = vec![example("parity")];
+        program.extend(
+            ["--init", w.to_str().unwrap(), "--data", d.to_str().unwrap(), "--hidden", "16,16"]
+                .into_iter()
+                .chain(["--optimizer", optimizer, "--lr", "5e-2", "--batch-size", &batch])
+                .chain(["--epochs", "2", "--strategy", strategy, "--out", out.to_str().unwrap()])
+                .chain(["--losses", dir.join(format!("{tag}.jsonl")).to_str().unwrap()])
+                .map(String::from),
+        );
+        if in_backward {
+            program.push("--optimizer-in-backward".into());
+        }
+        launch(n, program);
+        read_weights(&out)
+    };
+    let init = read_weights(&w);
+    for optimizer in ["sgd", "adamw"] {
+        let one = train(1, "zero3", optimizer, false);
+        assert!(max_diff(&init, &one) > 1e-3, "{optimizer}: nothing trained");
+        let one_in_backward = train(1, "zero3", optimizer, true);
+        let diff = max_diff(&one, &one_in_backward);
+        assert!(diff <= 1e-6, "{optimizer}, 1 process: in backward differs by {diff}");
+        for strategy in ["zero2", "zero3"] {
+            let ordinary = train(2, strategy, optimizer, false);
+            let in_backward = train(2, strategy, optimizer, true);
+            let diff = max_diff(&ordinary, &in_backward);
+            assert!(diff <= 1e-6, "{strategy}, {optimizer}: in backward differs by {diff}");
+            let diff = max_diff(&one, &in_backward);
+            assert!(diff <= 1e-6, "{strategy}, {optimizer}: 2 processes differ from 1 by {diff}");
+        }
+    }
+}
+
 /// A group of one (`ACCEL_GROUP_OF_ONE=1`, how scripts/gpu-check.sh puts every strategy
 /// through NCCL on a machine with one GPU): the strategy runs over a real process group of
 /// one process, says so, and trains exactly as one process does without any.

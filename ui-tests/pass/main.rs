@@ -59,6 +59,7 @@ shapes!(
     vec_iter_enumerate_accumulate_by_hand,
     zero1_sgd_nesterov,
     zero2_clip_and_set_lr,
+    zero3_optimizer_in_backward_sgd,
     zip_of_two_iterators,
 );
 

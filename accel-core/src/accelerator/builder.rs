@@ -292,6 +292,7 @@ impl AcceleratorBuilder {
             ddp.allow_unused = true;
             sharding.allow_unused = true;
         }
+        sharding.step_in_backward = config.optimizer_in_backward;
         if sharding.units.is_none() && sharding.min_unit_params.is_none() {
             match config.wrap {
                 crate::config::Wrap::Layers => {}

@@ -211,6 +211,14 @@ impl<O: DriveOptimizer> Driven<'_, O> {
                 self.accelerator.mesh().dims()
             )));
         }
+        if self.accelerator.config().optimizer_in_backward {
+            return Err(Error::Unsupported(format!(
+                "{} is kept outside the #[accelerate] function (a field or an argument), so its \
+                 update cannot be applied inside backward (optimizer_in_backward = true): build \
+                 the optimizer in the function, or set optimizer_in_backward = false",
+                self.optimizer.name()
+            )));
+        }
         if !strategy.steps_whole_parameters() {
             return Err(Error::Unsupported(format!(
                 "{} is kept outside the #[accelerate] function (a field or an argument), so it \
@@ -416,6 +424,9 @@ impl Lent {
         }
         if let Some(max) = config.clip_grad_norm {
             needs.push(format!("clipping (clip_grad_norm = {max})"));
+        }
+        if config.optimizer_in_backward {
+            needs.push("the update inside backward (optimizer_in_backward)".to_owned());
         }
         if !needs.is_empty() {
             return Err(Error::Training(format!(

@@ -31,6 +31,12 @@ pub(crate) struct Slot {
     /// trainable variables then: tch's own optimizer adds variables created later at its
     /// next step; a prepared one cannot, so a step refuses them by name.
     store: Option<(Arc<Mutex<tch::nn::Variables>>, usize)>,
+    /// `optimizer_in_backward`: the strategy applies the update inside backward
+    /// ([`Slot::apply_ready`]); the step applies nothing more.
+    in_backward: bool,
+    /// Under it, the parameters (by tensor id) updated since the last `step()`: a second
+    /// gradient before it is refused, as the ordinary step would have summed the two.
+    updated: std::collections::BTreeSet<usize>,
 }
 
 impl Slot {
@@ -45,6 +51,53 @@ impl Slot {
     pub(crate) fn plan(&self) -> &dyn OptimizerPlan {
         self.plan.as_deref().unwrap_or(&Replicated)
     }
+
+    /// Under `optimizer_in_backward`: the update of every parameter whose gradient is
+    /// ready, those gradients then dropped (what the strategy calls inside backward).
+    fn apply_ready(&mut self) -> Result<()> {
+        let params = self.optimizer.params();
+        let ready: Vec<(usize, &Tensor)> =
+            params.iter().enumerate().filter(|(_, p)| p.grad().defined()).collect();
+        if ready.is_empty() {
+            return Ok(());
+        }
+        for &(i, p) in &ready {
+            if self.updated.contains(&crate::shim::tensor_id(p)?) {
+                let name = self.optimizer.param_names().swap_remove(i);
+                return Err(Error::Training(format!(
+                    "optimizer_in_backward: `{name}` got a second gradient before the \
+                     optimizer's step(): its update is applied inside each backward, so two \
+                     backward passes per step (or a step() left out) would apply two updates \
+                     where the ordinary step applies one of their sum. Call step() after \
+                     every backward, or set optimizer_in_backward = false"
+                )));
+            }
+        }
+        self.optimizer.prepared_step()?;
+        for (_, p) in ready {
+            self.updated.insert(crate::shim::tensor_id(p)?);
+            crate::shim::set_grad(p, None)?;
+        }
+        Ok(())
+    }
+}
+
+/// What the strategy calls inside backward under `optimizer_in_backward`: the update of
+/// the optimizer in `slot` ([`Slot::apply_ready`]).
+fn update_in_backward(slot: std::sync::Weak<Mutex<Slot>>) -> crate::strategy::UpdateInBackward {
+    Arc::new(move || {
+        let Some(slot) = slot.upgrade() else { return Ok(()) };
+        // Never a wait: the only holder while backward runs would be this thread, in a
+        // backward started from inside the optimizer's own step.
+        let Ok(mut slot) = slot.try_lock() else {
+            return Err(Error::Training(
+                "optimizer_in_backward: the optimizer was busy when backward applied its \
+                 update (a backward run from inside its step?)"
+                    .into(),
+            ));
+        };
+        slot.apply_ready()
+    })
 }
 
 /// A prepared optimizer's part in the step sequence (`Accelerator::optimizer_step`): its
@@ -65,6 +118,12 @@ impl StepTarget for Slot {
     }
 
     fn update(&mut self) -> Result<()> {
+        if self.in_backward {
+            // Applied inside backward already; whatever is left (nothing, normally).
+            self.apply_ready()?;
+            self.updated.clear();
+            return Ok(());
+        }
         self.optimizer.prepared_step()
     }
 
@@ -134,8 +193,22 @@ impl AcceleratedOptimizer {
             trainable,
             membership_checked: false,
             store: None,
+            in_backward: false,
+            updated: Default::default(),
         };
-        Self { slot: Arc::new(Mutex::new(slot)), accelerator: Arc::downgrade(inner) }
+        let slot = Arc::new(Mutex::new(slot));
+        {
+            let update = update_in_backward(Arc::downgrade(&slot));
+            let mut guard = slot.locked();
+            let slot = &mut *guard;
+            if let Some(plan) = &mut slot.plan {
+                match plan.update_in_backward(&update) {
+                    Ok(on) => slot.in_backward = on,
+                    Err(e) => slot.deferred = Some(e.to_string()),
+                }
+            }
+        }
+        Self { slot, accelerator: Arc::downgrade(inner) }
     }
 
     /// Remembers that this optimizer was built over every trainable variable of `vs` as it
@@ -262,7 +335,9 @@ impl AcceleratedOptimizer {
         if !accelerator.sync_gradients() {
             return Ok(());
         }
-        accelerator.clip_value(&*self.lock(), max)
+        let slot = self.lock();
+        refuse_clipping(&slot, "clip_grad_value")?;
+        accelerator.clip_value(&*slot, max)
     }
 
     /// Whether the last sync step was skipped because of inf/NaN gradients (fp16).
@@ -283,7 +358,9 @@ impl AcceleratedOptimizer {
         if !accelerator.sync_gradients() {
             return Ok(0.0);
         }
-        accelerator.clip_norm(&*self.lock(), max_norm)
+        let slot = self.lock();
+        refuse_clipping(&slot, "clip_grad_norm")?;
+        accelerator.clip_norm(&*slot, max_norm)
     }
 
     /// The optimizer step (on sync steps only), by the accelerator's one step sequence
@@ -314,9 +391,33 @@ impl AcceleratedOptimizer {
     pub fn zero_grad(&mut self) -> Result<()> {
         let accelerator = self.accelerator()?;
         let mut slot = self.lock();
+        if !slot.updated.is_empty() {
+            // The gradients this would throw away were applied inside backward already.
+            return Err(Error::Training(
+                "optimizer_in_backward: zero_grad() after a backward but before the optimizer's \
+                 step(): that backward's gradients were applied inside it already, so they \
+                 cannot be thrown away (code that discards gradients, such as a GAN's \
+                 discriminator stepping on the generator's loss, needs the ordinary step: set \
+                 optimizer_in_backward = false)"
+                    .into(),
+            ));
+        }
         let gradients = slot.gradients();
         accelerator.zero_grads(&gradients, || slot.optimizer.zero_grad())
     }
+}
+
+/// Clipping after backward under `optimizer_in_backward`, where the gradients were applied
+/// and dropped inside it: an error instead of a clip of nothing.
+fn refuse_clipping(slot: &Slot, what: &str) -> Result<()> {
+    if !slot.in_backward {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "{what} after backward under optimizer_in_backward: each gradient was applied and \
+         dropped inside backward, so there is nothing left to clip. Leave out the clipping, or \
+         set optimizer_in_backward = false"
+    )))
 }
 
 /// An error naming the trainable variables `variables` gained after an optimizer was built

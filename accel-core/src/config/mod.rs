@@ -325,8 +325,61 @@ impl PartialConfig {
                 )));
             }
         }
+        if config.optimizer_in_backward {
+            check_optimizer_in_backward(&config)?;
+        }
         Ok(config)
     }
+}
+
+/// What `optimizer_in_backward` cannot go with: each unit's update is applied as its
+/// gradient arrives, so nothing may need every gradient first, or keep one for later.
+fn check_optimizer_in_backward(config: &Config) -> Result<()> {
+    let refuse = |why: String| {
+        Err(Error::Config(format!(
+            "optimizer_in_backward = true {why}; set optimizer_in_backward = false for it \
+             (the ordinary step, after backward)"
+        )))
+    };
+    if !config.strategy.shards() {
+        return refuse(format!(
+            "applies each unit's update as its gradient shard is reduced: it needs zero2, \
+             zero3, fsdp or hybrid_shard, and the strategy is {}",
+            config.strategy
+        ));
+    }
+    if config.accumulate > 1 {
+        return refuse(format!(
+            "applies the update in every backward, so it cannot accumulate {} micro-batches \
+             into one step (accumulate = {0})",
+            config.accumulate
+        ));
+    }
+    if let Some(max) = config.clip_grad_norm {
+        return refuse(format!(
+            "applies each unit's update before the next unit's gradient exists, so the global \
+             norm that clip_grad_norm = {max} needs is never known in time"
+        ));
+    }
+    if config.precision == Precision::Fp16 {
+        return refuse(
+            "cannot go with precision fp16, whose loss scaling must check every gradient for \
+             inf/NaN before any update is applied (bf16 needs no scaling)"
+                .into(),
+        );
+    }
+    let split = [
+        ("tensor_parallel", config.tensor_parallel),
+        ("pipeline_parallel", config.pipeline_parallel),
+        ("context_parallel", config.context_parallel),
+    ];
+    if let Some((key, n)) = split.into_iter().find(|(_, n)| *n > 1) {
+        return refuse(format!(
+            "is not combined with model parallelism ({key} = {n}), whose gradients are \
+             finished across its ranks after backward"
+        ));
+    }
+    Ok(())
 }
 
 /// GradScaler's settings (fp16's dynamic loss scaling: `precision::GradScaler`).
@@ -416,6 +469,32 @@ mod tests {
         assert_eq!(config.seed, Some(3));
         assert_eq!(config.strategy, Strategy::Single);
         assert_eq!(explicit.conflicts(&env), vec![("seed", "3".into(), "2".into())]);
+    }
+
+    #[test]
+    fn the_update_inside_backward_refuses_what_needs_every_gradient_first() {
+        let on = |p: PartialConfig| {
+            let p = PartialConfig { optimizer_in_backward: Some(true), ..p };
+            p.build().map(|_| ()).map_err(|e| e.to_string())
+        };
+        let zero3 = || PartialConfig { strategy: Some(Strategy::Zero3), ..Default::default() };
+        on(zero3()).unwrap();
+        for strategy in [Strategy::Zero2, Strategy::Fsdp, Strategy::HybridShard] {
+            on(PartialConfig { strategy: Some(strategy), ..Default::default() }).unwrap();
+        }
+        let refused = [
+            (PartialConfig { strategy: Some(Strategy::Ddp), ..Default::default() }, "is ddp"),
+            (PartialConfig::default(), "it needs zero2, zero3, fsdp or hybrid_shard"),
+            (PartialConfig { accumulate: Some(4), ..zero3() }, "(accumulate = 4)"),
+            (PartialConfig { clip_grad_norm: Some(1.0), ..zero3() }, "clip_grad_norm = 1"),
+            (PartialConfig { precision: Some(Precision::Fp16), ..zero3() }, "precision fp16"),
+            (PartialConfig { tensor_parallel: Some(2), ..zero3() }, "(tensor_parallel = 2)"),
+        ];
+        for (config, says) in refused {
+            let err = on(config).unwrap_err();
+            assert!(err.contains("optimizer_in_backward = true") && err.contains(says), "{err}");
+        }
+        on(PartialConfig { precision: Some(Precision::Bf16), ..zero3() }).unwrap();
     }
 
     #[test]

@@ -17,17 +17,18 @@ pub(crate) mod model_parallel;
 pub mod tp;
 pub mod zero1;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tch::{Device, Tensor};
 
 use crate::accumulation::GradientState;
 use crate::comm::Communicator;
 use crate::config::Strategy as StrategyName;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, Dim};
 use crate::optim::{Optimizer, Param};
+use crate::sync::Locked;
 
 /// What one process holds of a tensor of the model or of an optimizer's state, for
 /// checkpoints: how to save it, and how to cut a whole tensor back to it on load.
@@ -210,6 +211,15 @@ pub trait OptimizerPlan: Send {
         Ok(())
     }
 
+    /// Under `optimizer_in_backward`: takes `update` and calls it during backward as soon
+    /// as gradients are ready (it applies the optimizer's update to the parameters that
+    /// have one, then drops their gradients), so that the step applies nothing. Returns
+    /// whether it will; the default never does (the update waits for the step).
+    fn update_in_backward(&mut self, update: &UpdateInBackward) -> Result<bool> {
+        let _ = update;
+        Ok(false)
+    }
+
     /// What this process holds of optimizer state tensor `key` (`{param}/{slot}`), whose
     /// value here is `tensor`.
     fn state_placement(&self, key: &str, tensor: &Tensor) -> Placement {
@@ -224,6 +234,11 @@ pub trait OptimizerPlan: Send {
         Placement::Replicated
     }
 }
+
+/// The update a prepared optimizer applies inside backward (`optimizer_in_backward`): the
+/// optimizer's update of every parameter whose gradient is ready, then those gradients
+/// dropped. Called by a strategy, never while it holds a lock of its own.
+pub type UpdateInBackward = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 
 /// The plan of an optimizer every process steps alike (single process, DDP).
 #[derive(Debug, Default)]
@@ -351,7 +366,14 @@ pub trait Strategy: Send + Sync + 'static {
 
 /// One process: nothing to share.
 #[derive(Debug, Default)]
-pub struct Single;
+pub struct Single {
+    /// `optimizer_in_backward`: each parameter's update is applied as its gradient arrives.
+    in_backward: bool,
+    /// A failure of an update applied inside backward, for the next call to return.
+    error: Arc<Mutex<Option<Error>>>,
+    /// The parameters (tensor ids) whose update an optimizer applies inside backward.
+    hooked: Mutex<std::collections::BTreeSet<usize>>,
+}
 
 impl Strategy for Single {
     fn name(&self) -> String {
@@ -359,6 +381,61 @@ impl Strategy for Single {
     }
     fn prepare_model(&self, _: &Context<'_>, _: &[Param], _: &ModelOptions) -> Result<()> {
         Ok(())
+    }
+    fn prepare_optimizer(
+        &self,
+        _: &Context<'_>,
+        optimizer: &mut dyn Optimizer,
+    ) -> Result<Box<dyn OptimizerPlan>> {
+        if !self.in_backward {
+            return Ok(Box::new(Replicated));
+        }
+        let params = optimizer.params();
+        let mut hooked = self.hooked.locked();
+        for p in &params {
+            if !hooked.insert(crate::shim::tensor_id(p)?) {
+                return Err(Error::Unsupported(format!(
+                    "optimizer_in_backward applies one optimizer's update of a parameter inside \
+                     backward, and {} steps parameters another prepared optimizer steps \
+                     already: give each parameter one optimizer (parameter groups give parts \
+                     of a model their own settings), or set optimizer_in_backward = false",
+                    optimizer.name()
+                )));
+            }
+        }
+        Ok(Box::new(InBackward { params, error: self.error.clone(), hooks: Vec::new() }))
+    }
+    fn after_backward(&self, _: &Context<'_>, _sync: bool) -> Result<()> {
+        self.take_error()
+    }
+    fn take_error(&self) -> Result<()> {
+        match self.error.locked().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// One process under `optimizer_in_backward` (as torchtune on one device): a hook on every
+/// parameter applies its update as soon as backward has accumulated its gradient.
+struct InBackward {
+    params: Vec<Tensor>,
+    error: Arc<Mutex<Option<Error>>>,
+    hooks: Vec<crate::shim::PostAccumulateGradHook>,
+}
+
+impl OptimizerPlan for InBackward {
+    fn update_in_backward(&mut self, update: &UpdateInBackward) -> Result<bool> {
+        for param in &self.params {
+            let (update, error) = (update.clone(), self.error.clone());
+            let hook = move |_: &Tensor| {
+                if let Err(e) = update() {
+                    error.locked().get_or_insert(e);
+                }
+            };
+            self.hooks.push(crate::shim::add_post_accumulate_grad_hook(param, hook)?);
+        }
+        Ok(true)
     }
 }
 
@@ -371,7 +448,7 @@ pub(crate) fn builtin(
     local_processes: usize,
 ) -> Arc<dyn Strategy> {
     if mesh.dims().world() == 1 && mesh.world().is_none() {
-        return Arc::new(Single);
+        return Arc::new(Single { in_backward: sharding.step_in_backward, ..Single::default() });
     }
     let data = mesh.comm(Dim::Data);
     match name {

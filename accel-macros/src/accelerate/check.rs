@@ -104,6 +104,57 @@ fn offload_needs_sharding(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     }
 }
 
+/// The update inside backward applies each unit's gradient shard as it is reduced: it
+/// needs a strategy that shards gradients, and nothing that wants every gradient first
+/// (clipping by the global norm, fp16's overflow check) or keeps one for later
+/// (accumulation, model parallelism's finishing reductions).
+fn optimizer_in_backward_alone(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
+    let Some(on) = raw.setting::<bool>("optimizer_in_backward").filter(|o| o.value) else {
+        return;
+    };
+    let mut refuse = |other: Option<Span>, why: &str| {
+        let mut e = syn::Error::new(on.span, format!("`optimizer_in_backward = true` {why}"));
+        if let Some(span) = other {
+            e.combine(syn::Error::new(span, "set here"));
+        }
+        errors.push(e);
+    };
+    if !raw.written_strategy().is_some_and(|s| s.value.shards()) {
+        refuse(
+            None,
+            "needs a strategy that shards gradients: \"zero2\", \"zero3\", \"fsdp\" or \"hybrid_shard\"",
+        );
+    }
+    if let Some(a) = raw.setting::<u64>("accumulate").filter(|a| a.value > 1) {
+        refuse(
+            Some(a.span),
+            "applies the update in every backward, so it cannot accumulate micro-batches into one step (`accumulate` > 1)",
+        );
+    }
+    if let Some(c) = raw.setting::<f64>("clip_grad_norm") {
+        refuse(
+            Some(c.span),
+            "applies each unit's update before the next unit's gradient exists, so the global norm `clip_grad_norm` needs is never known in time",
+        );
+    }
+    if let Some(p) = raw.setting::<Precision>("precision").filter(|p| p.value == Precision::Fp16) {
+        refuse(
+            Some(p.span),
+            "cannot go with `precision = \"fp16\"`, whose loss scaling must check every gradient for inf/NaN before any update (bf16 needs no scaling)",
+        );
+    }
+    for key in ["tensor_parallel", "pipeline_parallel", "context_parallel"] {
+        if let Some(n) = raw.setting::<u64>(key).filter(|n| n.value > 1) {
+            refuse(
+                Some(n.span),
+                &format!(
+                    "is not combined with model parallelism (`{key}` > 1), whose gradients are finished across its ranks after backward"
+                ),
+            );
+        }
+    }
+}
+
 /// An fp8 recipe means nothing without fp8.
 fn fp8_recipe_needs_fp8(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
     if let Some(r) = raw.setting::<Fp8Recipe>("fp8_recipe") {
@@ -127,6 +178,7 @@ pub(crate) fn args(raw: &RawArgs) -> Vec<syn::Error> {
     sharding_needs_fsdp(raw, &mut errors);
     offload_needs_sharding(raw, &mut errors);
     fp8_recipe_needs_fp8(raw, &mut errors);
+    optimizer_in_backward_alone(raw, &mut errors);
     errors
 }
 

@@ -16,6 +16,7 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::optim::Param;
 use crate::shim::{self, PostAccumulateGradHook, add_grad_hook, add_post_accumulate_grad_hook};
+use crate::strategy::UpdateInBackward;
 use crate::sync::Locked;
 
 /// Under zero3: what of the model stays whole on every process because no unit is released
@@ -138,6 +139,11 @@ fn reduce_when_ready(engine: &Arc<Mutex<Engine>>) -> Result<Vec<PostAccumulateGr
                 if let Err(e) = guard.reduce(u) {
                     guard.record(e);
                 }
+            }
+            let due = guard.due_update();
+            drop(guard);
+            if let Some(Err(e)) = due.map(|update| update()) {
+                lock(&engine).record(e);
             }
         };
         hooks.push(add_post_accumulate_grad_hook(&param, hook)?);
@@ -342,6 +348,8 @@ impl ShardedModel {
             in_flight: Default::default(),
             order: Vec::new(),
             order_known: false,
+            update: None,
+            update_due: false,
         };
         let engine = Arc::new(Mutex::new(engine));
         let hooks = reduce_when_ready(&engine)?;
@@ -538,6 +546,26 @@ impl ShardedModel {
         for unit in &mut engine.units {
             unit.reduced = false;
         }
+        let due = engine.due_update();
+        drop(guard);
+        due.map_or(Ok(()), |update| update())
+    }
+
+    /// Under `optimizer_in_backward`: applies `update` as units' gradient shards arrive in
+    /// backward. One optimizer per model: a second would find its parameters' gradients
+    /// gone, applied by the first.
+    pub(crate) fn update_in_backward(&self, update: UpdateInBackward) -> Result<()> {
+        let mut engine = lock(&self.engine);
+        if engine.update.is_some() {
+            return Err(Error::Unsupported(
+                "optimizer_in_backward applies one optimizer's update of a model inside \
+                 backward, and an optimizer over this model was prepared already: give each \
+                 model one optimizer (parameter groups give parts of it their own settings), \
+                 or set optimizer_in_backward = false"
+                    .into(),
+            ));
+        }
+        engine.update = Some(update);
         Ok(())
     }
 

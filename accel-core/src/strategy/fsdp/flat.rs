@@ -12,6 +12,7 @@ use crate::comm::{Communicator, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::optim::Param;
 use crate::shim;
+use crate::strategy::UpdateInBackward;
 
 /// One trainable parameter and this rank's share of it.
 pub(super) struct Shard {
@@ -130,6 +131,10 @@ pub(super) struct Engine {
     /// prefetch next (the following unit in forward, the preceding one in backward).
     pub(super) order: Vec<usize>,
     pub(super) order_known: bool,
+    /// `optimizer_in_backward`: the optimizer's update, applied once reduced gradient
+    /// shards are in the masters' `.grad` (`update_due`).
+    pub(super) update: Option<UpdateInBackward>,
+    pub(super) update_due: bool,
 }
 
 /// Checks that parameter `name` (`tensor`) has a storage of its own, which zero3 can
@@ -229,7 +234,20 @@ impl Engine {
                 }
             }
             Ok(())
-        })
+        })?;
+        self.update_due = self.update.is_some();
+        Ok(())
+    }
+
+    /// The update to apply now, once (optimizer_in_backward, after a unit's shards got
+    /// their gradient). Called under the engine's lock; applied after it is dropped, since
+    /// the update locks the optimizer, whose step locks this engine.
+    pub(super) fn due_update(&mut self) -> Option<UpdateInBackward> {
+        if !self.update_due || self.failed {
+            return None;
+        }
+        self.update_due = false;
+        self.update.clone()
     }
 
     /// The dtype unit `u`'s parameters are gathered and computed in: `param_dtype` for

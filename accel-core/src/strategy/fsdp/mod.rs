@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Kind, Tensor};
 
-use super::{Context, ModelOptions, OptimizerPlan, Placement, Strategy};
+use super::{Context, ModelOptions, OptimizerPlan, Placement, Strategy, UpdateInBackward};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::mesh::{DeviceMesh, Dim};
@@ -46,6 +46,9 @@ pub struct ShardOptions {
     pub param_dtype: Option<Kind>,
     /// Parameters may go without a gradient in a step (they contribute zeros).
     pub allow_unused: bool,
+    /// `optimizer_in_backward`: each unit's update is applied as soon as its gradient
+    /// shard is reduced, and the shard dropped, inside backward.
+    pub step_in_backward: bool,
 }
 
 /// What is sharded besides the optimizer state.
@@ -148,6 +151,15 @@ impl Strategy for Sharded {
     ) -> Result<Box<dyn OptimizerPlan>> {
         let models = self.models().clone();
         let name = optimizer.name();
+        // The models whose masters this optimizer steps (the update inside backward is
+        // theirs alone: a GAN's two optimizers each take their own model).
+        let ids: Vec<usize> =
+            optimizer.params().iter().map(crate::shim::tensor_id).collect::<Result<_>>()?;
+        let owners: Vec<Arc<ShardedModel>> = models
+            .iter()
+            .filter(|m| ids.iter().any(|&id| m.master_of(id).is_some()))
+            .cloned()
+            .collect();
         let numel: BTreeMap<String, i64> = optimizer
             .param_names()
             .into_iter()
@@ -164,7 +176,8 @@ impl Strategy for Sharded {
                 ))
             })
         })?;
-        Ok(Box::new(ShardedPlan { group: self.group.clone(), models, numel }))
+        let in_backward = self.options.step_in_backward.then_some(owners);
+        Ok(Box::new(ShardedPlan { group: self.group.clone(), models, numel, in_backward }))
     }
 
     fn steps_whole_parameters(&self) -> bool {
@@ -256,6 +269,8 @@ struct ShardedPlan {
     models: Vec<Arc<ShardedModel>>,
     /// Elements of the whole parameter behind each master shard, by the optimizer's name.
     numel: BTreeMap<String, i64>,
+    /// Under `ShardOptions::step_in_backward`, the models whose masters it steps.
+    in_backward: Option<Vec<Arc<ShardedModel>>>,
 }
 
 impl ShardedPlan {
@@ -277,6 +292,14 @@ impl OptimizerPlan for ShardedPlan {
             }
         }
         Ok(())
+    }
+
+    fn update_in_backward(&mut self, update: &UpdateInBackward) -> Result<bool> {
+        let Some(owners) = &self.in_backward else { return Ok(false) };
+        for model in owners {
+            model.update_in_backward(update.clone())?;
+        }
+        Ok(true)
     }
 
     fn state_placement(&self, key: &str, tensor: &Tensor) -> Placement {

@@ -627,3 +627,62 @@ fn a_parameter_sharing_its_storage_is_refused_with_the_way_out() {
         assert!(message.contains(says), "{says:?} missing from: {message}");
     }
 }
+
+/// `step_in_backward`: the update is called while autograd runs, as soon as a unit's
+/// reduced shards are in the masters' gradients (at most two reductions in flight behind
+/// it), with only those ready; one update per model.
+#[test]
+fn the_update_inside_backward_comes_as_units_are_reduced() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    on_ranks(2, Duration::from_secs(20), |group| {
+        let rank = group.rank();
+        let params: Vec<Param> = (0..4)
+            .map(|i| Param {
+                name: format!("stack.{i}.w"),
+                tensor: values(&[4, 4], i as f64).set_requires_grad(true),
+            })
+            .collect();
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let _units = [0, 1, 2, 3].map(|i| Unit::new(&pending, &(vs.root() / "stack" / i), ()));
+        let options = ShardOptions { step_in_backward: true, ..Default::default() };
+        let model = sharded(&params, &group, &pending, options);
+        let masters: Vec<Tensor> = params
+            .iter()
+            .map(|p| model.master_of(shim::tensor_id(&p.tensor).unwrap()).unwrap())
+            .collect();
+        let finishing = Arc::new(AtomicBool::new(false));
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (seen, during) = (calls.clone(), finishing.clone());
+        let masters = std::sync::Mutex::new(masters);
+        let update: crate::strategy::UpdateInBackward = Arc::new(move || {
+            let masters = masters.lock().unwrap();
+            let ready: Vec<usize> = (0..4).filter(|&i| masters[i].grad().defined()).collect();
+            for &i in &ready {
+                shim::set_grad(&masters[i], None)?;
+            }
+            seen.lock().unwrap().push((ready, during.load(Ordering::SeqCst)));
+            Ok(())
+        });
+        model.update_in_backward(update.clone()).unwrap();
+        let err = model.update_in_backward(update).unwrap_err().to_string();
+        assert!(err.contains("an optimizer over this model was prepared already"), "{err}");
+        let (x, _) = batch(rank);
+        let mut hidden = x.narrow(1, 0, 3).pad([0, 1], "constant", Some(0.0));
+        for (u, p) in params.iter().enumerate() {
+            let unit = model.unit(&format!("stack.{u}")).unwrap();
+            model.before_forward(unit).unwrap();
+            hidden = hidden.matmul(&p.tensor.tr()).tanh();
+            model.after_forward(unit, &hidden).unwrap();
+        }
+        hidden.square().mean(Kind::Float).backward();
+        finishing.store(true, Ordering::SeqCst);
+        model.finish().unwrap();
+        let calls = calls.lock().unwrap().clone();
+        // Backward reduces stack.3 first; two reductions stay in flight behind the newest.
+        assert_eq!(
+            calls,
+            [(vec![3], false), (vec![2], false), (vec![0, 1], true)],
+            "rank {rank}: the updates and the masters ready at each"
+        );
+    });
+}
