@@ -12,6 +12,7 @@ Every mode loads the model with --attention (sdpa, transformers' default, or eag
            (any family AutoModelForCausalLM loads; a load report with anything missing,
            unexpected or mismatched is an error)
     memory --model DIR --data T.safetensors --steps 3 --batch-size 1 [--checkpointing]
+           [--optimizer-in-backward]
            [--ddp | --lora-r R]
            (under torchrun) PyTorch FSDP2: fully_shard on every decoder layer, the embedding,
            the head and the root, checkpoint_wrapper on every decoder layer with
@@ -128,6 +129,30 @@ def status_bytes(field):
     return int(line.split()[1]) * 1024
 
 
+def optimizer_in_backward(model):
+    """torchtune's optimizer_in_bwd: one AdamW per parameter, stepped and zeroed by the
+    parameter's post-accumulate-grad hook (FSDP2 runs it on the sharded parameter once its
+    gradient shard is reduced); the returned optimizer's step and zero_grad do nothing."""
+    optims = {p: torch.optim.AdamW([p], lr=1e-4, eps=1e-8, weight_decay=0.0, fused=True)
+              for p in model.parameters()}
+
+    def step(param):
+        optims[param].step()
+        optims[param].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+
+    class Applied:
+        def step(self):
+            pass
+
+        def zero_grad(self):
+            pass
+
+    return Applied()
+
+
 def memory(args):
     import time
 
@@ -177,6 +202,11 @@ def memory(args):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=1e-8, weight_decay=0.0,
                                 fused=True)
         strategy = "ddp" if args.ddp else "fsdp2"
+        if args.optimizer_in_backward:
+            if args.ddp:
+                raise SystemExit("memory: --optimizer-in-backward runs under FSDP2")
+            opt = optimizer_in_backward(model)
+            strategy = "fsdp2 + optimizer_in_bwd"
     load_peak = status_bytes("VmHWM:") - baseline
     resume_peak = None
     if args.resume:
@@ -234,6 +264,8 @@ p.add_argument("mode", choices=["make", "tokens", "logits", "train", "load", "me
 p.add_argument("--size", default="small", choices=["small", "100m"])
 p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
 p.add_argument("--checkpointing", action="store_true")
+p.add_argument("--optimizer-in-backward", action="store_true",
+               help="memory: torchtune's optimizer_in_bwd under FSDP2")
 how = p.add_mutually_exclusive_group()
 how.add_argument("--ddp", action="store_true", help="memory: torch DDP instead of FSDP2")
 how.add_argument("--lora-r", type=int, help="memory: a peft LoRA (q_proj, v_proj) under Accelerate")

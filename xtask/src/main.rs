@@ -26,8 +26,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 use bench::{
-    bench, generate_bench, llama_memory_bench, loader_bench, memory_bench, overhead_bench,
-    scale_bench,
+    bench, generate_bench, in_backward_bench, llama_memory_bench, loader_bench, memory_bench,
+    overhead_bench, scale_bench,
 };
 use results::readme_from_results;
 use setup::setup;
@@ -52,6 +52,9 @@ fn main() -> ExitCode {
         }
         "bench" if rest.first().is_some_and(|a| a == "llama") => {
             setup().and_then(|_| llama_memory_bench())
+        }
+        "bench" if rest.first().is_some_and(|a| a == "in-backward") => {
+            setup().and_then(|_| in_backward_bench())
         }
         "bench" if rest.first().is_some_and(|a| a == "generate") => {
             setup().and_then(|_| generate_bench())
@@ -81,6 +84,7 @@ fn main() -> ExitCode {
              cargo xtask bench loader  the data loader's workers against a slow data set\n  \
              cargo xtask bench llama   a 106M Llama: loading and fine-tuning, beside PyTorch\n  \
              cargo xtask bench generate  the 106M Llama generating, beside transformers\n  \
+             cargo xtask bench in-backward  the 106M Llama with the update inside backward, beside torchtune's\n  \
              cargo xtask bench overhead [mlp|transformer]  accel's instructions per step over the raw loop's (callgrind)\n  \
              cargo xtask bench memory  peak memory per process of ddp and zero1/2/3"
         )),

@@ -9,6 +9,8 @@ pub(crate) const SCALE_RESULTS: &str = "bench/scale.json";
 
 /// Where the Llama benchmark's results are kept.
 pub(crate) const LLAMA_RESULTS: &str = "bench/llama.json";
+/// `cargo xtask bench in-backward`'s figures (the Llama with the update inside backward).
+pub(crate) const IN_BACKWARD_RESULTS: &str = "bench/in-backward.json";
 /// Where `cargo xtask bench generate` writes its figures.
 pub(crate) const GENERATE_RESULTS: &str = "bench/generate.json";
 
@@ -155,6 +157,7 @@ pub(crate) fn readme_from_results() -> Result<(), String> {
     for (name, file) in [
         ("scale", SCALE_RESULTS),
         ("llama", LLAMA_RESULTS),
+        ("in-backward", IN_BACKWARD_RESULTS),
         ("overhead", OVERHEAD_RESULTS),
         ("generate", GENERATE_RESULTS),
     ] {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use super::{highest, load_peak, memory_figures, rank_results};
-use crate::results::{LLAMA_RESULTS, Report, write_block_results};
+use crate::results::{IN_BACKWARD_RESULTS, LLAMA_RESULTS, Report, write_block_results};
 use crate::{cargo, root, run};
 
 /// Bytes per process, in the figures.
@@ -137,6 +137,70 @@ impl LlamaRuns {
         }
         c
     }
+}
+
+/// The update inside backward (`optimizer_in_backward`; torchtune's `optimizer_in_bwd` on
+/// FSDP2) beside the ordinary step, on both sides, ± activation checkpointing: the peak per
+/// process at 128 tokens on 2 and 4 processes and at 1024 on 2, with each peak's ratio to
+/// FSDP2's ordinary step (what users run); written to bench/in-backward.json. Peaks repeat
+/// from run to run, so each command runs once; step times are shown, not compared.
+pub(crate) fn in_backward_bench() -> Result<(), String> {
+    cargo(
+        &["build", "--release", "-p", "accel-core", "--bin", "accel", "-p", "accel-examples"],
+        &["--example".into(), "llama".into()],
+    )?;
+    let runs = LlamaRuns::new(&root());
+    runs.make_inputs()?;
+    eprintln!("xtask: the Llama with the update inside backward, beside PyTorch (~15 minutes) ...");
+    let mut report = Report::default();
+    report.say(
+        "the update inside backward (AdamW, batch 2 rows per process, steps 2-3, sdpa): accel \
+         zero3 with optimizer_in_backward beside its ordinary step, and PyTorch FSDP2 with \
+         torchtune's optimizer_in_bwd (an AdamW per parameter stepped by its \
+         post-accumulate-grad hook) beside its own; peak resident memory per process above \
+         its baseline, and its ratio to FSDP2's ordinary step's:",
+    );
+    report.say(format!(
+        "{:<5} {:<3} {:<52} {:>9} {:>9} {:>7}",
+        "len", "N", "", "peak MiB", "vs FSDP2", "step s"
+    ));
+    for (len, n) in [(128usize, 2usize), (128, 4), (1024, 2)] {
+        for ckpt in [false, true] {
+            let in_backward = |mut c: Command| {
+                c.arg("--optimizer-in-backward");
+                c
+            };
+            let suffix = if ckpt { " + activation ckpt" } else { "" };
+            let rows = [
+                (format!("PyTorch FSDP2{suffix}"), runs.theirs_on(len, n, ckpt, false)),
+                (
+                    format!("PyTorch FSDP2{suffix} + optimizer_in_bwd"),
+                    in_backward(runs.theirs_on(len, n, ckpt, false)),
+                ),
+                (format!("accel zero3{suffix}"), runs.ours_on(len, n, "zero3", "3", ckpt)),
+                (
+                    format!("accel zero3{suffix} + optimizer_in_backward"),
+                    in_backward(runs.ours_on(len, n, "zero3", "3", ckpt)),
+                ),
+            ];
+            let mut reference = None;
+            for (name, mut command) in rows {
+                let (peak, step, _) = memory_figures(&mut command, n)?;
+                let base = *reference.get_or_insert(peak);
+                report.say(format!(
+                    "{len:<5} {n:<3} {name:<52} {:>9.0} {:>8.2}x {step:>7.2}",
+                    peak / MIB,
+                    peak / base
+                ));
+                let key: String = name
+                    .chars()
+                    .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+                    .collect();
+                report.figure(&format!("{len}.{n}.{key}.peak_mib"), peak / MIB);
+            }
+        }
+    }
+    write_block_results(IN_BACKWARD_RESULTS, "cargo xtask bench in-backward", &report, None)
 }
 
 /// `command` with LoRA r8 (either side's flag).

@@ -12,7 +12,7 @@ mod speed;
 use std::process::Command;
 
 pub(crate) use generate::generate_bench;
-pub(crate) use llama::llama_memory_bench;
+pub(crate) use llama::{in_backward_bench, llama_memory_bench};
 pub(crate) use loader::loader_bench;
 pub(crate) use memory::memory_bench;
 pub(crate) use overhead::overhead_bench;

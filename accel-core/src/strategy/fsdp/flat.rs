@@ -174,6 +174,10 @@ impl Engine {
             (None, Some(&s)) => self.shards[s].param.kind(),
             (None, None) => Kind::Float,
         };
+        if let Some(buffer) = self.gradient_as_buffer(u, kind)? {
+            return self.launch_reduce(u, buffer);
+        }
+        let unit = &mut self.units[u];
         // Zeros: padding, and parameters that got no gradient, contribute nothing.
         let buffer = Tensor::f_zeros([world * unit.segment], (kind, self.device))?;
         tch::no_grad(|| -> Result<()> {
@@ -188,6 +192,40 @@ impl Engine {
             }
             Ok(())
         })?;
+        self.launch_reduce(u, buffer)
+    }
+
+    /// The gradient of a unit of one parameter, flattened, when it already is the flat
+    /// buffer's layout (no padding, contiguous, in `kind`, on the device): reduced where
+    /// autograd left it instead of copied, so that the gradient and its copy are never both
+    /// in memory (the head and the embedding of a language model: their size each). The
+    /// parameter lets go of it; it was autograd's own (accumulated, never a view of another
+    /// tensor's values).
+    fn gradient_as_buffer(&self, u: usize, kind: Kind) -> Result<Option<Tensor>> {
+        let unit = &self.units[u];
+        let world = self.group.size() as i64;
+        let [s] = unit.members[..] else { return Ok(None) };
+        let shard = &self.shards[s];
+        let grad = shard.param.grad();
+        let fits = grad.defined()
+            && world * unit.segment == shard.numel
+            && grad.kind() == kind
+            && grad.device() == self.device
+            && grad.is_contiguous()
+            && shim::storage_nbytes(&grad)?
+                == (shard.numel as usize * kind.elt_size_in_bytes()) as u64;
+        if !fits {
+            return Ok(None);
+        }
+        let buffer = grad.f_detach()?.f_view([-1])?;
+        shim::set_grad(&shard.param, None)?;
+        Ok(Some(buffer))
+    }
+
+    /// Launches unit `u`'s reduce-scatter of `buffer` (its gradients, laid out flat) and
+    /// releases a zero3 unit's parameters.
+    fn launch_reduce(&mut self, u: usize, buffer: Tensor) -> Result<()> {
+        let unit = &mut self.units[u];
         unit.fired.iter_mut().for_each(|f| *f = false);
         unit.ready = 0;
         let work = self.group.reduce_scatter_in_place_async(&buffer, ReduceOp::Sum)?;
