@@ -324,10 +324,9 @@ fn fine_tune(
     'training: loop {
         for batch in loader.iter() {
             let batch = batch?;
-            // The logits are dropped once the loss is computed, as transformers' `.loss`
-            // drops them: the cross-entropy keeps what its backward needs (at 2 × 1024
-            // tokens the logits alone are 250 MiB).
-            let loss = Llama::loss(&acc.forward(|| model.forward(&batch[0]))?, &batch[0]);
+            // transformers' loss with labels = input_ids, the head fused into it: the
+            // B × T × vocab logits never exist whole.
+            let loss = acc.forward(|| model.forward_loss(&batch[0]))?;
             acc.backward(&loss)?;
             opt.step()?;
             opt.zero_grad()?;

@@ -1,5 +1,6 @@
 //! Layers whose computation spans processes — [`SyncBatchNorm`], torch's `SyncBatchNorm` —
-//! and variables that take no memory until a checkpoint fills them ([`uninit`]).
+//! variables that take no memory until a checkpoint fills them ([`uninit`]), and a language
+//! model's head fused with its loss ([`linear_cross_entropy`]).
 //!
 //! With data parallelism, tch's batch norm normalises each process's batch by that batch's
 //! own statistics. `SyncBatchNorm` normalises by the statistics of the batches of every
@@ -16,6 +17,31 @@ use tch::{Kind, Tensor};
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::shim::add_grad_hook;
+
+/// Rows of logits computed at once by [`linear_cross_entropy`]: about 32 MiB of fp32 logits
+/// for a vocabulary of `vocab` entries.
+pub fn cross_entropy_chunk(vocab: i64) -> i64 {
+    ((1i64 << 23) / vocab.max(1)).max(1)
+}
+
+/// `logits = x · wᵀ` (a linear layer without bias: a language model's head) followed by the
+/// mean cross-entropy against `targets`, rows whose target is `ignore_index` left out —
+/// torch's `cross_entropy(x @ w.T, targets, ignore_index=..)` — computed a few rows at a
+/// time ([`cross_entropy_chunk`]) so that the `N × V` logits are never in memory whole,
+/// neither in forward nor in backward, which computes each chunk's logits again. `x` is
+/// `[N, d]`, `w` `[V, d]`, `targets` `[N]` int64; the gradient reaches both `x` and `w` (one
+/// gradient for `w`, summed over the chunks). At 2 × 1024 tokens of a 32000-entry
+/// vocabulary the logits, their log-softmax and its gradient are 250 MiB each. Under
+/// autocast the products run in its dtype, as the linear layer's would; the loss is fp32.
+pub fn linear_cross_entropy(
+    x: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    ignore_index: i64,
+) -> crate::Result<Tensor> {
+    let chunk = cross_entropy_chunk(w.size().first().copied().unwrap_or(1));
+    crate::shim::linear_cross_entropy(x, w, targets, ignore_index, chunk)
+}
 
 /// A trainable variable `name` of shape `dims` under `path` whose values are not set: its
 /// memory is reserved but not touched (a large allocation takes no resident memory until

@@ -54,6 +54,15 @@ unsafe extern "C" {
         output: *mut *mut C_tensor,
     ) -> *mut c_char;
 
+    pub(crate) fn accel_linear_cross_entropy(
+        x: *mut C_tensor,
+        w: *mut C_tensor,
+        targets: *mut C_tensor,
+        ignore_index: i64,
+        chunk: i64,
+        loss: *mut *mut C_tensor,
+    ) -> *mut c_char;
+
     pub(crate) fn accel_set_grad(tensor: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
 
     pub(crate) fn accel_autocast_enter(

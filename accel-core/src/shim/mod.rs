@@ -135,6 +135,35 @@ pub unsafe fn free_storage(tensor: &Tensor) -> Result<()> {
     check(unsafe { ffi::accel_storage_free(raw(tensor)) }, "free_storage")
 }
 
+/// The mean cross-entropy of the logits `x · wᵀ` (`x` `[N, d]`, `w` `[V, d]`) against
+/// `targets` `[N]`, rows whose target is `ignore_index` left out, `chunk` rows at a time: the
+/// N × V logits never exist whole, in forward or in backward (which computes each chunk's
+/// again and sums `w`'s gradient into one tensor). Under autocast the products run in its
+/// dtype; the loss is fp32. See [`crate::nn::linear_cross_entropy`].
+pub fn linear_cross_entropy(
+    x: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    ignore_index: i64,
+    chunk: i64,
+) -> Result<Tensor> {
+    let mut loss: *mut C_tensor = std::ptr::null_mut();
+    // SAFETY: live tensors; on success the shim stores a fresh `new at::Tensor` we own.
+    let message = unsafe {
+        ffi::accel_linear_cross_entropy(
+            raw(x),
+            raw(w),
+            raw(targets),
+            ignore_index,
+            chunk,
+            &mut loss,
+        )
+    };
+    check(message, "linear_cross_entropy")?;
+    // SAFETY: see above.
+    Ok(unsafe { Tensor::from_ptr(loss) })
+}
+
 /// Gives the storage behind `tensor` fresh memory of `nbytes` bytes from its own allocator
 /// (CPU or CUDA caching allocator). The contents are unspecified until written.
 pub fn allocate_storage(tensor: &Tensor, nbytes: u64) -> Result<()> {

@@ -350,3 +350,39 @@ fn rng_state_round_trips_the_cpu_generator() {
     assert_eq!(max_abs_diff(&first, &again), 0.0);
     assert!(state.numel() > 0 && state.kind() == Kind::Uint8);
 }
+
+/// The head fused with its cross-entropy, chunk by chunk: the loss and the gradients of
+/// both inputs are torch's `cross_entropy(x @ w.T, targets, ignore_index=-100)`'s, with
+/// ignored rows, a short last chunk and a scaled upstream gradient.
+#[test]
+fn linear_cross_entropy_in_chunks_equals_the_whole_logits_cross_entropy() {
+    let values = |shape: &[i64], salt: f64| {
+        let n: i64 = shape.iter().product();
+        ((Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.37 + salt).sin() * 2.0).view(shape)
+    };
+    let targets = Tensor::from_slice(&[3i64, -100, 0, 6, 6, 1, -100, 2, 5, 4]);
+    let run = |fused: bool| {
+        let x = values(&[10, 5], 0.3).set_requires_grad(true);
+        let w = values(&[7, 5], 1.1).set_requires_grad(true);
+        let loss = if fused {
+            super::linear_cross_entropy(&x, &w, &targets, -100, 3).unwrap()
+        } else {
+            x.matmul(&w.tr()).cross_entropy_loss::<Tensor>(
+                &targets,
+                None,
+                tch::Reduction::Mean,
+                -100,
+                0.0,
+            )
+        };
+        (&loss * 0.5).backward();
+        (loss.double_value(&[]), x.grad(), w.grad())
+    };
+    let (loss, gx, gw) = run(true);
+    let (expected, ex, ew) = run(false);
+    assert!((loss - expected).abs() < 1e-6, "loss {loss} vs {expected}");
+    let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+    assert!(diff(&gx, &ex) < 1e-6, "x's gradient differs by {}", diff(&gx, &ex));
+    assert!(diff(&gw, &ew) < 1e-6, "w's gradient differs by {}", diff(&gw, &ew));
+    assert!(ew.abs().sum(Kind::Float).double_value(&[]) > 0.1, "no gradient to compare");
+}

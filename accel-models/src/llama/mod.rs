@@ -284,6 +284,28 @@ impl Llama {
     /// `attention_mask`): no query looks at a padded key. Positions count from 0 at the
     /// first column, as transformers' forward counts them.
     pub fn forward_padded(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Tensor {
+        self.project(&self.normed(input_ids, attention_mask))
+    }
+
+    /// The training loss of `input_ids` [B, T] as transformers computes it with
+    /// `labels = input_ids` ([`Llama::loss`] of [`Llama::forward`]'s logits), with the head
+    /// fused into the cross-entropy ([`accel_core::nn::linear_cross_entropy`]): the
+    /// B × T × vocab logits are never in memory whole, in forward or backward (at 2 × 1024
+    /// tokens of a 32000-entry vocabulary they, their log-softmax and its gradient are 250
+    /// MiB each). The same loss and gradients, to fp32 rounding.
+    pub fn forward_loss(&self, input_ids: &Tensor) -> Tensor {
+        let x = self.normed(input_ids, None);
+        let (b, t, d) = (x.size()[0], x.size()[1], x.size()[2]);
+        let targets = shifted_labels(input_ids);
+        let x = x.reshape([b * t, d]);
+        self.lm_head.as_ref().unwrap_or(&self.embed).run_with(&x, |w, x| {
+            accel_core::nn::linear_cross_entropy(x, w, &targets, -100)
+                .unwrap_or_else(|e| panic!("the head's cross-entropy: {e}"))
+        })
+    }
+
+    /// The hidden states of `input_ids` after the final norm, [B, T, hidden].
+    fn normed(&self, input_ids: &Tensor, attention_mask: Option<&Tensor>) -> Tensor {
         assert!(
             self.dispatch.is_none(),
             "a model dispatched by a device map runs through forward_cached or generate"
@@ -296,7 +318,7 @@ impl Llama {
             let pass = pass.shallow_clone();
             x = layer.run_on(&x, move |l, x| l.forward(x, &pass, None));
         }
-        self.head(&x)
+        rms_norm(&x, &self.norm, self.config.rms_norm_eps)
     }
 
     /// Logits [B, T, vocab] of `input_ids` [B, T] that follow the positions in `cache`, which
@@ -353,11 +375,6 @@ impl Llama {
     fn embed_tokens(&self, input_ids: &Tensor) -> Tensor {
         let padding = self.config.pad_token_id.unwrap_or(-1);
         self.embed.run(|w| Tensor::embedding(w, input_ids, padding, false, false))
-    }
-
-    /// The final norm and the head.
-    fn head(&self, x: &Tensor) -> Tensor {
-        self.project(&rms_norm(x, &self.norm, self.config.rms_norm_eps))
     }
 
     /// The head (the embedding's weight when tied) on the normed `x`.
@@ -552,14 +569,20 @@ impl Llama {
     /// positions 0..T-1 against the ids at 1..T, in fp32.
     pub fn loss(logits: &Tensor, input_ids: &Tensor) -> Tensor {
         let (b, t, v) = (logits.size()[0], logits.size()[1], logits.size()[2]);
-        // As transformers' `ForCausalLMLoss`: the labels shifted left with the ignored index
-        // after the last, so the logits are taken whole as a view — cutting off their last
-        // position instead would copy all B×T×V of them, and their gradient again.
-        let ignored = input_ids.narrow(1, 0, 1).full_like(-100);
-        let targets = Tensor::cat(&[input_ids.narrow(1, 1, t - 1), ignored], 1).reshape([b * t]);
+        // The labels shifted rather than the logits cut: cutting off their last position
+        // would copy all B×T×V of them, and their gradient again.
+        let targets = shifted_labels(input_ids);
         let logits = logits.to_kind(Kind::Float).reshape([b * t, v]);
         logits.cross_entropy_loss::<Tensor>(&targets, None, tch::Reduction::Mean, -100, 0.0)
     }
+}
+
+/// The targets of `input_ids` [B, T] as transformers' `ForCausalLMLoss` makes them from
+/// `labels = input_ids`: shifted left, the ignored index (-100) after each row's last, [B·T].
+fn shifted_labels(input_ids: &Tensor) -> Tensor {
+    let (b, t) = (input_ids.size()[0], input_ids.size()[1]);
+    let ignored = input_ids.narrow(1, 0, 1).full_like(-100);
+    Tensor::cat(&[input_ids.narrow(1, 1, t - 1), ignored], 1).reshape([b * t])
 }
 
 /// `model.layers.{0, 1}.self_attn.q_norm.weight`: names that differ only in the layer index,
@@ -691,6 +714,43 @@ mod tests {
         );
         assert!(e.contains("not a multiple of num_key_value_heads = 5"), "{e}");
         assert!(refused(r#""partial_rotary_factor": 0.5"#).contains("partial_rotary_factor = 0.5"));
+    }
+
+    /// The head fused into the loss gives `loss(forward(..))`'s value and every gradient,
+    /// with the head its own and tied to the embedding (600 rows: two chunks of 512).
+    #[test]
+    fn the_fused_loss_equals_the_loss_of_the_logits() {
+        for tied in [false, true] {
+            let text = format!(
+                r#"{{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                "vocab_size": 16384, "tie_word_embeddings": {tied}}}"#
+            );
+            let config = LlamaConfig::parse(&text).unwrap();
+            let pending = accel_core::PendingUnits::default();
+            let run = |fused: bool| {
+                tch::manual_seed(7);
+                let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+                let model = Llama::new(&pending, &vs.root(), &config, Init::Fresh);
+                let ids = Tensor::arange(2 * 300, (Kind::Int64, tch::Device::Cpu))
+                    .remainder(16383)
+                    .view([2, 300]);
+                let loss = match fused {
+                    true => model.forward_loss(&ids),
+                    false => Llama::loss(&model.forward(&ids), &ids),
+                };
+                loss.backward();
+                let grads: std::collections::BTreeMap<String, Tensor> =
+                    vs.variables().into_iter().map(|(n, t)| (n, t.grad())).collect();
+                (loss.double_value(&[]), grads)
+            };
+            let ((fused, fused_grads), (plain, plain_grads)) = (run(true), run(false));
+            assert!((fused - plain).abs() < 1e-6, "tied {tied}: loss {fused} vs {plain}");
+            for (name, a) in &fused_grads {
+                let diff = (a - &plain_grads[name]).abs().max().double_value(&[]);
+                assert!(diff < 1e-6, "tied {tied}: {name}'s gradient differs by {diff}");
+            }
+        }
     }
 
     #[test]
