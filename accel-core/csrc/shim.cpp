@@ -307,63 +307,36 @@ char* accel_checkpoint(at::Tensor* input, accel_forward_fn fn, void* ctx, accel_
 
 namespace {
 
-// The log-softmax of the logits of rows [start, start + len): x_c · wᵀ in `compute`, then
-// fp32 as transformers' loss upcasts them. Each step is the operation torch's
-// `cross_entropy(x @ w.T, ...)` runs, so that with one chunk the values are its own.
-at::Tensor log_probs_of(const at::Tensor& x, const at::Tensor& w_compute, int64_t start,
-                        int64_t len, at::ScalarType compute) {
-  at::Tensor logits = at::mm(x.narrow(0, start, len).to(compute), w_compute.t());
-  return at::log_softmax(logits.to(at::kFloat), 1);
-}
-
-// The backward of the fused head and cross-entropy: each chunk's log-softmax computed
-// again, its gradient by torch's own backward of nll_loss (mean over every chunk's valid
-// rows) and of log_softmax, and from it x's rows of gradient and w's, w's summed over the
-// chunks into one tensor (one accumulation into w's .grad).
+// The backward of the fused head and cross-entropy: the gradients were computed in the
+// forward pass, chunk by chunk, for an incoming gradient of 1; here they are scaled by the
+// one that came (in place: they are this node's alone) and handed over.
 struct LinearCrossEntropyBackward : torch::autograd::Node {
-  at::Tensor x, w, targets, count;
-  int64_t ignore_index, chunk;
-  at::ScalarType compute;
-
-  LinearCrossEntropyBackward(at::Tensor x, at::Tensor w, at::Tensor targets, at::Tensor count,
-                             int64_t ignore_index, int64_t chunk, at::ScalarType compute)
-      : x(std::move(x)), w(std::move(w)), targets(std::move(targets)), count(std::move(count)),
-        ignore_index(ignore_index), chunk(chunk), compute(compute) {}
+  at::Tensor grad_x, grad_w;
 
   std::string name() const override { return "accel::LinearCrossEntropyBackward"; }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     at::NoGradGuard no_grad;
-    bool want_x = should_compute_output(0), want_w = should_compute_output(1);
-    at::Tensor w_compute = w.to(compute);
-    at::Tensor grad_x = want_x ? at::empty_like(x) : at::Tensor();
-    at::Tensor grad_w;
-    int64_t n = x.size(0);
-    for (int64_t start = 0; start < n; start += chunk) {
-      int64_t len = std::min(chunk, n - start);
-      at::Tensor out = log_probs_of(x, w_compute, start, len, compute);
-      at::Tensor nll = at::nll_loss_backward(grads[0], out, targets.narrow(0, start, len), {},
-                                             at::Reduction::Mean, ignore_index, count);
-      at::Tensor grad = at::_log_softmax_backward_data(nll, out, 1, at::kFloat).to(compute);
-      if (want_x) grad_x.narrow(0, start, len).copy_(at::mm(grad, w_compute));
-      if (want_w) {
-        // As autograd's backward of x · wᵀ computes it: (x_cᵀ · grad)ᵀ.
-        at::Tensor part = at::mm(x.narrow(0, start, len).to(compute).t(), grad).t();
-        grad_w = grad_w.defined() ? grad_w.add_(part) : part.contiguous();
-      }
+    TORCH_CHECK(grad_x.defined() || grad_w.defined() || !(should_compute_output(0) ||
+                should_compute_output(1)), "linear_cross_entropy: backward ran twice");
+    at::Tensor g = grads[0];
+    bool one = g.numel() == 1 && g.item<double>() == 1.0;
+    for (at::Tensor* t : {&grad_x, &grad_w}) {
+      if (t->defined() && !one) t->mul_(g.to(t->scalar_type()));
     }
-    if (want_w && grad_w.scalar_type() != w.scalar_type()) grad_w = grad_w.to(w.scalar_type());
-    return {grad_x, grad_w};
+    return {std::move(grad_x), std::move(grad_w)};
   }
 };
 
 }  // namespace
 
 // The mean cross-entropy of the logits x · wᵀ (x [N, d], w [V, d]) against `targets` [N]
-// (rows whose target is `ignore_index` left out), computed `chunk` rows at a time so that
-// the N × V logits never exist at once, in forward or in backward (which computes each
-// chunk's again). Under autocast the products run in its dtype, as a linear layer's would;
-// the loss is fp32. With one chunk, every value is torch's `cross_entropy(x @ w.T, ..)`'s.
+// (rows whose target is `ignore_index` left out), `chunk` rows at a time, so that the
+// N × V logits never exist at once. With gradients on, each chunk's gradients (of x's rows
+// and, summed over the chunks, of w) are computed right away, by torch's own backward of
+// nll_loss and log_softmax, and kept for backward: neither the logits nor `w` are needed
+// after the forward pass. Under autocast the products run in its dtype, as a linear layer's
+// would; the loss is fp32. With one chunk, every value is torch's `cross_entropy(x @ w.T)`'s.
 char* accel_linear_cross_entropy(at::Tensor* x, at::Tensor* w, at::Tensor* targets,
                                  int64_t ignore_index, int64_t chunk, at::Tensor** loss) {
   ACCEL_TRY({
@@ -378,27 +351,51 @@ char* accel_linear_cross_entropy(at::Tensor* x, at::Tensor* w, at::Tensor* targe
     if (at::autocast::is_autocast_available(type) && at::autocast::is_autocast_enabled(type)) {
       compute = at::autocast::get_autocast_dtype(type);
     }
-    at::Tensor total, count;
+    bool want_x = x->requires_grad(), want_w = w->requires_grad();
+    bool record = at::GradMode::is_enabled() && (want_x || want_w);
+    at::Tensor total, count, grad_x, grad_w;
     {
       at::NoGradGuard no_grad;
       at::Tensor w_compute = w->to(compute);
       count = targets->ne(ignore_index).sum().to(at::kFloat);
+      at::Tensor one = at::ones({}, x->options().dtype(at::kFloat));
+      if (record && want_x) grad_x = at::empty_like(*x);
       int64_t n = x->size(0);
       for (int64_t start = 0; start < n; start += chunk) {
         int64_t len = std::min(chunk, n - start);
-        at::Tensor out = log_probs_of(*x, w_compute, start, len, compute);
-        at::Tensor part = at::nll_loss(out, targets->narrow(0, start, len), {},
-                                       at::Reduction::Sum, ignore_index);
+        at::Tensor xc = x->narrow(0, start, len).to(compute);
+        at::Tensor tc = targets->narrow(0, start, len);
+        // Each step the operation torch's cross_entropy(x @ w.T, ...) runs, and its backward.
+        at::Tensor out = at::log_softmax(at::mm(xc, w_compute.t()).to(at::kFloat), 1);
+        at::Tensor part = at::nll_loss(out, tc, {}, at::Reduction::Sum, ignore_index);
         total = total.defined() ? total.add_(part) : part;
+        if (!record) continue;
+        at::Tensor nll =
+            at::nll_loss_backward(one, out, tc, {}, at::Reduction::Mean, ignore_index, count);
+        at::Tensor grad = at::_log_softmax_backward_data(nll, out, 1, at::kFloat).to(compute);
+        out.reset();
+        nll.reset();
+        if (want_x) grad_x.narrow(0, start, len).copy_(at::mm(grad, w_compute));
+        if (!want_w) continue;
+        if (len == n) {
+          // One chunk: as autograd's backward of x · wᵀ computes it, (xᵀ · grad)ᵀ.
+          grad_w = at::mm(xc.t(), grad).t();
+        } else if (!grad_w.defined()) {
+          grad_w = at::mm(grad.t(), xc);
+        } else {
+          grad_w.addmm_(grad.t(), xc);
+        }
+      }
+      if (grad_w.defined() && grad_w.scalar_type() != w->scalar_type()) {
+        grad_w = grad_w.to(w->scalar_type());
       }
     }
     at::Tensor out = total / count;
-    bool record = at::GradMode::is_enabled() && (x->requires_grad() || w->requires_grad());
     if (record) {
-      auto node = std::shared_ptr<LinearCrossEntropyBackward>(
-          new LinearCrossEntropyBackward(x->detach(), w->detach(), targets->detach(), count,
-                                         ignore_index, chunk, compute),
-          torch::autograd::deleteNode);
+      auto node = std::shared_ptr<LinearCrossEntropyBackward>(new LinearCrossEntropyBackward(),
+                                                              torch::autograd::deleteNode);
+      node->grad_x = std::move(grad_x);
+      node->grad_w = std::move(grad_w);
       node->set_next_edges(torch::autograd::collect_next_edges(*x, *w));
       torch::autograd::set_history(out, node);
     }

@@ -151,17 +151,19 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
     )?;
     let runs = LlamaRuns::new(&root());
     runs.make_inputs()?;
-    eprintln!("xtask: the Llama with the update inside backward, beside PyTorch (~15 minutes) ...");
+    eprintln!("xtask: the Llama with the update inside backward, beside PyTorch (~18 minutes) ...");
     let mut report = Report::default();
     report.say(
         "the update inside backward (AdamW, batch 2 rows per process, steps 2-3, sdpa): accel \
          zero3 with optimizer_in_backward beside its ordinary step, and PyTorch FSDP2 with \
          torchtune's optimizer_in_bwd (an AdamW per parameter stepped by its \
-         post-accumulate-grad hook) beside its own; peak resident memory per process above \
-         its baseline, and its ratio to FSDP2's ordinary step's:",
+         post-accumulate-grad hook) beside its own; at 1024 tokens also with the head fused \
+         into the loss (--fused-loss: Llama::forward_loss, no B x T x vocab logits); peak \
+         resident memory per process above its baseline, and its ratio to FSDP2's ordinary \
+         step's:",
     );
     report.say(format!(
-        "{:<5} {:<3} {:<52} {:>9} {:>9} {:>7}",
+        "{:<5} {:<3} {:<66} {:>9} {:>9} {:>7}",
         "len", "N", "", "peak MiB", "vs FSDP2", "step s"
     ));
     for (len, n) in [(128usize, 2usize), (128, 4), (1024, 2)] {
@@ -183,12 +185,28 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
                     in_backward(runs.ours_on(len, n, "zero3", "3", ckpt)),
                 ),
             ];
+            // On long rows, also with the head fused into the loss (no B × T × vocab logits).
+            let fused = |mut c: Command| {
+                c.arg("--fused-loss");
+                c
+            };
+            let long_rows = [
+                (
+                    format!("accel zero3{suffix}, fused loss"),
+                    fused(runs.ours_on(len, n, "zero3", "3", ckpt)),
+                ),
+                (
+                    format!("accel zero3{suffix} + optimizer_in_backward, fused loss"),
+                    fused(in_backward(runs.ours_on(len, n, "zero3", "3", ckpt))),
+                ),
+            ];
+            let rows = rows.into_iter().chain(long_rows.into_iter().filter(|_| len == 1024));
             let mut reference = None;
             for (name, mut command) in rows {
                 let (peak, step, _) = memory_figures(&mut command, n)?;
                 let base = *reference.get_or_insert(peak);
                 report.say(format!(
-                    "{len:<5} {n:<3} {name:<52} {:>9.0} {:>8.2}x {step:>7.2}",
+                    "{len:<5} {n:<3} {name:<66} {:>9.0} {:>8.2}x {step:>7.2}",
                     peak / MIB,
                     peak / base
                 ));
