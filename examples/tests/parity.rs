@@ -1440,10 +1440,11 @@ fn llama_fine_tune_under_zero3_with_activation_checkpointing_equals_transformers
         String::from_utf8_lossy(&output.stderr)
     );
     let mut runs = Vec::new();
-    for checkpointing in [true, false] {
+    // With and without activation checkpointing, and with the head fused into the loss.
+    for (checkpointing, fused) in [(true, false), (false, false), (true, true)] {
         let (out, losses) = (
-            dir.join(format!("rs-out-{checkpointing}")),
-            dir.join(format!("rs-{checkpointing}.jsonl")),
+            dir.join(format!("rs-out-{checkpointing}-{fused}")),
+            dir.join(format!("rs-{checkpointing}-{fused}.jsonl")),
         );
         let mut program = vec![example("llama")];
         program.extend(common(&out, &losses));
@@ -1451,12 +1452,23 @@ fn llama_fine_tune_under_zero3_with_activation_checkpointing_equals_transformers
         if checkpointing {
             program.push("--activation-checkpointing".into());
         }
+        if fused {
+            program.push("--fused-loss".into());
+        }
         launch(2, program);
         runs.push((out, read_losses(&losses)));
     }
     let reference = read_losses(&py_losses);
     assert_eq!(reference.len(), 5);
     assert_eq!(runs[0].1, runs[1].1, "activation checkpointing changed the losses");
+    for (step, (a, b)) in runs[0].1.iter().zip(&runs[2].1).enumerate() {
+        assert!((a - b).abs() <= 1e-6, "step {step}: the fused loss {b}, the logits' {a}");
+    }
+    let (plain, fused) = (read_hf_folder(&runs[0].0), read_hf_folder(&runs[2].0));
+    for (name, t) in &plain {
+        let diff = max_abs_difference(t, &fused[name]);
+        assert!(diff <= 1e-6, "{name}: the fused loss trained it {diff} away");
+    }
     for (step, (a, b)) in reference.iter().zip(&runs[0].1).enumerate() {
         assert!((a - b).abs() <= 1e-4, "step {step}: Accelerate's loss {a}, accel's {b}");
     }
