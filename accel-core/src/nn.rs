@@ -27,10 +27,12 @@ pub fn cross_entropy_chunk(vocab: i64) -> i64 {
 /// `logits = x · wᵀ` (a linear layer without bias: a language model's head) followed by the
 /// mean cross-entropy against `targets`, rows whose target is `ignore_index` left out —
 /// torch's `cross_entropy(x @ w.T, targets, ignore_index=..)` — computed a few rows at a
-/// time ([`cross_entropy_chunk`]) so that the `N × V` logits are never in memory whole,
-/// neither in forward nor in backward, which computes each chunk's logits again. `x` is
-/// `[N, d]`, `w` `[V, d]`, `targets` `[N]` int64; the gradient reaches both `x` and `w` (one
-/// gradient for `w`, summed over the chunks). At 2 × 1024 tokens of a 32000-entry
+/// time ([`cross_entropy_chunk`]) so that the `N × V` logits are never in memory whole.
+/// Each chunk's gradients are computed in the forward pass (by torch's own backward of
+/// `nll_loss` and `log_softmax`) and kept; backward only scales them, so nothing is computed
+/// twice and `w` is not read again. `x` is `[N, d]`, `w` `[V, d]`, `targets` `[N]` int64; the
+/// gradient reaches both `x` and `w` (one gradient for `w`, summed over the chunks). With one
+/// chunk every value is torch's. At 2 × 1024 tokens of a 32000-entry
 /// vocabulary the logits, their log-softmax and its gradient are 250 MiB each. Under
 /// autocast the products run in its dtype, as the linear layer's would; the loss is fp32.
 pub fn linear_cross_entropy(

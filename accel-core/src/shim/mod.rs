@@ -137,8 +137,8 @@ pub unsafe fn free_storage(tensor: &Tensor) -> Result<()> {
 
 /// The mean cross-entropy of the logits `x · wᵀ` (`x` `[N, d]`, `w` `[V, d]`) against
 /// `targets` `[N]`, rows whose target is `ignore_index` left out, `chunk` rows at a time: the
-/// N × V logits never exist whole, in forward or in backward (which computes each chunk's
-/// again and sums `w`'s gradient into one tensor). Under autocast the products run in its
+/// N × V logits never exist whole. The gradients are computed chunk by chunk in forward and
+/// kept for backward (`w`'s summed into one tensor). Under autocast the products run in its
 /// dtype; the loss is fp32. See [`crate::nn::linear_cross_entropy`].
 pub fn linear_cross_entropy(
     x: &Tensor,

@@ -168,10 +168,7 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
     ));
     for (len, n) in [(128usize, 2usize), (128, 4), (1024, 2)] {
         for ckpt in [false, true] {
-            let in_backward = |mut c: Command| {
-                c.arg("--optimizer-in-backward");
-                c
-            };
+            let in_backward = |c| with(c, &["--optimizer-in-backward"]);
             let suffix = if ckpt { " + activation ckpt" } else { "" };
             let rows = [
                 (format!("PyTorch FSDP2{suffix}"), runs.theirs_on(len, n, ckpt, false)),
@@ -186,10 +183,7 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
                 ),
             ];
             // On long rows, also with the head fused into the loss (no B × T × vocab logits).
-            let fused = |mut c: Command| {
-                c.arg("--fused-loss");
-                c
-            };
+            let fused = |c| with(c, &["--fused-loss"]);
             let long_rows = [
                 (
                     format!("accel zero3{suffix}, fused loss"),
@@ -210,10 +204,7 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
                     peak / MIB,
                     peak / base
                 ));
-                let key: String = name
-                    .chars()
-                    .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
-                    .collect();
+                let key = figure_key(&name);
                 report.figure(&format!("{len}.{n}.{key}.peak_mib"), peak / MIB);
             }
         }
@@ -221,10 +212,22 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
     write_block_results(IN_BACKWARD_RESULTS, "cargo xtask bench in-backward", &report, None)
 }
 
+/// `command` with `args` added (flags both sides take).
+fn with(mut command: Command, args: &[&str]) -> Command {
+    command.args(args);
+    command
+}
+
 /// `command` with LoRA r8 (either side's flag).
-fn lora(mut c: Command) -> Command {
-    c.args(["--lora-r", "8"]);
-    c
+fn lora(command: Command) -> Command {
+    with(command, &["--lora-r", "8"])
+}
+
+/// A row's name as a figure's key: lower case, every other character `_`.
+fn figure_key(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
+        .collect()
 }
 
 /// Loading the checkpoint on 4 processes, ddp beside zero3 (each process reading its shard).
@@ -293,10 +296,7 @@ fn fine_tuning_rows(report: &mut Report, runs: &LlamaRuns) -> Result<(), String>
                 their_peak / MIB
             ));
             for (who, peak, speed) in [(name, peak, speed), (their_name, their_peak, their_speed)] {
-                let key: String = who
-                    .chars()
-                    .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
-                    .collect();
+                let key = figure_key(who);
                 let at = if len == 128 { String::new() } else { format!("{len}.") };
                 report.figure(&format!("{at}{n}.{key}.peak_mib"), peak / MIB);
                 report.figure(&format!("{at}{n}.{key}.tokens_per_s"), speed);
@@ -443,10 +443,7 @@ fn readme_example_rows(report: &mut Report, root: &Path) -> Result<(), String> {
             let (steps, whole) =
                 (highest(&objects, "train_peak_bytes"), highest(&objects, "peak_bytes"));
             report.say(format!("{n:<3} {name:<44} {:>10.0} {:>10.0}", steps / MIB, whole / MIB));
-            let key: String = name
-                .chars()
-                .map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' })
-                .collect();
+            let key = figure_key(name);
             report.figure(&format!("readme.{n}.{key}.steps_mib"), steps / MIB);
             report.figure(&format!("readme.{n}.{key}.run_mib"), whole / MIB);
         }

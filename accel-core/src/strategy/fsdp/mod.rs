@@ -151,15 +151,17 @@ impl Strategy for Sharded {
     ) -> Result<Box<dyn OptimizerPlan>> {
         let models = self.models().clone();
         let name = optimizer.name();
-        // The models whose masters this optimizer steps (the update inside backward is
-        // theirs alone: a GAN's two optimizers each take their own model).
-        let ids: Vec<usize> =
-            optimizer.params().iter().map(crate::shim::tensor_id).collect::<Result<_>>()?;
-        let owners: Vec<Arc<ShardedModel>> = models
-            .iter()
-            .filter(|m| ids.iter().any(|&id| m.master_of(id).is_some()))
-            .cloned()
-            .collect();
+        // Under the update inside backward, the models whose masters this optimizer steps
+        // (theirs alone: a GAN's two optimizers each take their own model).
+        let in_backward = match self.options.step_in_backward {
+            true => {
+                let ids: Vec<usize> =
+                    optimizer.params().iter().map(crate::shim::tensor_id).collect::<Result<_>>()?;
+                let owns = |m: &&Arc<ShardedModel>| ids.iter().any(|&id| m.master_of(id).is_some());
+                Some(models.iter().filter(owns).cloned().collect())
+            }
+            false => None,
+        };
         let numel: BTreeMap<String, i64> = optimizer
             .param_names()
             .into_iter()
@@ -176,7 +178,6 @@ impl Strategy for Sharded {
                 ))
             })
         })?;
-        let in_backward = self.options.step_in_backward.then_some(owners);
         Ok(Box::new(ShardedPlan { group: self.group.clone(), models, numel, in_backward }))
     }
 
