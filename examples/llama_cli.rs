@@ -11,7 +11,7 @@
 //!                 --data TOKENS.safetensors --steps 10 --batch-size 2 --lr 1e-3 \
 //!                 --weight-decay 0.01 --out DIR2 --losses losses.jsonl --strategy zero3 \
 //!                 [--precision bf16] [--activation-checkpointing] [--optimizer-in-backward]
-//!                 [--fused-loss]
+//!                 [--loss fused|logits]
 //!
 //! `TOKENS.safetensors` holds `input_ids` (int64 [N, T]). The fine-tune uses AdamW (betas
 //! 0.9/0.999, eps 1e-8) on the rows in order, dealt as Accelerate's prepared DataLoader deals
@@ -34,6 +34,13 @@ use accel_models::lora::{self, LoraConfig, LoraInit};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use tch::Tensor;
+
+/// How the fine-tune computes its loss (`--loss`).
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Loss {
+    Fused,
+    Logits,
+}
 
 /// Llama from a Hugging Face checkpoint folder: logits, or a fine-tune.
 #[derive(Debug, Parser)]
@@ -87,11 +94,12 @@ struct Args {
     /// (zero2/zero3).
     #[arg(long)]
     optimizer_in_backward: bool,
-    /// Compute the loss with the head fused into it, a few hundred rows at a time
-    /// (`Llama::forward_loss`): the B × T × vocab logits never exist whole, which saves
-    /// memory on long rows (about 480 MiB at 2 × 1024 tokens of the bench's Llama).
-    #[arg(long)]
-    fused_loss: bool,
+    /// How the loss is computed: `fused`, the head fused into it a few hundred rows at a
+    /// time (`Llama::forward_loss`: the B × T × vocab logits never exist whole, about 480
+    /// MiB less at 2 × 1024 tokens of the bench's Llama), or `logits`, the logits first
+    /// (`Llama::forward`, then `Llama::loss`, as transformers' `.loss`). The same values.
+    #[arg(long, value_enum, default_value = "fused")]
+    loss: Loss,
     /// How attention is computed: `sdpa` (fused, transformers' default) or `eager`.
     #[arg(long, default_value = "sdpa")]
     attention: Attention,
@@ -330,11 +338,11 @@ fn fine_tune(
     'training: loop {
         for batch in loader.iter() {
             let batch = batch?;
-            // transformers' loss with labels = input_ids; the logits are dropped once it is
-            // computed, as `.loss` drops them (or, fused, never exist whole).
-            let loss = match args.fused_loss {
-                true => acc.forward(|| model.forward_loss(&batch[0]))?,
-                false => Llama::loss(&acc.forward(|| model.forward(&batch[0]))?, &batch[0]),
+            // transformers' loss with labels = input_ids; fused, the logits never exist
+            // whole; otherwise they are dropped once it is computed, as `.loss` drops them.
+            let loss = match args.loss {
+                Loss::Fused => acc.forward(|| model.forward_loss(&batch[0]))?,
+                Loss::Logits => Llama::loss(&acc.forward(|| model.forward(&batch[0]))?, &batch[0]),
             };
             acc.backward(&loss)?;
             opt.step()?;

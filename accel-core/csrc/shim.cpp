@@ -365,16 +365,19 @@ char* accel_linear_cross_entropy(at::Tensor* x, at::Tensor* w, at::Tensor* targe
         int64_t len = std::min(chunk, n - start);
         at::Tensor xc = x->narrow(0, start, len).to(compute);
         at::Tensor tc = targets->narrow(0, start, len);
-        // Each step the operation torch's cross_entropy(x @ w.T, ...) runs, and its backward.
-        at::Tensor out = at::log_softmax(at::mm(xc, w_compute.t()).to(at::kFloat), 1);
+        // Each step the operation torch's cross_entropy(x @ w.T, ...) runs, and its backward,
+        // with the same kernels; each result written over the input it no longer needs, so
+        // that two chunk-sized tensors exist at a time, not four.
+        at::Tensor out = at::mm(xc, w_compute.t()).to(at::kFloat);
+        at::_log_softmax_out(out, out, 1, false);
         at::Tensor part = at::nll_loss(out, tc, {}, at::Reduction::Sum, ignore_index);
         total = total.defined() ? total.add_(part) : part;
         if (!record) continue;
-        at::Tensor nll =
+        at::Tensor grad =
             at::nll_loss_backward(one, out, tc, {}, at::Reduction::Mean, ignore_index, count);
-        at::Tensor grad = at::_log_softmax_backward_data(nll, out, 1, at::kFloat).to(compute);
+        at::_log_softmax_backward_data_out(grad, grad, out, 1, at::kFloat);
         out.reset();
-        nll.reset();
+        grad = grad.to(compute);
         if (want_x) grad_x.narrow(0, start, len).copy_(at::mm(grad, w_compute));
         if (!want_w) continue;
         if (len == n) {

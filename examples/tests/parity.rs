@@ -1452,8 +1452,8 @@ fn llama_fine_tune_under_zero3_with_activation_checkpointing_equals_transformers
         if checkpointing {
             program.push("--activation-checkpointing".into());
         }
-        if fused {
-            program.push("--fused-loss".into());
+        if !fused {
+            program.extend(["--loss", "logits"].map(String::from));
         }
         launch(2, program);
         runs.push((out, read_losses(&losses)));

@@ -298,10 +298,10 @@ impl Llama {
         let (b, t, d) = (x.size()[0], x.size()[1], x.size()[2]);
         let targets = shifted_labels(input_ids);
         let x = x.reshape([b * t, d]);
-        self.lm_head.as_ref().unwrap_or(&self.embed).run_with(&x, |w, x| {
-            accel_core::nn::linear_cross_entropy(x, w, &targets, -100)
-                .unwrap_or_else(|e| panic!("the head's cross-entropy: {e}"))
-        })
+        // Under zero3 the head is not gathered again for this backward, which reads no weight.
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        head.linear_cross_entropy(&x, &targets, -100, |w| w)
+            .unwrap_or_else(|e| panic!("the head's cross-entropy: {e}"))
     }
 
     /// The hidden states of `input_ids` after the final norm, [B, T, hidden].

@@ -158,7 +158,8 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
          zero3 with optimizer_in_backward beside its ordinary step, and PyTorch FSDP2 with \
          torchtune's optimizer_in_bwd (an AdamW per parameter stepped by its \
          post-accumulate-grad hook) beside its own; at 1024 tokens also with the head fused \
-         into the loss (--fused-loss: Llama::forward_loss, no B x T x vocab logits); peak \
+         into the loss (the example's default; Llama::forward_loss, no B x T x vocab logits; \
+         the other rows with --loss logits, as transformers computes it); peak \
          resident memory per process above its baseline, and its ratio to FSDP2's ordinary \
          step's:",
     );
@@ -169,6 +170,7 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
     for (len, n) in [(128usize, 2usize), (128, 4), (1024, 2)] {
         for ckpt in [false, true] {
             let in_backward = |c| with(c, &["--optimizer-in-backward"]);
+            let logits = |c| with(c, &["--loss", "logits"]);
             let suffix = if ckpt { " + activation ckpt" } else { "" };
             let rows = [
                 (format!("PyTorch FSDP2{suffix}"), runs.theirs_on(len, n, ckpt, false)),
@@ -176,22 +178,22 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
                     format!("PyTorch FSDP2{suffix} + optimizer_in_bwd"),
                     in_backward(runs.theirs_on(len, n, ckpt, false)),
                 ),
-                (format!("accel zero3{suffix}"), runs.ours_on(len, n, "zero3", "3", ckpt)),
+                (format!("accel zero3{suffix}"), logits(runs.ours_on(len, n, "zero3", "3", ckpt))),
                 (
                     format!("accel zero3{suffix} + optimizer_in_backward"),
-                    in_backward(runs.ours_on(len, n, "zero3", "3", ckpt)),
+                    logits(in_backward(runs.ours_on(len, n, "zero3", "3", ckpt))),
                 ),
             ];
-            // On long rows, also with the head fused into the loss (no B × T × vocab logits).
-            let fused = |c| with(c, &["--fused-loss"]);
+            // On long rows, also with the head fused into the loss (no B × T × vocab logits;
+            // the example's default).
             let long_rows = [
                 (
                     format!("accel zero3{suffix}, fused loss"),
-                    fused(runs.ours_on(len, n, "zero3", "3", ckpt)),
+                    runs.ours_on(len, n, "zero3", "3", ckpt),
                 ),
                 (
                     format!("accel zero3{suffix} + optimizer_in_backward, fused loss"),
-                    fused(in_backward(runs.ours_on(len, n, "zero3", "3", ckpt))),
+                    in_backward(runs.ours_on(len, n, "zero3", "3", ckpt)),
                 ),
             ];
             let rows = rows.into_iter().chain(long_rows.into_iter().filter(|_| len == 1024));
@@ -263,8 +265,10 @@ fn fine_tuning_rows(report: &mut Report, runs: &LlamaRuns) -> Result<(), String>
          sides, transformers' default; accel beside torch's FSDP2 (fully_shard per decoder \
          layer, the embedding and the head, as Accelerate's FSDP2 plugin wraps) and DDP — \
          Accelerate itself runs its FSDP plugin as DDP on CPU; LoRA r8 on q_proj and v_proj, \
-         the base frozen, beside transformers + peft + Accelerate; two rounds, alternating, \
-         step times of both shown, ratio of the better of each):",
+         the base frozen, beside transformers + peft + Accelerate; accel's loss fused with \
+         its head (the example's default, Llama::forward_loss), transformers' from the \
+         logits (.loss); two rounds, alternating, step times of both shown, ratio of the \
+         better of each):",
     );
     report.say(format!(
         "{:<5} {:<3} {:<34} {:>9} {:>11} {:>9} {:>8}",

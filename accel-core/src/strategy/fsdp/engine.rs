@@ -416,14 +416,15 @@ impl ShardedModel {
         Ok(())
     }
 
-    /// Gathers a unit for its backward, and starts gathering the one whose backward comes
-    /// next (the unit before it in the forward pass).
-    fn before_backward(&self, unit: usize) -> Result<()> {
+    /// Gathers a unit for its backward (unless `gather` is false: a backward that reads
+    /// none of its parameters), and starts gathering the one whose backward comes next
+    /// (the unit before it in the forward pass).
+    fn before_backward(&self, unit: usize, gather: bool) -> Result<()> {
         let mut engine = lock(&self.engine);
         if engine.failed {
-            return engine.fill_locally(unit);
+            return if gather { engine.fill_locally(unit) } else { Ok(()) };
         }
-        if !engine.units[unit].gathered {
+        if gather && !engine.units[unit].gathered {
             engine.gather(unit)?;
         }
         let previous = engine.order.iter().take_while(|&&u| u != unit).last().copied();
@@ -434,8 +435,15 @@ impl ShardedModel {
     }
 
     /// Releases a zero3 unit's parameters after its forward and arranges for them to be
-    /// gathered again when the gradient of its output arrives (just before its backward).
-    pub(crate) fn after_forward(self: &Arc<Self>, unit: usize, output: &Tensor) -> Result<()> {
+    /// gathered again when the gradient of its output arrives (just before its backward);
+    /// with `backward_reads_parameters` false (a forward that computed their gradients
+    /// already: `Unit::linear_cross_entropy`), only the next unit is gathered then.
+    pub(crate) fn after_forward(
+        self: &Arc<Self>,
+        unit: usize,
+        output: &Tensor,
+        backward_reads_parameters: bool,
+    ) -> Result<()> {
         let mut engine = lock(&self.engine);
         if !engine.units[unit].managed {
             return Ok(());
@@ -444,9 +452,10 @@ impl ShardedModel {
         drop(engine);
         if output.requires_grad() {
             let model = self.clone();
+            let gather = backward_reads_parameters;
             // Inside autograd an error cannot be returned: it is kept for `finish`.
             add_grad_hook(output, move |_| {
-                if let Err(e) = model.before_backward(unit) {
+                if let Err(e) = model.before_backward(unit, gather) {
                     model.record(unit, e);
                 }
                 None

@@ -190,10 +190,10 @@ fn zero3_prefetches_the_next_unit_in_forward_and_the_previous_in_backward() {
             // all-gather is already on its way while this one computes.
             assert_eq!(pending(second), iteration == 1, "forward prefetch, pass {iteration}");
             let hidden = x.matmul(&params[0].tensor.tr()).relu();
-            model.after_forward(first, &hidden).unwrap();
+            model.after_forward(first, &hidden, true).unwrap();
             model.before_forward(second).unwrap();
             let out = hidden.matmul(&params[1].tensor.tr());
-            model.after_forward(second, &out).unwrap();
+            model.after_forward(second, &out, true).unwrap();
             let loss = (out - y.narrow(1, 0, 2)).square().mean(Kind::Float);
             loss.backward();
             // Unit 1's backward prefetched unit 0, which its own backward then used.
@@ -219,6 +219,91 @@ fn zero3_prefetches_the_next_unit_in_forward_and_the_previous_in_backward() {
     for (a, b) in full.iter().zip(&sharded) {
         assert!((a - b).abs() < 1e-6, "{a} vs {b}");
     }
+}
+
+/// The head fused into the loss (`Unit::linear_cross_entropy`) computes its gradients in
+/// the forward pass: under zero3 its backward finds the head released and leaves it so
+/// (the head's size less in memory where backward starts), still prefetching the unit
+/// before it, and the gradients equal one process's logits and cross-entropy.
+#[test]
+fn zero3_does_not_gather_a_fused_head_again_for_its_backward() {
+    let results = on_ranks(2, Duration::from_secs(20), |group| {
+        let rank = group.rank();
+        let params = vec![
+            Param { name: "body.w".into(), tensor: values(&[5, 3], 1.0).set_requires_grad(true) },
+            Param { name: "head.w".into(), tensor: values(&[6, 5], 2.0).set_requires_grad(true) },
+        ];
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let body = Unit::new(&pending, &(vs.root() / "body"), ());
+        let head = Unit::new(&pending, &(vs.root() / "head"), params[1].tensor.shallow_clone());
+        let model = sharded(&params, &group, &pending, ShardOptions::default());
+        let bytes = |t: &Tensor| shim::storage_nbytes(t).unwrap();
+        let (x, targets) = (values(&[4, 3], 10.0 + rank as f64), fused_targets(rank));
+        let mut grads = Vec::new();
+        for pass in 0..2 {
+            let hidden = body.run(|()| x.matmul(&params[0].tensor.tr()).relu());
+            let loss = head
+                .linear_cross_entropy(&hidden, &targets, -100, |w| {
+                    assert_eq!(bytes(w), 120, "gathered for its forward");
+                    w
+                })
+                .unwrap();
+            assert_eq!(bytes(&params[1].tensor), 0, "released after its forward");
+            // Runs as backward starts, after the engine's own hook on the loss.
+            let seen = Arc::new(std::sync::Mutex::new(None));
+            let (w, s) = (std::sync::Mutex::new(params[1].tensor.shallow_clone()), seen.clone());
+            let body_unit = model.unit("body").unwrap();
+            let probe = model.clone();
+            let _hook = shim::add_grad_hook(&loss, move |_| {
+                let pending = probe.prefetch_pending(body_unit);
+                *s.lock().unwrap() = Some((bytes(&w.lock().unwrap()), pending));
+                None
+            })
+            .unwrap();
+            loss.backward();
+            let (head_bytes, prefetched) = seen.lock().unwrap().take().unwrap();
+            assert_eq!(head_bytes, 0, "the head was gathered again for its backward");
+            assert!(prefetched, "pass {pass}: the body's gather was not started ahead");
+            model.finish().unwrap();
+            let master = |p: &Param| model.master_of(shim::tensor_id(&p.tensor).unwrap()).unwrap();
+            let pass_grads: Vec<Vec<f32>> =
+                params.iter().map(|p| Vec::<f32>::try_from(master(p).grad()).unwrap()).collect();
+            grads.push(pass_grads);
+            for p in &params {
+                shim::set_grad(&master(p), None).unwrap();
+            }
+        }
+        assert_eq!(grads[0], grads[1], "the second pass differs");
+        grads.remove(0)
+    });
+    // One process: both ranks' losses from the whole logits, averaged.
+    let (w0, w1) = (values(&[5, 3], 1.0), values(&[6, 5], 2.0));
+    let (w0, w1) = (w0.set_requires_grad(true), w1.set_requires_grad(true));
+    let loss = (0..2).fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |total, r| {
+        let hidden = values(&[4, 3], 10.0 + r as f64).matmul(&w0.tr()).relu();
+        let logits = hidden.matmul(&w1.tr());
+        total
+            + logits.cross_entropy_loss::<Tensor>(
+                &fused_targets(r),
+                None,
+                tch::Reduction::Mean,
+                -100,
+                0.0,
+            )
+    }) / 2.0;
+    loss.backward();
+    for (i, w) in [&w0, &w1].iter().enumerate() {
+        let full = Vec::<f32>::try_from(w.grad().reshape([-1])).unwrap();
+        let sharded: Vec<f32> = results.iter().flat_map(|r| r[i].clone()).collect();
+        for (a, b) in full.iter().zip(&sharded) {
+            assert!((a - b).abs() < 1e-6, "parameter {i}: {a} vs {b}");
+        }
+    }
+}
+
+/// Rank `rank`'s targets for the fused head's test, one of them ignored.
+fn fused_targets(rank: usize) -> Tensor {
+    Tensor::from_slice(&[1i64, 5, -100, (rank as i64 + 2) % 6])
 }
 
 /// A unit waits in the registry of the accelerator it was made for: two models of the same
@@ -672,7 +757,7 @@ fn the_update_inside_backward_comes_as_units_are_reduced() {
             let unit = model.unit(&format!("stack.{u}")).unwrap();
             model.before_forward(unit).unwrap();
             hidden = hidden.matmul(&p.tensor.tr()).tanh();
-            model.after_forward(unit, &hidden).unwrap();
+            model.after_forward(unit, &hidden, true).unwrap();
         }
         hidden.square().mean(Kind::Float).backward();
         finishing.store(true, Ordering::SeqCst);

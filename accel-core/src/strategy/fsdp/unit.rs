@@ -192,7 +192,7 @@ impl<M> Unit<M> {
         let Some((model, unit)) = self.handle.model() else { return Ok(forward(self.inner.get())) };
         model.before_forward(unit)?;
         let out = forward(self.inner.get());
-        model.after_forward(unit, &out)?;
+        model.after_forward(unit, &out, true)?;
         Ok(out)
     }
 
@@ -201,12 +201,22 @@ impl<M> Unit<M> {
     /// (`backward`, the optimizer step, a gather); the forward still completes, on zeros
     /// instead of the parameters, with no further collective.
     pub fn run(&self, forward: impl FnOnce(&M) -> Tensor) -> Tensor {
+        self.run_reading(forward, true)
+    }
+
+    /// [`run`](Self::run); `backward_reads_parameters` false for a forward whose backward
+    /// reads none of the unit's parameters, which zero3 then does not gather again for it.
+    fn run_reading(
+        &self,
+        forward: impl FnOnce(&M) -> Tensor,
+        backward_reads_parameters: bool,
+    ) -> Tensor {
         let Some((model, unit)) = self.handle.model() else { return forward(self.inner.get()) };
         if let Err(e) = model.before_forward(unit) {
             model.record(unit, e);
         }
         let out = forward(self.inner.get());
-        if let Err(e) = model.after_forward(unit, &out) {
+        if let Err(e) = model.after_forward(unit, &out, backward_reads_parameters) {
             model.record(unit, e);
         }
         out
@@ -219,6 +229,35 @@ impl<M> Unit<M> {
         let out = self.run(|m| forward(m, x));
         self.watch_input(x);
         out
+    }
+
+    /// A language model's head and its loss in one: the mean cross-entropy of the logits
+    /// `x · wᵀ` against `targets` ([`crate::nn::linear_cross_entropy`]), `w` the weight
+    /// `weight` picks out of the module. Its gradients are computed in the forward pass, so
+    /// its backward reads no parameter, and under zero3 the unit is not gathered again for
+    /// it: the head's size less in memory when backward starts, where activations are at
+    /// their peak. An error if `x` and `w` do not fit (`x` [N, d], `w` [V, d],
+    /// `targets` [N]).
+    pub fn linear_cross_entropy(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        ignore_index: i64,
+        weight: impl FnOnce(&M) -> &Tensor,
+    ) -> Result<Tensor> {
+        let mut result = Ok(());
+        let out = self.run_reading(
+            |m| match crate::nn::linear_cross_entropy(x, weight(m), targets, ignore_index) {
+                Ok(loss) => loss,
+                Err(e) => {
+                    result = Err(e);
+                    Tensor::zeros([], (tch::Kind::Float, x.device()))
+                }
+            },
+            false,
+        );
+        self.watch_input(x);
+        result.map(|()| out)
     }
 
     /// See [`run_with`](Self::run_with).
