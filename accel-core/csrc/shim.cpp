@@ -380,10 +380,9 @@ char* accel_linear_cross_entropy(at::Tensor* x, at::Tensor* w, at::Tensor* targe
         grad = grad.to(compute);
         if (want_x) grad_x.narrow(0, start, len).copy_(at::mm(grad, w_compute));
         if (!want_w) continue;
-        if (len == n) {
-          // One chunk: as autograd's backward of x · wᵀ computes it, (xᵀ · grad)ᵀ.
-          grad_w = at::mm(xc.t(), grad).t();
-        } else if (!grad_w.defined()) {
+        // As autograd's backward of x · wᵀ computes it for a row-major w: gradᵀ · x, laid out
+        // as w is (a transposed result would be copied again by AccumulateGrad).
+        if (!grad_w.defined()) {
           grad_w = at::mm(grad.t(), xc);
         } else {
           grad_w.addmm_(grad.t(), xc);
