@@ -18,11 +18,7 @@ use tch::{Kind, Tensor};
 use crate::comm::{Communicator, ReduceOp};
 use crate::shim::add_grad_hook;
 
-/// Rows of logits computed at once by [`linear_cross_entropy`]: about 32 MiB of fp32 logits
-/// for a vocabulary of `vocab` entries.
-pub fn cross_entropy_chunk(vocab: i64) -> i64 {
-    ((1i64 << 23) / vocab.max(1)).max(1)
-}
+pub use crate::shim::cross_entropy_chunk;
 
 /// `logits = x · wᵀ` (a linear layer without bias: a language model's head) followed by the
 /// mean cross-entropy against `targets`, rows whose target is `ignore_index` left out —
@@ -41,8 +37,7 @@ pub fn linear_cross_entropy(
     targets: &Tensor,
     ignore_index: i64,
 ) -> crate::Result<Tensor> {
-    let chunk = cross_entropy_chunk(w.size().first().copied().unwrap_or(1));
-    crate::shim::linear_cross_entropy(x, w, targets, ignore_index, chunk)
+    crate::shim::linear_cross_entropy_in_chunks(x, w, targets, ignore_index)
 }
 
 /// A trainable variable `name` of shape `dims` under `path` whose values are not set: its

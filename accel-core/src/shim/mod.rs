@@ -164,6 +164,24 @@ pub fn linear_cross_entropy(
     Ok(unsafe { Tensor::from_ptr(loss) })
 }
 
+/// Rows of logits computed at once by [`crate::nn::linear_cross_entropy`]: about 32 MiB of
+/// fp32 logits for a vocabulary of `vocab` entries.
+pub fn cross_entropy_chunk(vocab: i64) -> i64 {
+    ((1i64 << 23) / vocab.max(1)).max(1)
+}
+
+/// [`linear_cross_entropy`] in chunks of [`cross_entropy_chunk`] rows for `w`'s vocabulary
+/// (`crate::nn::linear_cross_entropy`; here for the strategies, which the layers build on).
+pub fn linear_cross_entropy_in_chunks(
+    x: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    ignore_index: i64,
+) -> Result<Tensor> {
+    let chunk = cross_entropy_chunk(w.size().first().copied().unwrap_or(1));
+    linear_cross_entropy(x, w, targets, ignore_index, chunk)
+}
+
 /// Gives the storage behind `tensor` fresh memory of `nbytes` bytes from its own allocator
 /// (CPU or CUDA caching allocator). The contents are unspecified until written.
 pub fn allocate_storage(tensor: &Tensor, nbytes: u64) -> Result<()> {

@@ -16,6 +16,7 @@ use tch::nn::Module;
 
 use super::engine::ShardedModel;
 use crate::error::{Error, Result};
+use crate::shim;
 use crate::sync::Locked;
 
 /// A unit's link to the sharded model that holds its parameters, set when the model is
@@ -247,7 +248,7 @@ impl<M> Unit<M> {
     ) -> Result<Tensor> {
         let mut result = Ok(());
         let out = self.run_reading(
-            |m| match crate::nn::linear_cross_entropy(x, weight(m), targets, ignore_index) {
+            |m| match shim::linear_cross_entropy_in_chunks(x, weight(m), targets, ignore_index) {
                 Ok(loss) => loss,
                 Err(e) => {
                     result = Err(e);
