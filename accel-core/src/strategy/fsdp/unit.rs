@@ -237,8 +237,8 @@ impl<M> Unit<M> {
     /// `weight` picks out of the module. Its gradients are computed in the forward pass, so
     /// its backward reads no parameter, and under zero3 the unit is not gathered again for
     /// it: the head's size less in memory when backward starts, where activations are at
-    /// their peak. An error if `x` and `w` do not fit (`x` [N, d], `w` [V, d],
-    /// `targets` [N]).
+    /// their peak. An error if `x` and `w` do not fit (`x` `[N, d]`, `w` `[V, d]`,
+    /// `targets` `[N]`).
     pub fn linear_cross_entropy(
         &self,
         x: &Tensor,
