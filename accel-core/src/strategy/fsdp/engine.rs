@@ -452,10 +452,9 @@ impl ShardedModel {
         drop(engine);
         if output.requires_grad() {
             let model = self.clone();
-            let gather = backward_reads_parameters;
             // Inside autograd an error cannot be returned: it is kept for `finish`.
             add_grad_hook(output, move |_| {
-                if let Err(e) = model.before_backward(unit, gather) {
+                if let Err(e) = model.before_backward(unit, backward_reads_parameters) {
                     model.record(unit, e);
                 }
                 None

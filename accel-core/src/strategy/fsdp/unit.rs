@@ -257,7 +257,7 @@ impl<M> Unit<M> {
             },
             false,
         );
-        self.watch_input(x);
+        // Never gathered in backward, so nothing to release after it (no `watch_input`).
         result.map(|()| out)
     }
 
