@@ -484,6 +484,29 @@ char* accel_storage_free(at::Tensor* tensor) {
   })
 }
 
+// Moves the memory behind `from`'s storage into `to`'s, which holds none: every view of
+// `to` sees it, and `from`'s storage holds none after (as after accel_storage_free).
+char* accel_storage_move(at::Tensor* from, at::Tensor* to) {
+  ACCEL_TRY({
+    c10::StorageImpl* src = from->storage().unsafeGetStorageImpl();
+    c10::StorageImpl* dst = to->storage().unsafeGetStorageImpl();
+    TORCH_CHECK(dst->nbytes() == 0, "accel_storage_move: the target storage holds ",
+                dst->nbytes(), " bytes already");
+    TORCH_CHECK(src->device() == dst->device(), "accel_storage_move: from ", src->device(),
+                " to ", dst->device());
+    size_t nbytes = src->nbytes();
+    dst->set_data_ptr_noswap(src->set_data_ptr(at::DataPtr(nullptr, src->device())));
+    dst->set_nbytes(nbytes);
+    src->set_nbytes(0);
+  })
+}
+
+// Whether `tensor` is the only handle on its TensorImpl and the only tensor on its storage
+// (no view, no other handle, nothing else that could read its memory).
+char* accel_storage_sole_owner(at::Tensor* tensor, bool* sole) {
+  ACCEL_TRY(*sole = tensor->use_count() == 1 && tensor->storage().use_count() == 1)
+}
+
 // A tensor with `device_like`'s dtype and device and `shape_like`'s sizes whose storage
 // holds no memory: a zero3 parameter placed on its device already released, so that it is
 // never whole there (accel_storage_allocate gives it memory when it is gathered).

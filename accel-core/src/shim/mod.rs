@@ -4,8 +4,9 @@
 //!   and ZeRO reduce-scatter are launched from them);
 //! - [`set_grad`]: assign or clear `.grad`;
 //! - [`autocast`]: CPU/CUDA autocast with a chosen dtype, as a guard;
-//! - [`free_storage`] / [`allocate_storage`]: release and re-create a tensor's memory while
-//!   its views stay valid objects (ZeRO-3 parameters between uses);
+//! - [`free_storage`] / [`allocate_storage`] / [`move_storage`]: release, re-create or hand
+//!   over a tensor's memory while its views stay valid objects (ZeRO-3 parameters between
+//!   uses);
 //! - [`cuda_runtime`]: CUDA streams and events, `record_stream`, peak memory (what the NCCL
 //!   communicator orders its work with);
 //! - [`fused_adamw`], [`fused_adam`], [`fused_sgd`]: ATen's fused optimizer kernels;
@@ -187,6 +188,27 @@ pub fn linear_cross_entropy_in_chunks(
 pub fn allocate_storage(tensor: &Tensor, nbytes: u64) -> Result<()> {
     // SAFETY: live tensor; the new DataPtr is owned by the storage.
     check(unsafe { ffi::accel_storage_allocate(raw(tensor), nbytes) }, "allocate_storage")
+}
+
+/// Moves the memory of `from`'s storage into `to`'s storage, which must hold none (a
+/// released tensor, or a new one of 0 elements): `to` and its views then read it, and
+/// `from`'s storage holds none, as after [`free_storage`].
+///
+/// # Safety
+/// As for [`free_storage`] of `from`: nothing may read or write `from`'s storage until it
+/// is given memory again.
+pub unsafe fn move_storage(from: &Tensor, to: &Tensor) -> Result<()> {
+    // SAFETY: live tensors; the caller upholds the no-access contract above.
+    check(unsafe { ffi::accel_storage_move(raw(from), raw(to)) }, "move_storage")
+}
+
+/// Whether `tensor` is the only handle on its tensor and the only tensor on its storage: no
+/// view or other handle could read its memory.
+pub fn sole_owner(tensor: &Tensor) -> Result<bool> {
+    let mut sole = false;
+    // SAFETY: live tensor; out-pointer to a local.
+    check(unsafe { ffi::accel_storage_sole_owner(raw(tensor), &mut sole) }, "sole_owner")?;
+    Ok(sole)
 }
 
 /// Runs `f` with libtorch's use of oneDNN turned off (`torch.backends.mkldnn.flags(

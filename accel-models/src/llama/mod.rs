@@ -374,7 +374,7 @@ impl Llama {
 
     fn embed_tokens(&self, input_ids: &Tensor) -> Tensor {
         let padding = self.config.pad_token_id.unwrap_or(-1);
-        self.embed.run(|w| Tensor::embedding(w, input_ids, padding, false, false))
+        self.embed.embedding(input_ids, padding, |w| w)
     }
 
     /// The head (the embedding's weight when tied) on the normed `x`.

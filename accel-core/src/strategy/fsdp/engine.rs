@@ -11,6 +11,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::flat::{Engine, Frozen, Shard, UnitState};
 use super::layout::{chunk_of, size_based_units, unit_of};
+use super::spare::Spare;
 use super::{ShardOptions, Stage};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -350,6 +351,7 @@ impl ShardedModel {
             order_known: false,
             update: None,
             update_due: false,
+            spare: Spare::new(device),
         };
         let engine = Arc::new(Mutex::new(engine));
         let hooks = reduce_when_ready(&engine)?;
@@ -372,6 +374,12 @@ impl ShardedModel {
     /// The unit with variable-name prefix `prefix`, if it is one of this model's.
     pub(crate) fn unit(&self, prefix: &str) -> Option<usize> {
         lock(&self.engine).units.iter().position(|u| u.prefix == prefix)
+    }
+
+    /// Bytes kept for the next unit (see spare.rs).
+    #[cfg(test)]
+    pub(crate) fn spare_bytes(&self) -> u64 {
+        lock(&self.engine).spare.bytes()
     }
 
     /// Whether unit `unit`'s all-gather was launched ahead of its use (tests).
@@ -413,6 +421,7 @@ impl ShardedModel {
                 engine.prefetch(next)?;
             }
         }
+        engine.spare.trim();
         Ok(())
     }
 
@@ -427,10 +436,18 @@ impl ShardedModel {
         if gather && !engine.units[unit].gathered {
             engine.gather(unit)?;
         }
-        let previous = engine.order.iter().take_while(|&&u| u != unit).last().copied();
+        // The nearest unit before this one that its backward gathers.
+        let previous = engine
+            .order
+            .iter()
+            .take_while(|&&u| u != unit)
+            .filter(|&&u| engine.units[u].backward_reads)
+            .last()
+            .copied();
         if let Some(previous) = previous {
             engine.prefetch(previous)?;
         }
+        engine.spare.trim();
         Ok(())
     }
 
@@ -448,7 +465,13 @@ impl ShardedModel {
         if !engine.units[unit].managed {
             return Ok(());
         }
+        engine.units[unit].backward_reads |= backward_reads_parameters && output.requires_grad();
         engine.release(unit)?;
+        if !engine.order_known || engine.order.last() == Some(&unit) {
+            // The forward pass's last unit (or the first pass, whose last unit is not known
+            // yet): no gather may follow before backward.
+            engine.spare.trim();
+        }
         drop(engine);
         if output.requires_grad() {
             let model = self.clone();
@@ -548,11 +571,15 @@ impl ShardedModel {
                 engine.reduce(u)?;
             }
         }
+        // Nothing is gathered again in this pass: the buffers are freed as they complete.
+        engine.spare.trim();
         while let Some(u) = engine.in_flight.pop_front() {
             engine.complete(u)?;
+            engine.spare.trim();
         }
         for unit in &mut engine.units {
             unit.reduced = false;
+            unit.backward_reads = false;
         }
         let due = engine.due_update();
         drop(guard);
@@ -590,6 +617,7 @@ impl ShardedModel {
                 engine.gather(u)?;
             }
         }
+        engine.spare.trim();
         Ok(())
     }
 
@@ -608,6 +636,7 @@ impl ShardedModel {
                 out.push((engine.shards[s].id, full));
             }
         }
+        engine.spare.trim();
         Ok(out)
     }
 }

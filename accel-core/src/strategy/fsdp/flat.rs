@@ -8,6 +8,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::ShardOptions;
 use super::layout::{columns, copy_from_columns, copy_into_columns};
+use super::spare::Spare;
 use crate::comm::{Communicator, ReduceOp, Work};
 use crate::error::{Error, Result};
 use crate::optim::Param;
@@ -49,6 +50,10 @@ pub(super) struct UnitState {
     pub(super) prefetched: Option<(Work, Tensor)>,
     /// Its frozen parameters, sharded too when the unit is released at rest.
     pub(super) frozen: Option<Frozen>,
+    /// Its backward in this pass reads its parameters (a forward of it other than
+    /// `Unit::linear_cross_entropy` or `Unit::embedding` ran): backward gathers it, and
+    /// so prefetches it.
+    pub(super) backward_reads: bool,
 }
 
 /// A zero3 unit's parameters that get no gradient (LoRA's frozen base): sharded as its
@@ -97,6 +102,7 @@ impl UnitState {
             reduced: false,
             prefetched: None,
             frozen: None,
+            backward_reads: false,
         }
     }
 }
@@ -135,6 +141,8 @@ pub(super) struct Engine {
     /// shards are in the masters' `.grad` (`update_due`).
     pub(super) update: Option<UpdateInBackward>,
     pub(super) update_due: bool,
+    /// Memory of released units and finished flat buffers, for the next unit (CPU only).
+    pub(super) spare: Spare,
 }
 
 /// Checks that parameter `name` (`tensor`) has a storage of its own, which zero3 can
@@ -177,9 +185,15 @@ impl Engine {
         if let Some(buffer) = self.gradient_as_buffer(u, kind)? {
             return self.launch_reduce(u, buffer);
         }
-        let unit = &mut self.units[u];
+        // Completed first (as many as after the launch), so that this unit's buffer can be
+        // the memory of the one completed.
+        while self.in_flight.len() >= MAX_IN_FLIGHT {
+            let oldest = self.in_flight.pop_front().expect("non-empty");
+            self.complete(oldest)?;
+        }
         // Zeros: padding, and parameters that got no gradient, contribute nothing.
-        let buffer = Tensor::f_zeros([world * unit.segment], (kind, self.device))?;
+        let buffer = self.spare.zeros(world * self.units[u].segment, kind, self.device)?;
+        let unit = &self.units[u];
         tch::no_grad(|| -> Result<()> {
             for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
                 let shard = &self.shards[s];
@@ -234,6 +248,10 @@ impl Engine {
         self.in_flight.push_back(u);
         if self.units[u].managed {
             self.release(u)?;
+            if self.order.first() == Some(&u) {
+                // The backward pass's last unit: no gather follows.
+                self.spare.trim();
+            }
         }
         while self.in_flight.len() > MAX_IN_FLIGHT {
             let oldest = self.in_flight.pop_front().expect("non-empty");
@@ -273,6 +291,8 @@ impl Engine {
             }
             Ok(())
         })?;
+        drop(mine);
+        self.spare.recycle(buffer)?;
         self.update_due = self.update.is_some();
         Ok(())
     }
@@ -298,10 +318,10 @@ impl Engine {
     }
 
     /// The unit's flat buffer (in `kind`) holding this rank's master shards in its segment.
-    fn own_shards_buffer(&self, u: usize, kind: Kind) -> Result<Tensor> {
-        let unit = &self.units[u];
+    fn own_shards_buffer(&mut self, u: usize, kind: Kind) -> Result<Tensor> {
         let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
-        let buffer = Tensor::f_empty([world * unit.segment], (kind, self.device))?;
+        let buffer = self.spare.empty(world * self.units[u].segment, kind, self.device)?;
+        let unit = &self.units[u];
         let mine = buffer.f_narrow(0, rank * unit.segment, unit.segment)?;
         for (&s, &offset) in unit.members.iter().zip(&unit.offsets) {
             let shard = &self.shards[s];
@@ -311,10 +331,12 @@ impl Engine {
     }
 
     /// The flat buffer of unit `u`'s frozen parameters holding this rank's shards.
-    fn own_frozen_buffer(&self, u: usize) -> Result<Option<Tensor>> {
+    fn own_frozen_buffer(&mut self, u: usize) -> Result<Option<Tensor>> {
         let Some(frozen) = &self.units[u].frozen else { return Ok(None) };
         let (world, rank) = (self.group.size() as i64, self.group.rank() as i64);
-        let buffer = Tensor::f_empty([world * frozen.segment], (frozen.kind, self.device))?;
+        let (numel, kind) = (world * frozen.segment, frozen.kind);
+        let buffer = self.spare.empty(numel, kind, self.device)?;
+        let frozen = self.units[u].frozen.as_ref().expect("checked above");
         let mine = buffer.f_narrow(0, rank * frozen.segment, frozen.segment)?;
         for (&s, &offset) in frozen.members.iter().zip(&frozen.offsets) {
             let shard = &self.shards[s];
@@ -342,7 +364,7 @@ impl Engine {
         let Some(buffer) = self.frozen_gathered(u)? else { return Ok(Vec::new()) };
         let frozen = self.units[u].frozen.as_ref().expect("gathered above");
         let world = self.group.size() as i64;
-        frozen
+        let wholes = frozen
             .members
             .iter()
             .zip(&frozen.offsets)
@@ -353,7 +375,9 @@ impl Engine {
                 copy_from_columns(&columns, &whole, shard.numel, shard.chunk)?;
                 Ok((s, whole.f_view(shard.param.size().as_slice())?))
             })
-            .collect()
+            .collect::<Result<_>>()?;
+        self.spare.recycle(buffer)?;
+        Ok(wholes)
     }
 
     /// The unit's flat buffer with every rank's master shards, all-gathered in `kind` (or
@@ -365,6 +389,7 @@ impl Engine {
             if buffer.kind() == kind {
                 return Ok(buffer);
             }
+            self.spare.recycle(buffer)?;
         }
         let buffer = self.own_shards_buffer(u, kind)?;
         // (A unit of frozen parameters only has nothing here to gather.)
@@ -380,7 +405,8 @@ impl Engine {
         let buffer = self.all_gathered(u, Kind::Float)?;
         let unit = &self.units[u];
         let world = self.group.size() as i64;
-        unit.members
+        let wholes = unit
+            .members
             .iter()
             .zip(&unit.offsets)
             .map(|(&s, &offset)| {
@@ -390,12 +416,23 @@ impl Engine {
                 copy_from_columns(&columns, &whole, shard.numel, shard.chunk)?;
                 Ok(whole.f_view(shard.param.size().as_slice())?)
             })
-            .collect()
+            .collect::<Result<_>>()?;
+        self.spare.recycle(buffer)?;
+        Ok(wholes)
     }
 
-    /// Writes the gathered values into the unit's parameters (allocating them first if
+    /// Writes the gathered values into the unit's parameters (giving them memory first if
     /// they were released).
     pub(super) fn gather(&mut self, u: usize) -> Result<()> {
+        if !self.units[u].gathered {
+            // Before the flat buffers: a kept block of the last unit's parameters is taken
+            // by these ones.
+            for s in self.released_members(u) {
+                let param = &self.shards[s].param;
+                let bytes = param.numel() * param.kind().elt_size_in_bytes();
+                self.spare.allocate(param, bytes as u64)?;
+            }
+        }
         let buffer = self.all_gathered(u, self.compute_kind(u))?;
         let frozen = self.frozen_gathered(u)?;
         let unit = &self.units[u];
@@ -409,10 +446,6 @@ impl Engine {
                 for (&s, &offset) in members.iter().zip(offsets) {
                     let shard = &self.shards[s];
                     let param = &shard.param;
-                    if !unit.gathered {
-                        let bytes = param.numel() * param.kind().elt_size_in_bytes();
-                        shim::allocate_storage(param, bytes as u64)?;
-                    }
                     // Through `.data`: autograd saved these parameters in the forward, and a
                     // write that bumped their version would make backward refuse them.
                     let target = param.f_data()?.f_view([-1])?;
@@ -423,7 +456,8 @@ impl Engine {
             Ok(())
         })?;
         self.units[u].gathered = true;
-        Ok(())
+        self.spare.recycle(buffer)?;
+        frozen.map_or(Ok(()), |buffer| self.spare.recycle(buffer))
     }
 
     /// Launches the all-gather of a released zero3 unit without waiting; `gather` uses it.
@@ -512,9 +546,10 @@ impl Engine {
             return Ok(());
         }
         let frozen = self.units[u].frozen.as_mut().and_then(|f| f.prefetched.take());
-        for (work, _) in self.units[u].prefetched.take().into_iter().chain(frozen) {
+        for (work, buffer) in self.units[u].prefetched.take().into_iter().chain(frozen) {
             // Gathered ahead but not used: finish the collective (every rank launched it).
             work.wait()?;
+            self.spare.recycle(buffer)?;
         }
         if !self.units[u].gathered {
             return Ok(());
@@ -524,7 +559,7 @@ impl Engine {
             own_storage(param, &self.shards[s].name)?;
             // SAFETY: the unit is marked released; nothing reads it until `gather`
             // allocates it again (a [`Unit`] does before its forward and its backward).
-            unsafe { shim::free_storage(param)? };
+            unsafe { self.spare.release(param)? };
         }
         self.units[u].gathered = false;
         Ok(())

@@ -5,6 +5,7 @@
 mod engine;
 mod flat;
 mod layout;
+mod spare;
 mod unit;
 
 use std::collections::BTreeMap;

@@ -265,13 +265,7 @@ fn zero3_does_not_gather_a_fused_head_again_for_its_backward() {
             assert_eq!(head_bytes, 0, "the head was gathered again for its backward");
             assert!(prefetched, "pass {pass}: the body's gather was not started ahead");
             model.finish().unwrap();
-            let master = |p: &Param| model.master_of(shim::tensor_id(&p.tensor).unwrap()).unwrap();
-            let pass_grads: Vec<Vec<f32>> =
-                params.iter().map(|p| Vec::<f32>::try_from(master(p).grad()).unwrap()).collect();
-            grads.push(pass_grads);
-            for p in &params {
-                shim::set_grad(&master(p), None).unwrap();
-            }
+            grads.push(take_master_grads(&model, &params));
         }
         assert_eq!(grads[0], grads[1], "the second pass differs");
         grads.remove(0)
@@ -292,13 +286,151 @@ fn zero3_does_not_gather_a_fused_head_again_for_its_backward() {
             )
     }) / 2.0;
     loss.backward();
-    for (i, w) in [&w0, &w1].iter().enumerate() {
+    assert_shards_equal(&results, &[&w0, &w1]);
+}
+
+/// This rank's gradient of each parameter's master shard, cleared for the next pass.
+fn take_master_grads(model: &ShardedModel, params: &[Param]) -> Vec<Vec<f32>> {
+    params
+        .iter()
+        .map(|p| {
+            let master = model.master_of(shim::tensor_id(&p.tensor).unwrap()).unwrap();
+            let grad = Vec::<f32>::try_from(master.grad()).unwrap();
+            shim::set_grad(&master, None).unwrap();
+            grad
+        })
+        .collect()
+}
+
+/// The ranks' gradient shards of each parameter (`results[rank][i]`), side by side, equal
+/// the 1-process gradient of `wholes[i]` (1e-6; padding past its end left out).
+fn assert_shards_equal(results: &[Vec<Vec<f32>>], wholes: &[&Tensor]) {
+    for (i, w) in wholes.iter().enumerate() {
         let full = Vec::<f32>::try_from(w.grad().reshape([-1])).unwrap();
         let sharded: Vec<f32> = results.iter().flat_map(|r| r[i].clone()).collect();
         for (a, b) in full.iter().zip(&sharded) {
             assert!((a - b).abs() < 1e-6, "parameter {i}: {a} vs {b}");
         }
     }
+}
+
+#[test]
+fn zero3_does_not_gather_an_embedding_again_for_its_backward() {
+    let ids = |rank: usize| Tensor::from_slice(&[1i64, 4, rank as i64, 1, 5]);
+    let results = on_ranks(2, Duration::from_secs(20), move |group| {
+        let rank = group.rank();
+        let params = vec![
+            Param { name: "embed.w".into(), tensor: values(&[6, 3], 1.0).set_requires_grad(true) },
+            Param { name: "body.w".into(), tensor: values(&[4, 3], 2.0).set_requires_grad(true) },
+        ];
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let embed = Unit::new(&pending, &(vs.root() / "embed"), params[0].tensor.shallow_clone());
+        let body = Unit::new(&pending, &(vs.root() / "body"), params[1].tensor.shallow_clone());
+        let model = sharded(&params, &group, &pending, ShardOptions::default());
+        let bytes = |t: &Tensor| shim::storage_nbytes(t).unwrap();
+        let mut grads = Vec::new();
+        for _ in 0..2 {
+            // Padding row 4: no gradient.
+            let e = embed.embedding(&ids(rank), 4, |w| w);
+            // Runs after the engine's own hook on the embedding's output.
+            let seen = Arc::new(std::sync::Mutex::new(None));
+            let (w, s) = (std::sync::Mutex::new(params[0].tensor.shallow_clone()), seen.clone());
+            let (probe, embed_unit) = (model.clone(), model.unit("embed").unwrap());
+            let _hook = shim::add_grad_hook(&e, move |_| {
+                let prefetched = probe.prefetch_pending(embed_unit);
+                *s.lock().unwrap() = Some((bytes(&w.lock().unwrap()), prefetched));
+                None
+            })
+            .unwrap();
+            let out = body.run(|w| e.matmul(&w.tr()).relu());
+            out.square().mean(Kind::Float).backward();
+            let (embed_bytes, prefetched) = seen.lock().unwrap().take().unwrap();
+            assert_eq!(embed_bytes, 0, "gathered for its backward");
+            assert!(!prefetched, "its gather was started ahead for a backward that reads none");
+            model.finish().unwrap();
+            grads.push(take_master_grads(&model, &params));
+        }
+        assert_eq!(grads[0], grads[1], "the second pass differs");
+        grads.remove(0)
+    });
+    // One process: both ranks' losses, averaged.
+    let (w0, w1) = (values(&[6, 3], 1.0), values(&[4, 3], 2.0));
+    let (w0, w1) = (w0.set_requires_grad(true), w1.set_requires_grad(true));
+    let loss = (0..2).fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |total, r| {
+        let e = Tensor::embedding(&w0, &ids(r), 4, false, false);
+        total + e.matmul(&w1.tr()).relu().square().mean(Kind::Float)
+    }) / 2.0;
+    loss.backward();
+    for (i, w) in [&w0, &w1].iter().enumerate() {
+        let shards: usize = results.iter().map(|r| r[i].len()).sum();
+        assert_eq!(w.numel(), shards);
+    }
+    assert_shards_equal(&results, &[&w0, &w1]);
+}
+
+/// Units of one shape, one after the other: on the CPU the second unit's gather takes the
+/// memory the first one's release gave up (no fresh pages to fault in), in forward once the
+/// order of units is known and in backward, and nothing is kept past the forward pass's
+/// last unit or the backward pass.
+#[test]
+fn zero3_hands_a_released_units_memory_to_the_next_gather_and_keeps_none_after_a_pass() {
+    on_ranks(2, Duration::from_secs(20), |group| {
+        let shape = [5, 5];
+        let params: Vec<Param> = (0..2)
+            .map(|i| Param {
+                name: format!("blocks.{i}.w"),
+                tensor: values(&shape, i as f64).set_requires_grad(true),
+            })
+            .collect();
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let units: Vec<_> = (0..2)
+            .map(|i| {
+                let path = vs.root() / "blocks" / i;
+                Unit::new(&pending, &path, params[i].tensor.shallow_clone())
+            })
+            .collect();
+        let model = sharded(&params, &group, &pending, ShardOptions::default());
+        let x = values(&[4, 5], 10.0 + group.rank() as f64);
+        for pass in 0..2 {
+            let address = std::sync::Mutex::new(Vec::new());
+            let first = units[0].run(|w| {
+                address.lock().unwrap().push(w.data_ptr() as usize);
+                x.matmul(&w.tr()).relu()
+            });
+            // (Not in the first pass, whose last unit is not known.)
+            let kept = if pass == 0 { 0 } else { 100 };
+            assert_eq!(model.spare_bytes(), kept, "pass {pass}: the released unit was not kept");
+            let out = units[1].run(|w| {
+                address.lock().unwrap().push(w.data_ptr() as usize);
+                first.matmul(&w.tr())
+            });
+            let [a, b] = address.lock().unwrap()[..] else { panic!("two forwards") };
+            if pass == 1 {
+                assert_eq!(a, b, "the second unit's gather got fresh memory");
+            }
+            assert_eq!(model.spare_bytes(), 0, "pass {pass}: kept after the last unit");
+            // In backward the second unit is gathered first, then released into the first's.
+            // (Each hook runs after the engine's own on the same tensor.)
+            let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let _hooks: Vec<_> = [(&out, 1), (&first, 0)]
+                .into_iter()
+                .map(|(t, i)| {
+                    let w = std::sync::Mutex::new(params[i].tensor.shallow_clone());
+                    let s = seen.clone();
+                    shim::add_grad_hook(t, move |_| {
+                        s.lock().unwrap().push(w.lock().unwrap().data_ptr() as usize);
+                        None
+                    })
+                    .unwrap()
+                })
+                .collect();
+            out.square().mean(Kind::Float).backward();
+            let [b, a] = seen.lock().unwrap()[..] else { panic!("two backward hooks") };
+            assert_eq!(a, b, "pass {pass}: the first unit's backward gather got fresh memory");
+            model.finish().unwrap();
+            assert_eq!(model.spare_bytes(), 0, "pass {pass}: kept after the backward pass");
+        }
+    });
 }
 
 /// Rank `rank`'s targets for the fused head's test, one of them ignored.

@@ -261,6 +261,20 @@ impl<M> Unit<M> {
         result.map(|()| out)
     }
 
+    /// A token embedding: the rows of the weight `weight` picks out of the module at `ids`
+    /// (`Tensor::embedding`; rows of `padding_idx` get no gradient, -1 for none). Its
+    /// backward reads the indices only, never the weight, so under zero3 the unit is not
+    /// gathered again for it (FSDP2 gathers it): the embedding's size less to all-gather,
+    /// write and hold at the end of the backward pass.
+    pub fn embedding(
+        &self,
+        ids: &Tensor,
+        padding_idx: i64,
+        weight: impl FnOnce(&M) -> &Tensor,
+    ) -> Tensor {
+        self.run_reading(|m| Tensor::embedding(weight(m), ids, padding_idx, false, false), false)
+    }
+
     /// See [`run_with`](Self::run_with).
     fn watch_input(&self, x: &Tensor) {
         if let Some((model, unit)) = self.handle.model() {
