@@ -382,10 +382,7 @@ fn linear_cross_entropy_in_chunks_equals_the_whole_logits_cross_entropy() {
     let (expected, ex, ew) = run(false);
     // Relative: the loss is ~11.5, where one fp32 ulp is ~1e-6, and the chunked sum rounds
     // in another order (which BLAS kernel runs differs between CPUs).
-    assert!(
-        (loss - expected).abs() < 1e-6 * expected.abs(),
-        "loss {loss} vs {expected}"
-    );
+    assert!((loss - expected).abs() < 1e-6 * expected.abs(), "loss {loss} vs {expected}");
     let diff = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
     assert!(diff(&gx, &ex) < 1e-6, "x's gradient differs by {}", diff(&gx, &ex));
     assert!(diff(&gw, &ew) < 1e-6, "w's gradient differs by {}", diff(&gw, &ew));
