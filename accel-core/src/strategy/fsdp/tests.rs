@@ -249,17 +249,9 @@ fn zero3_does_not_gather_a_fused_head_again_for_its_backward() {
                 })
                 .unwrap();
             assert_eq!(bytes(&params[1].tensor), 0, "released after its forward");
-            // Runs as backward starts, after the engine's own hook on the loss.
-            let seen = Arc::new(std::sync::Mutex::new(None));
-            let (w, s) = (std::sync::Mutex::new(params[1].tensor.shallow_clone()), seen.clone());
+            // As backward starts: the head's bytes and the body's prefetch.
             let body_unit = model.unit("body").unwrap();
-            let probe = model.clone();
-            let _hook = shim::add_grad_hook(&loss, move |_| {
-                let pending = probe.prefetch_pending(body_unit);
-                *s.lock().unwrap() = Some((bytes(&w.lock().unwrap()), pending));
-                None
-            })
-            .unwrap();
+            let (_hook, seen) = probe_backward(&model, &loss, &params[1].tensor, body_unit);
             loss.backward();
             let (head_bytes, prefetched) = seen.lock().unwrap().take().unwrap();
             assert_eq!(head_bytes, 0, "the head was gathered again for its backward");
@@ -287,6 +279,29 @@ fn zero3_does_not_gather_a_fused_head_again_for_its_backward() {
     }) / 2.0;
     loss.backward();
     assert_shards_equal(&results, &[&w0, &w1]);
+}
+
+/// The bytes a parameter's storage held and whether a gather was pending, when seen.
+type Seen = Arc<std::sync::Mutex<Option<(u64, bool)>>>;
+
+/// What a hook on `t`'s gradient sees as backward reaches it (after the engine's own hook
+/// on `t`): the bytes `param`'s storage holds, and whether unit `unit`'s gather is pending.
+/// Read after backward; the hook lives as long as the first value.
+fn probe_backward(
+    model: &Arc<ShardedModel>,
+    t: &Tensor,
+    param: &Tensor,
+    unit: usize,
+) -> (shim::GradHook, Seen) {
+    let seen = Arc::new(std::sync::Mutex::new(None));
+    let (w, s, probe) = (std::sync::Mutex::new(param.shallow_clone()), seen.clone(), model.clone());
+    let hook = shim::add_grad_hook(t, move |_| {
+        let pending = probe.prefetch_pending(unit);
+        *s.lock().unwrap() = Some((shim::storage_nbytes(&w.lock().unwrap()).unwrap(), pending));
+        None
+    })
+    .unwrap();
+    (hook, seen)
 }
 
 /// This rank's gradient of each parameter's master shard, cleared for the next pass.
@@ -327,21 +342,13 @@ fn zero3_does_not_gather_an_embedding_again_for_its_backward() {
         let embed = Unit::new(&pending, &(vs.root() / "embed"), params[0].tensor.shallow_clone());
         let body = Unit::new(&pending, &(vs.root() / "body"), params[1].tensor.shallow_clone());
         let model = sharded(&params, &group, &pending, ShardOptions::default());
-        let bytes = |t: &Tensor| shim::storage_nbytes(t).unwrap();
         let mut grads = Vec::new();
         for _ in 0..2 {
             // Padding row 4: no gradient.
             let e = embed.embedding(&ids(rank), 4, |w| w);
-            // Runs after the engine's own hook on the embedding's output.
-            let seen = Arc::new(std::sync::Mutex::new(None));
-            let (w, s) = (std::sync::Mutex::new(params[0].tensor.shallow_clone()), seen.clone());
-            let (probe, embed_unit) = (model.clone(), model.unit("embed").unwrap());
-            let _hook = shim::add_grad_hook(&e, move |_| {
-                let prefetched = probe.prefetch_pending(embed_unit);
-                *s.lock().unwrap() = Some((bytes(&w.lock().unwrap()), prefetched));
-                None
-            })
-            .unwrap();
+            // As the embedding's backward comes: its bytes and its own prefetch.
+            let embed_unit = model.unit("embed").unwrap();
+            let (_hook, seen) = probe_backward(&model, &e, &params[0].tensor, embed_unit);
             let out = body.run(|w| e.matmul(&w.tr()).relu());
             out.square().mean(Kind::Float).backward();
             let (embed_bytes, prefetched) = seen.lock().unwrap().take().unwrap();
