@@ -405,6 +405,29 @@ char* accel_linear_cross_entropy(at::Tensor* x, at::Tensor* w, at::Tensor* targe
   })
 }
 
+// `value` (a loss computed without autograd) as a tensor whose backward hands `grad_x`,
+// scaled by the incoming gradient, to `x`: a loss whose gradients were computed with it in
+// the forward pass (the vocabulary-parallel head under zero3). Attached whenever grad mode
+// is on, even if `x` needs no gradient, so that backward reaches it (and the hooks on it).
+char* accel_loss_with_gradient(at::Tensor* value, at::Tensor* x, at::Tensor* grad_x,
+                               at::Tensor** loss) {
+  ACCEL_TRY({
+    at::Tensor out = value->detach().clone();
+    if (at::GradMode::is_enabled()) {
+      auto node = std::shared_ptr<LinearCrossEntropyBackward>(new LinearCrossEntropyBackward(),
+                                                              torch::autograd::deleteNode);
+      if (x->requires_grad() && grad_x != nullptr) node->grad_x = *grad_x;
+      node->set_next_edges(torch::autograd::collect_next_edges(*x, at::Tensor()));
+      torch::autograd::set_history(out, node);
+    }
+    *loss = new at::Tensor(out);
+  })
+}
+
+char* accel_grad_mode_enabled(bool* enabled) {
+  ACCEL_TRY({ *enabled = at::GradMode::is_enabled(); })
+}
+
 // ---- .grad ---------------------------------------------------------------------
 
 // grad == NULL clears the gradient (None).

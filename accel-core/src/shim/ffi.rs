@@ -63,6 +63,14 @@ unsafe extern "C" {
         loss: *mut *mut C_tensor,
     ) -> *mut c_char;
 
+    pub(crate) fn accel_loss_with_gradient(
+        value: *mut C_tensor,
+        x: *mut C_tensor,
+        grad_x: *mut C_tensor,
+        loss: *mut *mut C_tensor,
+    ) -> *mut c_char;
+    pub(crate) fn accel_grad_mode_enabled(enabled: *mut bool) -> *mut c_char;
+
     pub(crate) fn accel_set_grad(tensor: *mut C_tensor, grad: *mut C_tensor) -> *mut c_char;
 
     pub(crate) fn accel_autocast_enter(

@@ -165,6 +165,29 @@ pub fn linear_cross_entropy(
     Ok(unsafe { Tensor::from_ptr(loss) })
 }
 
+/// `value`, a loss computed without autograd, as a tensor whose backward hands `grad_x`
+/// (computed with it, for an incoming gradient of 1) to `x`, scaled by the gradient that
+/// comes. Part of the graph whenever grad mode is on, so that hooks on it run in backward,
+/// even when `x` needs no gradient (`grad_x` is then not kept).
+pub fn loss_with_gradient(value: &Tensor, x: &Tensor, grad_x: Option<&Tensor>) -> Result<Tensor> {
+    let mut loss: *mut C_tensor = std::ptr::null_mut();
+    let grad_x = grad_x.map_or(std::ptr::null_mut(), raw);
+    // SAFETY: live tensors (or NULL for none); on success the shim stores a fresh
+    // `new at::Tensor` we own.
+    let message = unsafe { ffi::accel_loss_with_gradient(raw(value), raw(x), grad_x, &mut loss) };
+    check(message, "loss_with_gradient")?;
+    // SAFETY: see above.
+    Ok(unsafe { Tensor::from_ptr(loss) })
+}
+
+/// Whether autograd records operations on this thread (not under `no_grad`).
+pub fn grad_mode_enabled() -> Result<bool> {
+    let mut enabled = false;
+    // SAFETY: an out-pointer to a local.
+    check(unsafe { ffi::accel_grad_mode_enabled(&mut enabled) }, "grad_mode_enabled")?;
+    Ok(enabled)
+}
+
 /// Rows of logits computed at once by [`crate::nn::linear_cross_entropy`]: about 32 MiB of
 /// fp32 logits for a vocabulary of `vocab` entries.
 pub fn cross_entropy_chunk(vocab: i64) -> i64 {

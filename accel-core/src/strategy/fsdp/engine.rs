@@ -402,13 +402,8 @@ impl ShardedModel {
     /// Gathers a unit for its forward, and starts gathering the one that follows it.
     pub(crate) fn before_forward(&self, unit: usize) -> Result<()> {
         let mut engine = lock(&self.engine);
-        if !engine.order_known {
-            if engine.order.contains(&unit) {
-                engine.order_known = true;
-            } else {
-                engine.order.push(unit);
-            }
-        }
+        engine.note_forward(unit);
+        engine.units[unit].on_shards = false;
         if engine.failed {
             return engine.fill_locally(unit);
         }
@@ -423,6 +418,57 @@ impl ShardedModel {
         }
         engine.spare.trim();
         Ok(())
+    }
+
+    /// Zero3's `Unit::linear_cross_entropy` of unit `unit` (its head `w`) computed on the
+    /// shards, the head never gathered (vocab.rs), where it fits; `None` where it does not.
+    /// Backward reaching the loss adds the head's gradient shard (and applies the update
+    /// under `optimizer_in_backward`) and starts gathering the unit before it.
+    pub(crate) fn cross_entropy_on_shards(
+        self: &Arc<Self>,
+        unit: usize,
+        x: &Tensor,
+        targets: &Tensor,
+        ignore_index: i64,
+        w: &Tensor,
+    ) -> Result<Option<Tensor>> {
+        let (value, grad_x, grad_w) = {
+            let mut engine = lock(&self.engine);
+            if !engine.on_shards_fits(unit, w, x)? {
+                return Ok(None);
+            }
+            engine.note_forward(unit);
+            engine.units[unit].on_shards = true;
+            let computed = engine.cross_entropy_on_shards(unit, x, targets, ignore_index);
+            engine.spare.trim();
+            // Returned now; what follows of this model runs without collectives.
+            engine.failed |= computed.is_err();
+            computed?
+        };
+        let loss = shim::loss_with_gradient(&value, x, grad_x.as_ref())?;
+        let (model, grad_w) = (self.clone(), Mutex::new(Some(grad_w)));
+        // Inside autograd an error cannot be returned: it is kept for `finish`.
+        add_grad_hook(&loss, move |g| {
+            let grad_w = grad_w.locked().take()?;
+            if let Err(e) = model.backward_on_shards(unit, &grad_w, g) {
+                model.record(unit, e);
+            }
+            None
+        })?;
+        Ok(Some(loss))
+    }
+
+    /// See [`cross_entropy_on_shards`](Self::cross_entropy_on_shards).
+    fn backward_on_shards(&self, unit: usize, grad_w: &Tensor, g: &Tensor) -> Result<()> {
+        self.before_backward(unit, false)?;
+        let mut engine = lock(&self.engine);
+        if engine.failed {
+            return Ok(());
+        }
+        engine.add_gradient_on_shards(unit, grad_w, g)?;
+        let due = engine.due_update();
+        drop(engine);
+        due.map_or(Ok(()), |update| update())
     }
 
     /// Gathers a unit for its backward (unless `gather` is false: a backward that reads

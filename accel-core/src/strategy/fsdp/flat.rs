@@ -54,6 +54,8 @@ pub(super) struct UnitState {
     /// `Unit::linear_cross_entropy` or `Unit::embedding` ran): backward gathers it, and
     /// so prefetches it.
     pub(super) backward_reads: bool,
+    /// Its last forward ran on its shards (vocab.rs), never gathered: not prefetched.
+    pub(super) on_shards: bool,
 }
 
 /// A zero3 unit's parameters that get no gradient (LoRA's frozen base): sharded as its
@@ -103,6 +105,7 @@ impl UnitState {
             prefetched: None,
             frozen: None,
             backward_reads: false,
+            on_shards: false,
         }
     }
 }
@@ -464,7 +467,12 @@ impl Engine {
     pub(super) fn prefetch(&mut self, u: usize) -> Result<()> {
         let unit = &self.units[u];
         let frozen_pending = unit.frozen.as_ref().is_some_and(|f| f.prefetched.is_some());
-        if !unit.managed || unit.gathered || unit.prefetched.is_some() || frozen_pending {
+        if !unit.managed
+            || unit.gathered
+            || unit.prefetched.is_some()
+            || frozen_pending
+            || unit.on_shards
+        {
             return Ok(());
         }
         if unit.segment > 0 {
@@ -484,6 +492,17 @@ impl Engine {
         let unit = &self.units[u];
         let frozen = unit.frozen.iter().flat_map(|f| f.members.iter());
         unit.members.iter().chain(frozen).copied().collect()
+    }
+
+    /// Records unit `u` in the order of the forward pass, until the first pass is complete.
+    pub(super) fn note_forward(&mut self, u: usize) {
+        if !self.order_known {
+            if self.order.contains(&u) {
+                self.order_known = true;
+            } else {
+                self.order.push(u);
+            }
+        }
     }
 
     /// Keeps the first failure and stops this model's collectives (see `failed`).

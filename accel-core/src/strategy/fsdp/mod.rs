@@ -7,6 +7,7 @@ mod flat;
 mod layout;
 mod spare;
 mod unit;
+mod vocab;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};

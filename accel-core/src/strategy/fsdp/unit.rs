@@ -237,8 +237,11 @@ impl<M> Unit<M> {
     /// `weight` picks out of the module. Its gradients are computed in the forward pass, so
     /// its backward reads no parameter, and under zero3 the unit is not gathered again for
     /// it: the head's size less in memory when backward starts, where activations are at
-    /// their peak. An error if `x` and `w` do not fit (`x` `[N, d]`, `w` `[V, d]`,
-    /// `targets` `[N]`).
+    /// their peak. Under zero3 a unit of `w` alone whose rows split evenly over the
+    /// processes is not gathered at all: each process computes its slice of the vocabulary
+    /// for every process's rows (see the fsdp README; the loss's gradient must then be the
+    /// same on every process). An error if `x` and `w` do not fit (`x` `[N, d]`, `w`
+    /// `[V, d]`, `targets` `[N]`).
     pub fn linear_cross_entropy(
         &self,
         x: &Tensor,
@@ -246,9 +249,16 @@ impl<M> Unit<M> {
         ignore_index: i64,
         weight: impl FnOnce(&M) -> &Tensor,
     ) -> Result<Tensor> {
+        // The weight is a handle: gathering fills its storage, the tensor stays the same.
+        let w = weight(self.inner.get());
+        if let Some((model, unit)) = self.handle.model() {
+            if let Some(loss) = model.cross_entropy_on_shards(unit, x, targets, ignore_index, w)? {
+                return Ok(loss);
+            }
+        }
         let mut result = Ok(());
         let out = self.run_reading(
-            |m| match shim::linear_cross_entropy_in_chunks(x, weight(m), targets, ignore_index) {
+            |_| match shim::linear_cross_entropy_in_chunks(x, w, targets, ignore_index) {
                 Ok(loss) => loss,
                 Err(e) => {
                     result = Err(e);
