@@ -1402,7 +1402,8 @@ fn llama_logits_equal_transformers_on_a_sharded_checkpoint() {
 
 /// A fine-tune on 2 processes under zero3 with activation checkpointing equals
 /// transformers + Accelerate DDP (losses 1e-4, weights 2e-4); its losses are bit-identical
-/// without activation checkpointing; the folder it writes (sharded, with an index) loads
+/// without activation checkpointing, and with the head fused into the loss (computed on its
+/// shards) equal to 1e-6; the folder it writes (sharded, with an index) loads
 /// with transformers' `from_pretrained` and gives the logits of the weights it holds.
 #[test]
 fn llama_fine_tune_under_zero3_with_activation_checkpointing_equals_transformers_and_accelerate() {
@@ -1464,10 +1465,14 @@ fn llama_fine_tune_under_zero3_with_activation_checkpointing_equals_transformers
     for (step, (a, b)) in runs[0].1.iter().zip(&runs[2].1).enumerate() {
         assert!((a - b).abs() <= 1e-6, "step {step}: the fused loss {b}, the logits' {a}");
     }
+    // The fused head runs on its shards (each process half the vocabulary): its gradients
+    // equal the logits' to 1e-7 of their scale (measured: 1.5e-8 at 0.11), and AdamW's
+    // first steps, g / (|g| + 1e-8), make that up to 4e-5 on a weight whose gradient is
+    // 1e-9; so the bound against transformers' below.
     let (plain, fused) = (read_hf_folder(&runs[0].0), read_hf_folder(&runs[2].0));
     for (name, t) in &plain {
         let diff = max_abs_difference(t, &fused[name]);
-        assert!(diff <= 1e-6, "{name}: the fused loss trained it {diff} away");
+        assert!(diff <= 2e-4, "{name}: the fused loss trained it {diff} away");
     }
     for (step, (a, b)) in reference.iter().zip(&runs[0].1).enumerate() {
         assert!((a - b).abs() <= 1e-4, "step {step}: Accelerate's loss {a}, accel's {b}");

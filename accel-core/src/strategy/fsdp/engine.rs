@@ -512,6 +512,7 @@ impl ShardedModel {
             return Ok(());
         }
         engine.units[unit].backward_reads |= backward_reads_parameters && output.requires_grad();
+        engine.units[unit].gets_gradient |= output.requires_grad();
         engine.release(unit)?;
         if !engine.order_known || engine.order.last() == Some(&unit) {
             // The forward pass's last unit (or the first pass, whose last unit is not known
@@ -623,9 +624,16 @@ impl ShardedModel {
             engine.complete(u)?;
             engine.spare.trim();
         }
-        for unit in &mut engine.units {
+        for u in 0..engine.units.len() {
+            // A part computed on the shards whose tied gradient never came.
+            if let Some(part) = engine.units[u].shard_part.take() {
+                engine.shards[engine.units[u].members[0]].add_to_grad(&part)?;
+                engine.update_due = engine.update.is_some();
+            }
+            let unit = &mut engine.units[u];
             unit.reduced = false;
             unit.backward_reads = false;
+            unit.gets_gradient = false;
         }
         let due = engine.due_update();
         drop(guard);

@@ -56,6 +56,14 @@ pub(super) struct UnitState {
     pub(super) backward_reads: bool,
     /// Its last forward ran on its shards (vocab.rs), never gathered: not prefetched.
     pub(super) on_shards: bool,
+    /// A forward of its parameters whose output needs a gradient ran in this pass: their
+    /// gradient comes through autograd (an embedding tied to a head computed on its shards
+    /// adds its part then, and the update inside backward waits for it).
+    pub(super) gets_gradient: bool,
+    /// The gradient computed on its shards (vocab.rs) while a forward of its parameters
+    /// sends one through autograd: added with that one's reduction, so that the update
+    /// inside backward, which applies to every gradient there, sees their sum.
+    pub(super) shard_part: Option<Tensor>,
 }
 
 /// A zero3 unit's parameters that get no gradient (LoRA's frozen base): sharded as its
@@ -85,6 +93,17 @@ impl Shard {
             kind,
         })
     }
+
+    /// Adds `part` (this rank's averaged share of a reduced gradient) into the master's.
+    pub(super) fn add_to_grad(&self, part: &Tensor) -> Result<()> {
+        let mut grad = self.master.grad();
+        if grad.defined() {
+            let _ = grad.f_add_(part)?;
+            Ok(())
+        } else {
+            shim::set_grad(&self.master, Some(part))
+        }
+    }
 }
 
 impl UnitState {
@@ -106,6 +125,8 @@ impl UnitState {
             frozen: None,
             backward_reads: false,
             on_shards: false,
+            gets_gradient: false,
+            shard_part: None,
         }
     }
 }
@@ -285,14 +306,12 @@ impl Engine {
                     .f_to_kind(Kind::Float)?
                     .f_to_device(shard.master.device())?
                     .f_div_scalar(world as f64)?;
-                let mut grad = shard.master.grad();
-                if grad.defined() {
-                    let _ = grad.f_add_(&part)?;
-                } else {
-                    shim::set_grad(&shard.master, Some(&part))?;
-                }
+                shard.add_to_grad(&part)?;
             }
-            Ok(())
+            match (unit.shard_part.take(), unit.members.first()) {
+                (Some(part), Some(&s)) => self.shards[s].add_to_grad(&part),
+                _ => Ok(()),
+            }
         })?;
         drop(mine);
         self.spare.recycle(buffer)?;

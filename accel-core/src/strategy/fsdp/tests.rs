@@ -230,14 +230,7 @@ fn zero3_prefetches_the_next_unit_in_forward_and_the_previous_in_backward() {
 fn zero3_does_not_gather_a_fused_head_again_for_its_backward() {
     let results = on_ranks(2, Duration::from_secs(20), |group| {
         let rank = group.rank();
-        let params = vec![
-            Param { name: "body.w".into(), tensor: values(&[5, 3], 1.0).set_requires_grad(true) },
-            Param { name: "head.w".into(), tensor: values(&[5, 5], 2.0).set_requires_grad(true) },
-        ];
-        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
-        let body = Unit::new(&pending, &(vs.root() / "body"), ());
-        let head = Unit::new(&pending, &(vs.root() / "head"), params[1].tensor.shallow_clone());
-        let model = sharded(&params, &group, &pending, ShardOptions::default());
+        let (model, params, body, head) = head_model(&group, 5);
         let bytes = |t: &Tensor| shim::storage_nbytes(t).unwrap();
         let (x, targets) = (values(&[4, 3], 10.0 + rank as f64), fused_targets(rank));
         let mut grads = Vec::new();
@@ -264,14 +257,7 @@ fn zero3_does_not_gather_a_fused_head_again_for_its_backward() {
     let loss = (0..2).fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |total, r| {
         let hidden = values(&[4, 3], 10.0 + r as f64).matmul(&w0.tr()).relu();
         let logits = hidden.matmul(&w1.tr());
-        total
-            + logits.cross_entropy_loss::<Tensor>(
-                &fused_targets(r),
-                None,
-                tch::Reduction::Mean,
-                -100,
-                0.0,
-            )
+        total + cross_entropy(&logits, &fused_targets(r))
     }) / 2.0;
     loss.backward();
     assert_shards_equal(&results, &[&w0, &w1]);
@@ -290,7 +276,7 @@ fn zero3_computes_a_head_on_its_shards_without_gathering_it() {
         |rank: usize| Tensor::from_slice(&[5i64, -100, 0, 3]).narrow(0, 0, 4 - rank as i64);
     let results = on_ranks(2, Duration::from_secs(20), move |group| {
         let rank = group.rank();
-        let (model, params, body, head) = head_on_shards(&group);
+        let (model, params, body, head) = head_model(&group, 6);
         let bytes = |t: &Tensor| shim::storage_nbytes(t).unwrap();
         let x = values(&[rows(rank), 3], 10.0 + rank as f64);
         let mut passes = Vec::new();
@@ -317,7 +303,7 @@ fn zero3_computes_a_head_on_its_shards_without_gathering_it() {
         .map(|r| {
             let hidden = values(&[rows(r), 3], 10.0 + r as f64).matmul(&w0.tr()).relu();
             let logits = hidden.matmul(&w1.tr());
-            logits.cross_entropy_loss::<Tensor>(&targets(r), None, tch::Reduction::Mean, -100, 0.0)
+            cross_entropy(&logits, &targets(r))
         })
         .collect();
     for (r, (value, _)) in results.iter().enumerate() {
@@ -338,7 +324,7 @@ fn zero3_computes_a_head_on_its_shards_without_gathering_it() {
 fn a_head_on_its_shards_refuses_a_loss_scaled_differently_per_rank() {
     let errors = on_ranks(2, Duration::from_secs(20), |group| {
         let rank = group.rank();
-        let (model, params, body, head) = head_on_shards(&group);
+        let (model, params, body, head) = head_model(&group, 6);
         let x = values(&[4, 3], 10.0 + rank as f64);
         let hidden = body.run(|()| x.matmul(&params[0].tensor.tr()).relu());
         let loss = head.linear_cross_entropy(&hidden, &fused_targets(rank), -100, |w| w).unwrap();
@@ -350,19 +336,87 @@ fn a_head_on_its_shards_refuses_a_loss_scaled_differently_per_rank() {
     }
 }
 
-/// A zero3 model of a `[5, 3]` body and a `[6, 5]` head (3 rows per rank), one unit each.
-fn head_on_shards(
+/// A head tied to the embedding (one unit) computed on its shards under the update inside
+/// backward: the head's part of the gradient waits for the embedding's (while the layers
+/// between them are reduced and updated), and the update is applied once, on their sum,
+/// which equals one process's gradient.
+#[test]
+fn a_head_tied_to_the_embedding_gets_one_update_of_both_parts() {
+    let ids = |rank: usize| Tensor::from_slice(&[1i64, 4, rank as i64, 5]);
+    let targets = |rank: usize| Tensor::from_slice(&[4i64, 0, -100, 2 + rank as i64]);
+    let results = on_ranks(2, Duration::from_secs(20), move |group| {
+        let rank = group.rank();
+        // Three layers: two reductions stay in flight, so the first completes (and its
+        // update is applied) before the embedding's gradient comes.
+        let mut params: Vec<Param> = (0..3)
+            .map(|i| Param {
+                name: format!("body.{i}.w"),
+                tensor: values(&[5, 5], i as f64).set_requires_grad(true),
+            })
+            .collect();
+        let w = values(&[6, 5], 2.0).set_requires_grad(true);
+        params.push(Param { name: "tied.w".into(), tensor: w.shallow_clone() });
+        let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
+        let body = [0, 1, 2].map(|i| Unit::new(&pending, &(vs.root() / "body" / i), ()));
+        let tied = Unit::new(&pending, &(vs.root() / "tied"), w.shallow_clone());
+        let options = ShardOptions { step_in_backward: true, ..Default::default() };
+        let model = sharded(&params, &group, &pending, options);
+        let master = model.master_of(shim::tensor_id(&w).unwrap()).unwrap();
+        let updates = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (seen, tied_master) = (updates.clone(), std::sync::Mutex::new(master));
+        model
+            .update_in_backward(Arc::new(move || {
+                let master = tied_master.lock().unwrap();
+                if master.grad().defined() {
+                    seen.lock().unwrap().push(Vec::<f32>::try_from(master.grad()).unwrap());
+                    shim::set_grad(&master, None)?;
+                }
+                Ok(())
+            }))
+            .unwrap();
+        let mut hidden = tied.embedding(&ids(rank), -1, |w| w);
+        for (unit, p) in body.iter().zip(&params) {
+            hidden = unit.run(|()| hidden.matmul(&p.tensor.tr()).tanh());
+        }
+        let loss = tied.linear_cross_entropy(&hidden, &targets(rank), -100, |w| w).unwrap();
+        assert_eq!(shim::storage_nbytes(&w).unwrap(), 0, "gathered for the head");
+        loss.backward();
+        model.finish().unwrap();
+        let updates = updates.lock().unwrap().clone();
+        assert_eq!(updates.len(), 1, "rank {rank}: the tied weight's updates");
+        vec![updates[0].clone()]
+    });
+    let layers: Vec<Tensor> = (0..3).map(|i| values(&[5, 5], i as f64)).collect();
+    let w = values(&[6, 5], 2.0).set_requires_grad(true);
+    let loss = (0..2).fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |total, r| {
+        let rows = Tensor::embedding(&w, &ids(r), -1, false, false);
+        let hidden = layers.iter().fold(rows, |h, l| h.matmul(&l.tr()).tanh());
+        let logits = hidden.matmul(&w.tr());
+        total + cross_entropy(&logits, &targets(r))
+    }) / 2.0;
+    loss.backward();
+    assert_shards_equal(&results, &[&w]);
+}
+
+/// A zero3 model of a `[5, 3]` body and a `[vocab, 5]` head, one unit each.
+fn head_model(
     group: &crate::comm::ProcessGroup,
+    vocab: i64,
 ) -> (Arc<ShardedModel>, Vec<Param>, Unit<()>, Unit<Tensor>) {
     let params = vec![
         Param { name: "body.w".into(), tensor: values(&[5, 3], 1.0).set_requires_grad(true) },
-        Param { name: "head.w".into(), tensor: values(&[6, 5], 2.0).set_requires_grad(true) },
+        Param { name: "head.w".into(), tensor: values(&[vocab, 5], 2.0).set_requires_grad(true) },
     ];
     let (vs, pending) = (nn::VarStore::new(Device::Cpu), PendingUnits::default());
     let body = Unit::new(&pending, &(vs.root() / "body"), ());
     let head = Unit::new(&pending, &(vs.root() / "head"), params[1].tensor.shallow_clone());
     let model = sharded(&params, group, &pending, ShardOptions::default());
     (model, params, body, head)
+}
+
+/// torch's `cross_entropy(logits, targets, ignore_index=-100)`: one process's reference.
+fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
+    logits.cross_entropy_loss::<Tensor>(targets, None, tch::Reduction::Mean, -100, 0.0)
 }
 
 /// The bytes a parameter's storage held and whether a gather was pending, when seen.

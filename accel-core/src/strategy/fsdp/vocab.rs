@@ -183,16 +183,18 @@ impl Engine {
                 part = part.f_mul_scalar(scales[0])?;
             }
             let part = part.f_to_device(shard.master.device())?.f_div_scalar(world as f64)?;
-            let mut grad = shard.master.grad();
-            if grad.defined() {
-                let _ = grad.f_add_(&part)?;
-            } else {
-                shim::set_grad(&shard.master, Some(&part))?;
+            let unit = &mut self.units[u];
+            unit.reduced = true;
+            if !unit.gets_gradient {
+                self.update_due = self.update.is_some();
+                return shard.add_to_grad(&part);
             }
+            // An embedding tied to this head sends its part later: added with it.
+            unit.shard_part = Some(match unit.shard_part.take() {
+                Some(earlier) => earlier.f_add(&part)?,
+                None => part,
+            });
             Ok(())
-        })?;
-        self.units[u].reduced = true;
-        self.update_due = self.update.is_some();
-        Ok(())
+        })
     }
 }
