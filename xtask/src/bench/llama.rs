@@ -151,15 +151,16 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
     )?;
     let runs = LlamaRuns::new(&root());
     runs.make_inputs()?;
-    eprintln!("xtask: the Llama with the update inside backward, beside PyTorch (~18 minutes) ...");
+    eprintln!("xtask: the Llama with the update inside backward, beside PyTorch (~45 minutes) ...");
     let mut report = Report::default();
     report.say(
         "the update inside backward (AdamW, batch 2 rows per process, steps 2-3, sdpa): accel \
          zero3 with optimizer_in_backward beside its ordinary step, and PyTorch FSDP2 with \
          torchtune's optimizer_in_bwd (an AdamW per parameter stepped by its \
-         post-accumulate-grad hook) beside its own; at 1024 tokens also with the head fused \
-         into the loss (the example's default; Llama::forward_loss, no B x T x vocab logits; \
-         the other rows with --loss logits, as transformers computes it); peak \
+         post-accumulate-grad hook) beside its own; accel's rows with the logits computed \
+         whole (--loss logits, as transformers computes them) and with the head fused into \
+         the loss (the example's default; Llama::forward_loss: no B x T x vocab logits, and \
+         under zero3 the head computed on its shards, never gathered); peak \
          resident memory per process above its baseline, and its ratio to FSDP2's ordinary \
          step's:",
     );
@@ -184,9 +185,9 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
                     logits(in_backward(runs.ours_on(len, n, "zero3", "3", ckpt))),
                 ),
             ];
-            // On long rows, also with the head fused into the loss (no B × T × vocab logits;
-            // the example's default).
-            let long_rows = [
+            // With the head fused into the loss (the example's default): no B × T × vocab
+            // logits, and under zero3 the head computed on its shards.
+            let fused_rows = [
                 (
                     format!("accel zero3{suffix}, fused loss"),
                     runs.ours_on(len, n, "zero3", "3", ckpt),
@@ -196,7 +197,7 @@ pub(crate) fn in_backward_bench() -> Result<(), String> {
                     in_backward(runs.ours_on(len, n, "zero3", "3", ckpt)),
                 ),
             ];
-            let rows = rows.into_iter().chain(long_rows.into_iter().filter(|_| len == 1024));
+            let rows = rows.into_iter().chain(fused_rows);
             let mut reference = None;
             for (name, mut command) in rows {
                 let (peak, step, _) = memory_figures(&mut command, n)?;
