@@ -439,8 +439,9 @@ impl ShardedModel {
             }
             engine.note_forward(unit);
             engine.units[unit].on_shards = true;
-            let computed = engine.cross_entropy_on_shards(unit, x, targets, ignore_index);
+            // Nothing is gathered here: what the last unit's release kept goes back first.
             engine.spare.trim();
+            let computed = engine.cross_entropy_on_shards(unit, x, targets, ignore_index);
             // Returned now; what follows of this model runs without collectives.
             engine.failed |= computed.is_err();
             computed?
