@@ -318,6 +318,34 @@ fn zero3_computes_a_head_on_its_shards_without_gathering_it() {
     assert_shards_equal(&grads, &[&w0, &w1]);
 }
 
+/// A rank whose targets are all ignored (a batch of prompt tokens only) gets a NaN loss and
+/// contributes nothing to the head's gradient, as torch's backward gives it: the other
+/// rank's gradient is not poisoned, and the shards equal one process's gradient of rank 0's
+/// loss, averaged over both ranks as DDP averages.
+#[test]
+fn a_rank_with_every_target_ignored_adds_nothing_to_the_head_on_its_shards() {
+    let targets = |rank: usize| match rank {
+        0 => Tensor::from_slice(&[5i64, -100, 0, 3]),
+        _ => Tensor::from_slice(&[-100i64; 4]),
+    };
+    let results = on_ranks(2, Duration::from_secs(20), move |group| {
+        let rank = group.rank();
+        let (model, params, body, head) = head_model(&group, 6);
+        let x = values(&[4, 3], 10.0 + rank as f64);
+        let hidden = body.run(|()| x.matmul(&params[0].tensor.tr()).relu());
+        let loss = head.linear_cross_entropy(&hidden, &targets(rank), -100, |w| w).unwrap();
+        assert_eq!(loss.double_value(&[]).is_nan(), rank == 1, "rank {rank}'s loss");
+        loss.backward();
+        model.finish().unwrap();
+        take_master_grads(&model, &params)
+    });
+    let (w0, w1) = (values(&[5, 3], 1.0), values(&[6, 5], 2.0));
+    let (w0, w1) = (w0.set_requires_grad(true), w1.set_requires_grad(true));
+    let hidden = values(&[4, 3], 10.0).matmul(&w0.tr()).relu();
+    (cross_entropy(&hidden.matmul(&w1.tr()), &targets(0)) / 2.0).backward();
+    assert_shards_equal(&results, &[&w0, &w1]);
+}
+
 /// The head's gradient shard sums every rank's rows, so the loss's gradient must be the same
 /// on every rank: where it is not, backward's error says so, and no update is applied.
 #[test]

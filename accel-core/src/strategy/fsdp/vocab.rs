@@ -78,12 +78,15 @@ impl Engine {
             let ts = Tensor::f_full([total], ignore_index, (Kind::Int64, device))?;
             ts.f_narrow(0, rank * most, n)?.f_copy_(targets)?;
             gather(&ts)?;
-            // Each row's weight in its rank's mean: 1 / that rank's count, 0 where ignored.
-            let per_rank: Vec<f32> =
-                (0..world as usize).map(|r| counts[2 * r + 1] as f32).collect();
+            // Each row's weight in its rank's mean: 1 / that rank's count, 0 where ignored. A
+            // rank whose rows are all ignored gets zeros, as torch's backward gives it (its
+            // loss is NaN), not 1 / 0 × 0 = NaN in every rank's head gradient.
+            let per_rank: Vec<f32> = (0..world as usize)
+                .map(|r| counts[2 * r + 1])
+                .map(|c| if c > 0 { 1.0 / c as f32 } else { 0.0 })
+                .collect();
             let weight = Tensor::from_slice(&per_rank)
                 .f_to_device(device)?
-                .f_reciprocal()?
                 .f_repeat_interleave_self_int(most, 0, None)?
                 .f_mul(&ts.f_ne(ignore_index)?)?;
             let grad_xs = match x.requires_grad() {
