@@ -5,6 +5,7 @@
 #     cargo xtask bench llama            # once: the model, the tokens, the release binaries
 #     bash scripts/profile-llama.sh [SHORT LONG]
 #     LEN=1024 bash scripts/profile-llama.sh 1 3     # rows of 1024 tokens instead of 128
+#     ROW=lora bash scripts/profile-llama.sh         # accel DDP + LoRA r8 beside peft's
 #
 # Each side runs twice under `perf record -g` (SHORT and LONG steps, 2 and 6 by default);
 # python/reference/perf_where.py puts every sample in a category (page faults, matrix
@@ -23,13 +24,19 @@ command -v perf >/dev/null || { echo "perf is not installed: apt-get install lin
 export MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1
 py=.venv/bin/python out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-# The command of each side, its step count last.
+# The command of each side, its step count last; the bench's LoRA row with ROW=lora.
+how=(--strategy zero3) their_how=() names=("accel zero3" "torch FSDP2")
+case ${ROW:-zero3} in
+  zero3) ;;
+  lora) how=(--strategy ddp --lora-r 8) their_how=(--lora-r 8) names=("accel LoRA" "peft LoRA") ;;
+  *) echo "ROW is zero3 or lora, not $ROW"; exit 1 ;;
+esac
 ours=(target/release/accel launch --num-processes 2 --main-process-port 0 --cpu
   target/release/examples/llama --model "$model" --data "$data" --batch-size 2 --lr 1e-4
-  --strategy zero3 --out "$dir/out" --steps)
+  "${how[@]}" --out "$dir/out" --steps)
 theirs=(.venv/bin/torchrun --nproc-per-node=2 --master-port=29794
   python/reference/llama_reference.py memory --model "$model" --data "$data" --batch-size 2
-  --steps)
+  ${their_how[@]+"${their_how[@]}"} --steps)
 for side in ours theirs; do
   unset -n cmd; declare -n cmd=$side
   for steps in "$short" "$long"; do
@@ -40,12 +47,15 @@ for side in ours theirs; do
   "$py" python/reference/perf_where.py --minus "$out/$side-$short.txt" \
     --steps $(( long - short )) < "$out/$side-$long.txt" > "$out/$side.json"
 done
-"$py" - "$out/ours.json" "$out/theirs.json" <<'TABLE'
+"$py" - "$out/ours.json" "$out/theirs.json" "${names[@]}" <<'TABLE'
 import json, sys
-ours, theirs = (json.load(open(f)) for f in sys.argv[1:])
+ours, theirs = (json.load(open(f)) for f in sys.argv[1:3])
 print("CPU seconds per step, both processes together (perf, 499 Hz)")
-print(f"{'':54} {'accel zero3':>12} {'torch FSDP2':>12}")
+print(f"{'':54} {sys.argv[3]:>12} {sys.argv[4]:>12}")
 for k in sorted(set(ours) | set(theirs), key=lambda k: -max(ours.get(k, 0), theirs.get(k, 0))):
     print(f"{k:54} {ours.get(k, 0) / 499:>12.2f} {theirs.get(k, 0) / 499:>12.2f}")
 print(f"{'total':54} {sum(ours.values()) / 499:>12.2f} {sum(theirs.values()) / 499:>12.2f}")
 TABLE
+for side in ours theirs; do
+  echo "$side, seconds per step (${long}-step run, each process): $(grep -ho '"step_s": *[0-9.]*' "$out/$side-$long.log" | sed 's/.*: *//' | tr '\n' ' ')"
+done
