@@ -9,19 +9,14 @@
 #     ROW=lora R=6 S=6 LIMIT=1 bash scripts/llama-rounds.sh      # DDP + LoRA r8 beside peft
 #
 # The bench's setting: 2 processes, batch 2 rows, AdamW at 1e-4, sdpa, the bench's
-# MALLOC_MMAP_THRESHOLD_. Seconds per step are each program's own (steps 2..S).
+# MALLOC_MMAP_THRESHOLD_ (scripts/llama-rows.sh). Seconds per step are each program's own
+# (steps 2..S).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dir=target/bench-llama model=target/bench-llama/model-100m data=target/bench-llama/tokens.safetensors
-[ "${LEN:-128}" = 1024 ] && data=target/bench-llama/tokens-1024.safetensors
-[ -f "$model/config.json" ] && [ -x target/release/examples/llama ] ||
-  { echo "run \`cargo xtask bench llama\` first (it makes $model and the binaries)"; exit 1; }
-case ${ROW:-zero3} in
-  zero3) how=(--strategy zero3) their_how=() limit_how=(--ddp) ;;
-  lora) how=(--strategy ddp --lora-r 8) their_how=(--lora-r 8) limit_how=(--lora-r 8) ;;
-  *) echo "ROW is zero3 or lora, not $ROW"; exit 1 ;;
-esac
-export MALLOC_MMAP_THRESHOLD_=65536
+source scripts/llama-rows.sh
+# What the compute allows, PyTorch's side: its DDP at world size 1 for zero3's work.
+limit_extra=(--ddp)
+[ ${#theirs_extra[@]} -gt 0 ] && limit_extra=("${theirs_extra[@]}")
 rounds=${R:-4} steps=${S:-5} out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 step_s() { grep -ho '"step_s": *[0-9.]*' "$1" | head -1 | sed 's/.*: *//'; }
@@ -39,13 +34,15 @@ theirs() { # processes, port, run name, extra args
 for r in $(seq "$rounds"); do
   if [ "${LIMIT:-0}" = 1 ]; then
     ( export OMP_NUM_THREADS=1
-      ours 1 a --strategy ddp "${how[@]:2}" & ours 1 b --strategy ddp "${how[@]:2}"; wait
-      theirs 1 29806 c "${limit_how[@]}" & theirs 1 29807 d "${limit_how[@]}"; wait )
+      ours 1 a --strategy ddp ${extra[@]+"${extra[@]}"} & first=$!
+      ours 1 b --strategy ddp ${extra[@]+"${extra[@]}"}; wait $first
+      theirs 1 29806 c "${limit_extra[@]}" & first=$!
+      theirs 1 29807 d "${limit_extra[@]}"; wait $first )
     echo "round $r, 1 process each, two at once: accel $(step_s "$out/a.log") $(step_s "$out/b.log") s," \
       "PyTorch $(step_s "$out/c.log") $(step_s "$out/d.log") s"
   fi
-  ours 2 row "${how[@]}"
-  theirs 2 29805 ref ${their_how[@]+"${their_how[@]}"}
+  ours 2 row --strategy "$strategy" ${extra[@]+"${extra[@]}"}
+  theirs 2 29805 ref ${theirs_extra[@]+"${theirs_extra[@]}"}
   a=$(step_s "$out/row.log") t=$(step_s "$out/ref.log")
   echo "$a $t" >>"$out/rounds"
   echo "round $r, 2 processes: accel $a s, reference $t s"

@@ -10,33 +10,25 @@
 # Each side runs twice under `perf record -g` (SHORT and LONG steps, 2 and 6 by default);
 # python/reference/perf_where.py puts every sample in a category (page faults, matrix
 # products, copies, the interpreter, ...) and subtracts the short run from the long one, so
-# start-up and loading cancel: CPU seconds per step, both processes together. Needs perf (Debian's linux-perf) and permission
+# start-up and loading cancel: CPU seconds per step, both processes together. The inputs,
+# the malloc setting and ROW: scripts/llama-rows.sh. Needs perf (Debian's linux-perf) and permission
 # to profile (root, or kernel.perf_event_paranoid <= 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 short=${1:-2} long=${2:-6}
 [ "$long" -gt "$short" ] || { echo "LONG ($long) must exceed SHORT ($short)"; exit 1; }
-dir=target/bench-llama model=target/bench-llama/model-100m data=target/bench-llama/tokens.safetensors
-[ "${LEN:-128}" = 1024 ] && data=target/bench-llama/tokens-1024.safetensors
-[ -f "$model/config.json" ] && [ -x target/release/examples/llama ] ||
-  { echo "run \`cargo xtask bench llama\` first (it makes $model and the binaries)"; exit 1; }
 command -v perf >/dev/null || { echo "perf is not installed: apt-get install linux-perf"; exit 1; }
-export MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=1
+source scripts/llama-rows.sh
+export OMP_NUM_THREADS=1
 py=.venv/bin/python out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-# The command of each side, its step count last; the bench's LoRA row with ROW=lora.
-how=(--strategy zero3) their_how=() names=("accel zero3" "torch FSDP2")
-case ${ROW:-zero3} in
-  zero3) ;;
-  lora) how=(--strategy ddp --lora-r 8) their_how=(--lora-r 8) names=("accel LoRA" "peft LoRA") ;;
-  *) echo "ROW is zero3 or lora, not $ROW"; exit 1 ;;
-esac
+# The command of each side, its step count last.
 ours=(target/release/accel launch --num-processes 2 --main-process-port 0 --cpu
   target/release/examples/llama --model "$model" --data "$data" --batch-size 2 --lr 1e-4
-  "${how[@]}" --out "$dir/out" --steps)
+  --strategy "$strategy" ${extra[@]+"${extra[@]}"} --out "$dir/out" --steps)
 theirs=(.venv/bin/torchrun --nproc-per-node=2 --master-port=29794
   python/reference/llama_reference.py memory --model "$model" --data "$data" --batch-size 2
-  ${their_how[@]+"${their_how[@]}"} --steps)
+  ${theirs_extra[@]+"${theirs_extra[@]}"} --steps)
 for side in ours theirs; do
   unset -n cmd; declare -n cmd=$side
   for steps in "$short" "$long"; do
