@@ -1301,16 +1301,7 @@ fn batch_norm_matches_accelerate_on_every_variable_including_running_statistics(
 }
 
 fn llama_reference(args: &[&str]) {
-    let output = Command::new(root().join(".venv/bin/python"))
-        .arg(root().join("python/reference/llama_reference.py"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "llama_reference.py {args:?} failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    reference_batch("llama_reference.py", &[command(args)]);
 }
 
 fn read_tensor(path: &Path, name: &str) -> tch::Tensor {
@@ -1349,20 +1340,34 @@ fn llama_eval(model: &Path, tokens: &Path, out: &Path, extra: &[&str]) -> std::p
 /// must have nothing missing, unexpected or mismatched) are from the `llama` example's of
 /// the same folder; the logits files go in `dir` under `tag`.
 fn from_pretrained_logits_diff(dir: &Path, folder: &Path, tokens: &Path, tag: &str) -> f64 {
-    let (py_logits, rs_logits) =
-        (dir.join(format!("{tag}-load.safetensors")), dir.join(format!("{tag}-ours.safetensors")));
-    llama_reference(&[
-        "load",
-        "--model",
-        folder.to_str().unwrap(),
-        "--eval",
-        tokens.to_str().unwrap(),
-        "--logits-out",
-        py_logits.to_str().unwrap(),
-    ]);
-    let output = llama_eval(folder, tokens, &rs_logits, &[]);
-    assert!(output.status.success(), "{tag}: {}", String::from_utf8_lossy(&output.stderr));
-    max_abs_difference(&read_tensor(&py_logits, "logits"), &read_tensor(&rs_logits, "logits"))
+    from_pretrained_logits_diffs(dir, tokens, &[(folder, tag)])[0]
+}
+
+/// from_pretrained_logits_diff of each (folder, tag), transformers' side in one process.
+fn from_pretrained_logits_diffs(dir: &Path, tokens: &Path, folders: &[(&Path, &str)]) -> Vec<f64> {
+    let logits = |tag: &str, side: &str| dir.join(format!("{tag}-{side}.safetensors"));
+    let t = tokens.to_str().unwrap();
+    let commands: Vec<Vec<String>> = folders
+        .iter()
+        .map(|(folder, tag)| {
+            let out = logits(tag, "load");
+            command(&["load", "--model", folder.to_str().unwrap(), "--eval", t])
+                .into_iter()
+                .chain(["--logits-out".into(), out.display().to_string()])
+                .collect()
+        })
+        .collect();
+    reference_batch("llama_reference.py", &commands);
+    folders
+        .iter()
+        .map(|(folder, tag)| {
+            let (py_logits, rs_logits) = (logits(tag, "load"), logits(tag, "ours"));
+            let output = llama_eval(folder, tokens, &rs_logits, &[]);
+            assert!(output.status.success(), "{tag}: {}", String::from_utf8_lossy(&output.stderr));
+            let (a, b) = (read_tensor(&py_logits, "logits"), read_tensor(&rs_logits, "logits"));
+            max_abs_difference(&a, &b)
+        })
+        .collect()
 }
 
 /// Llama's logits equal transformers' (eager attention, fp32) on a random model saved by
@@ -1371,29 +1376,24 @@ fn from_pretrained_logits_diff(dir: &Path, folder: &Path, tokens: &Path, tag: &s
 fn llama_logits_equal_transformers_on_a_sharded_checkpoint() {
     let dir = scratch("llama-logits");
     let tokens = dir.join("tokens.safetensors");
-    llama_reference(&["tokens", "--out", tokens.to_str().unwrap(), "--rows", "4", "--len", "16"]);
+    let t = tokens.to_str().unwrap();
+    let model = |tied: bool| dir.join(format!("model-tied-{tied}"));
+    let logits = |tied: bool, side: &str| dir.join(format!("{side}-{tied}.safetensors"));
+    let mut commands = vec![command(&["tokens", "--out", t, "--rows", "4", "--len", "16"])];
     for tied in [false, true] {
-        let model = dir.join(format!("model-tied-{tied}"));
-        let mut make = vec!["make", "--out", model.to_str().unwrap(), "--max-shard-size", "30KB"];
+        let m = model(tied).display().to_string();
+        commands.push(command(&["make", "--out", &m, "--max-shard-size", "30KB"]));
         if tied {
-            make.push("--tied");
+            commands.last_mut().unwrap().push("--tied".into());
         }
-        llama_reference(&make);
-        assert!(model.join("model.safetensors.index.json").exists(), "not sharded");
-        let (py, rs) = (
-            dir.join(format!("py-{tied}.safetensors")),
-            dir.join(format!("rs-{tied}.safetensors")),
-        );
-        llama_reference(&[
-            "logits",
-            "--model",
-            model.to_str().unwrap(),
-            "--eval",
-            tokens.to_str().unwrap(),
-            "--logits-out",
-            py.to_str().unwrap(),
-        ]);
-        let output = llama_eval(&model, &tokens, &rs, &[]);
+        let py = logits(tied, "py").display().to_string();
+        commands.push(command(&["logits", "--model", &m, "--eval", t, "--logits-out", &py]));
+    }
+    reference_batch("llama_reference.py", &commands);
+    for tied in [false, true] {
+        assert!(model(tied).join("model.safetensors.index.json").exists(), "not sharded");
+        let (py, rs) = (logits(tied, "py"), logits(tied, "rs"));
+        let output = llama_eval(&model(tied), &tokens, &rs, &[]);
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
         let diff = max_abs_difference(&read_tensor(&py, "logits"), &read_tensor(&rs, "logits"));
         assert!(diff <= 1e-4, "tied {tied}: logits differ from transformers' by {diff}");
@@ -1409,8 +1409,13 @@ fn llama_logits_equal_transformers_on_a_sharded_checkpoint() {
 fn llama_fine_tune_under_zero3_with_activation_checkpointing_equals_transformers_and_accelerate() {
     let dir = scratch("llama-fine-tune");
     let (model, tokens) = (dir.join("model"), dir.join("tokens.safetensors"));
-    llama_reference(&["make", "--out", model.to_str().unwrap()]);
-    llama_reference(&["tokens", "--out", tokens.to_str().unwrap(), "--rows", "12", "--len", "10"]);
+    reference_batch(
+        "llama_reference.py",
+        &[
+            command(&["make", "--out", model.to_str().unwrap()]),
+            command(&["tokens", "--out", tokens.to_str().unwrap(), "--rows", "12", "--len", "10"]),
+        ],
+    );
     let common = |out: &Path, losses: &Path| -> Vec<String> {
         ["--model", model.to_str().unwrap(), "--data", tokens.to_str().unwrap(), "--steps", "5"]
             .iter()
@@ -1533,16 +1538,30 @@ fn gpu_check_runs_end_to_end_as_a_cpu_dry_run() {
 }
 
 fn hf_families(args: &[&str]) {
+    reference_batch("hf_families.py", &[command(args)]);
+}
+
+/// python/reference/`script` run once over `commands`, in order (separated by `;`: one
+/// process, since importing transformers takes more CPU than most commands); its stdout
+/// lines.
+fn reference_batch(script: &str, commands: &[Vec<String>]) -> Vec<String> {
+    let args = commands.join(&";".to_string());
     let output = Command::new(root().join(".venv/bin/python"))
-        .arg(root().join("python/reference/hf_families.py"))
-        .args(args)
+        .arg(root().join("python/reference").join(script))
+        .args(&args)
         .output()
         .unwrap();
     assert!(
         output.status.success(),
-        "hf_families.py {args:?} failed: {}",
+        "{script} {args:?} failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
+    String::from_utf8_lossy(&output.stdout).lines().map(str::to_owned).collect()
+}
+
+/// `words` as owned strings, for a command of reference_batch.
+fn command(words: &[&str]) -> Vec<String> {
+    words.iter().map(|w| w.to_string()).collect()
 }
 
 /// Every family and RoPE type the model implements gives transformers' logits (sdpa and
@@ -1557,16 +1576,15 @@ fn every_family_gives_transformers_logits_and_what_is_not_understood_is_refused(
     let dir = scratch("families");
     let tokens = dir.join("tokens.safetensors");
     let t = tokens.to_str().unwrap();
-    hf_families(&["tokens", "--out", t, "--vocab", "128", "--batch", "2", "--seq", "24"]);
     let llama = |model: &Path, ids: &Path, out: &Path| llama_eval(model, ids, out, &[]);
     // Row 0 padded on the left (3 tokens), row 1 on the right (5).
-    let ids = read_tensor(&tokens, "input_ids");
     let mask = dir.join("mask.safetensors");
-    let attention_mask = ids.ones_like();
+    let attention_mask = tch::Tensor::ones([2, 24], (tch::Kind::Int64, tch::Device::Cpu));
     let _ = attention_mask.get(0).narrow(0, 0, 3).fill_(0);
     let _ = attention_mask.get(1).narrow(0, 19, 5).fill_(0);
     tch::Tensor::write_safetensors(&[("attention_mask", &attention_mask)], &mask).unwrap();
-    for variant in [
+    let m = mask.to_str().unwrap();
+    let variants = [
         "llama",
         "llama-linear",
         "llama-dynamic",
@@ -1578,31 +1596,45 @@ fn every_family_gives_transformers_logits_and_what_is_not_understood_is_refused(
         "qwen3",
         "mistral",
         "mistral-nowindow",
-    ] {
+    ];
+    // Each attention, on whole rows and on padded ones (compared where not padded).
+    let cases = [("sdpa", false), ("eager", false), ("sdpa", true), ("eager", true)];
+    let what = |variant: &str, attention: &str, padded: bool| {
+        format!("{variant}, {attention}{}", if padded { ", padded" } else { "" })
+    };
+    let logits = |what: &str, side: &str| {
+        dir.join(format!("{}-{side}.safetensors", what.replace(", ", "-")))
+    };
+    // transformers' side in one process: the tokens, every checkpoint and its logits.
+    let mut commands =
+        vec![command(&["tokens", "--out", t, "--vocab", "128", "--batch", "2", "--seq", "24"])];
+    for variant in variants {
         let model = dir.join(variant);
-        hf_families(&["make", "--variant", variant, "--out", model.to_str().unwrap()]);
-        // Each attention, on whole rows and on padded ones (compared where not padded).
-        for (attention, padded) in
-            [("sdpa", false), ("eager", false), ("sdpa", true), ("eager", true)]
-        {
-            let what = format!("{variant}, {attention}{}", if padded { ", padded" } else { "" });
-            let tag = what.replace(", ", "-");
-            let (py, rs) = (
-                dir.join(format!("{tag}-py.safetensors")),
-                dir.join(format!("{tag}-rs.safetensors")),
-            );
-            let m = mask.to_str().unwrap();
-            let mut py_args = vec!["logits", "--model", model.to_str().unwrap(), "--tokens", t];
-            py_args.extend(["--out", py.to_str().unwrap(), "--attention", attention]);
+        commands.push(command(&["make", "--variant", variant, "--out", model.to_str().unwrap()]));
+        for (attention, padded) in cases {
+            let py = logits(&what(variant, attention, padded), "py");
+            let mut args = vec!["logits", "--model", model.to_str().unwrap(), "--tokens", t];
+            args.extend(["--out", py.to_str().unwrap(), "--attention", attention]);
+            if padded {
+                args.extend(["--mask", m]);
+            }
+            commands.push(command(&args));
+        }
+    }
+    reference_batch("hf_families.py", &commands);
+    let ids = read_tensor(&tokens, "input_ids");
+    for variant in variants {
+        let model = dir.join(variant);
+        for (attention, padded) in cases {
+            let what = what(variant, attention, padded);
+            let (py, rs) = (logits(&what, "py"), logits(&what, "rs"));
             let mut rs_args = vec!["--attention", attention];
             if padded {
-                py_args.extend(["--mask", m]);
                 rs_args.extend(["--eval-mask", m]);
             }
-            hf_families(&py_args);
             let output = llama_eval(&model, &tokens, &rs, &rs_args);
             assert!(output.status.success(), "{what}: {}", String::from_utf8_lossy(&output.stderr));
-            let real = if padded { read_tensor(&mask, "attention_mask") } else { ids.ones_like() };
+            let real = if padded { attention_mask.shallow_clone() } else { ids.ones_like() };
             let real = real.to_kind(tch::Kind::Bool).unsqueeze(-1);
             let (a, b) = (read_tensor(&py, "logits"), read_tensor(&rs, "logits"));
             let diff = max_abs_difference(
@@ -1706,8 +1738,8 @@ fn every_family_gives_transformers_logits_and_what_is_not_understood_is_refused(
 }
 
 /// One generation, run by transformers (`hf_families.py generate`) and by `llama generate`
-/// with the same `flags` (and each side's own spelling of the rest): each one's new tokens
-/// and processed scores ([steps, vocab]).
+/// with the same `flags` (and each side's own spelling of the rest).
+#[derive(Clone)]
 struct Generation<'a> {
     dir: &'a Path,
     model: &'a Path,
@@ -1717,30 +1749,37 @@ struct Generation<'a> {
 }
 
 impl Generation<'_> {
-    fn run(&self, tag: &str) -> [(Vec<i64>, tch::Tensor); 2] {
-        let s = |p: &Path| p.to_str().unwrap().to_owned();
-        let one = |mut cmd: Command, side: &str, extra: &[&str]| {
-            let scores = self.dir.join(format!("{}-{side}.safetensors", tag.replace(' ', "-")));
-            cmd.args(["--model", &s(self.model), "--scores-out", &s(&scores)]);
-            let output = cmd.args(&self.flags).args(extra).output().unwrap();
-            let said = String::from_utf8_lossy(&output.stderr).into_owned();
-            assert!(output.status.success(), "{tag} ({side}): {said}");
-            let line = String::from_utf8_lossy(&output.stdout).trim().to_owned();
-            let tokens = line.split(',').filter(|t| !t.is_empty()).map(|t| t.parse().unwrap());
-            (tokens.collect(), read_tensor(&scores, "scores"))
-        };
-        let mut theirs = Command::new(root().join(".venv/bin/python"));
-        theirs.arg(root().join("python/reference/hf_families.py")).arg("generate");
-        let mut ours = Command::new(example("llama"));
-        ours.arg("generate");
-        [one(theirs, "transformers", &self.theirs), one(ours, "accel", &self.ours)]
+    fn scores(&self, tag: &str, side: &str) -> PathBuf {
+        self.dir.join(format!("{}-{side}.safetensors", tag.replace(' ', "-")))
     }
 
-    /// Runs both; asserts equal tokens, the same tokens kept at each step and the kept
-    /// scores within `tolerance`. Our tokens.
-    fn equal(&self, tag: &str, tolerance: f64) -> Vec<i64> {
-        let [(theirs, their_scores), (ours, our_scores)] = self.run(tag);
-        assert_eq!(ours, theirs, "{tag}: tokens differ from transformers'");
+    /// transformers' side: a command of hf_families.py, which prints the new tokens.
+    fn theirs(&self, tag: &str) -> Vec<String> {
+        let scores = self.scores(tag, "transformers");
+        let mut args = vec!["generate", "--model", self.model.to_str().unwrap()];
+        args.extend(["--scores-out", scores.to_str().unwrap()]);
+        command(&[&args[..], &self.flags, &self.theirs].concat())
+    }
+
+    /// Runs ours; asserts the tokens of transformers' `line` (what `theirs` printed), the same
+    /// tokens kept at each step and the kept scores within `tolerance`. Our tokens.
+    fn equal(&self, tag: &str, line: &str, tolerance: f64) -> Vec<i64> {
+        let tokens = |line: &str| -> Vec<i64> {
+            line.trim().split(',').filter(|t| !t.is_empty()).map(|t| t.parse().unwrap()).collect()
+        };
+        let scores = self.scores(tag, "accel");
+        let output = Command::new(example("llama"))
+            .args(["generate", "--model", self.model.to_str().unwrap()])
+            .args(["--scores-out", scores.to_str().unwrap()])
+            .args(&self.flags)
+            .args(&self.ours)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{tag}: {}", String::from_utf8_lossy(&output.stderr));
+        let ours = tokens(&String::from_utf8_lossy(&output.stdout));
+        assert_eq!(ours, tokens(line), "{tag}: tokens differ from transformers'");
+        let their_scores = read_tensor(&self.scores(tag, "transformers"), "scores");
+        let our_scores = read_tensor(&scores, "scores");
         let kept = their_scores.isfinite();
         let same_kept = kept.eq_tensor(&our_scores.isfinite()).all().int64_value(&[]) != 0;
         assert!(same_kept, "{tag}: the tokens kept differ from transformers'");
@@ -1750,6 +1789,18 @@ impl Generation<'_> {
         eprintln!("{tag}: {} tokens as transformers', scores within {diff:e}", ours.len());
         ours
     }
+}
+
+/// Each generation's transformers side in one process, then ours, compared: our tokens by tag.
+fn generate_alike(cases: &[(String, Generation, f64)]) -> BTreeMap<String, Vec<i64>> {
+    let commands: Vec<Vec<String>> = cases.iter().map(|(tag, g, _)| g.theirs(tag)).collect();
+    let lines = reference_batch("hf_families.py", &commands);
+    assert_eq!(lines.len(), cases.len(), "one line per generation: {lines:?}");
+    cases
+        .iter()
+        .zip(lines)
+        .map(|((tag, g, tol), line)| (tag.clone(), g.equal(tag, &line, *tol)))
+        .collect()
 }
 
 /// `llama generate` makes transformers' `generate` tokens: greedy on every family shape
@@ -1764,67 +1815,68 @@ fn generation_gives_transformers_tokens() {
     let s = |p: &Path| p.to_str().unwrap().to_owned();
     let prompt = vec!["--prompt-ids", "5,17,99,3,42", "--max-new-tokens", "12"];
     // Stop tokens: the checkpoint's (config.json's eos_token_id), on both sides.
-    let no_stop: [&str; 0] = [];
-    let (llama, mistral) = (dir.join("llama"), dir.join("mistral"));
-    for variant in ["llama", "llama-dynamic", "qwen2-sliding", "qwen3", "mistral"] {
-        let model = dir.join(variant);
-        hf_families(&["make", "--variant", variant, "--out", &s(&model)]);
-        let flags = [prompt.clone(), no_stop.to_vec()].concat();
-        let run = Generation { dir: &dir, model: &model, flags, theirs: vec![], ours: vec![] };
-        run.equal(&format!("{variant} greedy"), 1e-4);
-    }
-    let mut sampling = [prompt.clone(), no_stop.to_vec()].concat();
+    let variants = ["llama", "llama-dynamic", "qwen2-sliding", "qwen3", "mistral"];
+    let models: Vec<PathBuf> = variants.iter().map(|v| dir.join(v)).collect();
+    let adapter = dir.join("adapter");
+    let mut made: Vec<Vec<String>> = variants
+        .iter()
+        .zip(&models)
+        .map(|(v, model)| command(&["make", "--variant", v, "--out", &s(model)]))
+        .collect();
+    made.push(command(&["adapter", "--model", &s(&models[0]), "--out", &s(&adapter)]));
+    made.last_mut().unwrap().extend(["--seed".into(), "3".into()]);
+    reference_batch("hf_families.py", &made);
+    let (llama, mistral) = (&models[0], &models[4]);
+    let greedy =
+        Generation { dir: &dir, model: llama, flags: prompt.clone(), theirs: vec![], ours: vec![] };
+    let mut cases: Vec<(String, Generation, f64)> = variants
+        .iter()
+        .zip(&models)
+        .map(|(v, model)| (format!("{v} greedy"), Generation { model, ..greedy.clone() }, 1e-4))
+        .collect();
+    let mut sampling = prompt.clone();
     sampling.extend(["--do-sample", "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9"]);
     sampling.extend(["--repetition-penalty", "1.3", "--seed", "7"]);
-    let sampled = Generation {
-        dir: &dir,
-        model: &llama,
-        flags: sampling.clone(),
-        theirs: vec![],
-        ours: vec![],
-    };
-    let tokens = sampled.equal("llama sampled", 1e-4);
-    Generation { model: &mistral, ..sampled }.equal("mistral sampled", 1e-4);
+    let sampled = Generation { flags: sampling.clone(), ..greedy.clone() };
     let mut reseeded = sampling.clone();
     *reseeded.last_mut().unwrap() = "8";
-    let other =
-        Generation { dir: &dir, model: &llama, flags: reseeded, theirs: vec![], ours: vec![] };
-    assert_ne!(other.equal("llama sampled, seed 8", 1e-4), tokens, "the seed changed nothing");
+    let adapter = s(&adapter);
+    cases.extend([
+        ("llama sampled".into(), sampled.clone(), 1e-4),
+        ("mistral sampled".into(), Generation { model: mistral, ..sampled }, 1e-4),
+        ("llama sampled, seed 8".into(), Generation { flags: reseeded, ..greedy.clone() }, 1e-4),
+        // A PEFT adapter on top, and bf16 weights.
+        (
+            "llama greedy with a LoRA adapter".into(),
+            Generation {
+                theirs: vec!["--adapter", &adapter],
+                ours: vec!["--lora-adapter", &adapter],
+                ..greedy.clone()
+            },
+            1e-4,
+        ),
+        (
+            "llama greedy in bf16".into(),
+            Generation {
+                theirs: vec!["--dtype", "bfloat16"],
+                ours: vec!["--precision", "bf16"],
+                ..greedy.clone()
+            },
+            5e-2,
+        ),
+    ]);
+    let tokens = generate_alike(&cases);
+    assert_ne!(
+        tokens["llama sampled, seed 8"], tokens["llama sampled"],
+        "the seed changed nothing"
+    );
 
     // A stop token: the second greedy token, so generation stops after two.
-    let greedy = Generation {
-        dir: &dir,
-        model: &llama,
-        flags: [prompt.clone(), no_stop.to_vec()].concat(),
-        theirs: vec![],
-        ours: vec![],
-    };
-    let second = greedy.equal("llama greedy", 1e-4)[1].to_string();
+    let second = tokens["llama greedy"][1].to_string();
     let stop = ["--eos-ids", second.as_str()];
     let stopping = Generation { flags: [prompt.clone(), stop.to_vec()].concat(), ..greedy };
-    assert_eq!(stopping.equal("llama with a stop token", 1e-4).len(), 2);
-
-    // A PEFT adapter on top, and bf16 weights.
-    let adapter = dir.join("adapter");
-    hf_families(&["adapter", "--model", &s(&llama), "--out", &s(&adapter), "--seed", "3"]);
-    let adapter = s(&adapter);
-    let flags = [prompt.clone(), no_stop.to_vec()].concat();
-    Generation {
-        dir: &dir,
-        model: &llama,
-        flags: flags.clone(),
-        theirs: vec!["--adapter", &adapter],
-        ours: vec!["--lora-adapter", &adapter],
-    }
-    .equal("llama greedy with a LoRA adapter", 1e-4);
-    Generation {
-        dir: &dir,
-        model: &llama,
-        flags,
-        theirs: vec!["--dtype", "bfloat16"],
-        ours: vec!["--precision", "bf16"],
-    }
-    .equal("llama greedy in bf16", 5e-2);
+    let tag = "llama with a stop token".to_string();
+    assert_eq!(generate_alike(&[(tag.clone(), stopping, 1e-4)])[&tag].len(), 2);
 }
 
 /// `llama generate` of the bench's 106M Llama with `flags`: its new tokens and its report
@@ -1864,41 +1916,51 @@ fn a_model_larger_than_its_budget_generates_by_a_device_map() {
     let dir = scratch("dispatch");
     let model = dir.join("llama-106m");
     llama_reference(&["make", "--size", "100m", "--out", model.to_str().unwrap()]);
-    for (budget, dtype) in [
+    // A tied head (Qwen2 with tie_word_embeddings): it goes where the embedding goes.
+    let tied = dir.join("qwen2-tied");
+    let untied_budgets = [
         ("150MiB", "float32"),
         ("300MiB", "float32"),
         ("500MiB", "float32"),
         ("170MiB", "bfloat16"),
-    ] {
-        let output = Command::new(root().join(".venv/bin/python"))
-            .arg(root().join("python/reference/hf_families.py"))
-            .args(["device-map", "--model", model.to_str().unwrap(), "--max-memory", budget])
-            .args(["--dtype", dtype])
-            .output()
-            .unwrap();
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-        let theirs: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    ];
+    let tied_budgets = ["200000", "400000", "500000", "10000000"];
+    // Accelerate's maps, in one process.
+    let mut commands =
+        vec![command(&["make", "--variant", "qwen2-tied", "--out", tied.to_str().unwrap()])];
+    for (budget, dtype) in untied_budgets {
+        let mut args = vec!["device-map", "--model", model.to_str().unwrap()];
+        args.extend(["--max-memory", budget, "--dtype", dtype]);
+        commands.push(command(&args));
+    }
+    for budget in tied_budgets {
+        commands.push(command(&[
+            "device-map",
+            "--model",
+            tied.to_str().unwrap(),
+            "--max-memory",
+            budget,
+        ]));
+    }
+    let maps: Vec<serde_json::Value> = reference_batch("hf_families.py", &commands)
+        .iter()
+        .filter(|line| line.starts_with('{'))
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(maps.len(), untied_budgets.len() + tied_budgets.len(), "{maps:?}");
+    for ((budget, dtype), theirs) in untied_budgets.into_iter().zip(&maps) {
         let precision = if dtype == "bfloat16" { "bf16" } else { "no" };
         let flags = ["--max-memory", budget, "--precision", precision, "--print-map"];
         let ours = generate_with(&model, &flags).2.expect("a device map");
-        assert_eq!(ours, theirs, "{budget} {dtype}: the device map differs from Accelerate's");
+        assert_eq!(&ours, theirs, "{budget} {dtype}: the device map differs from Accelerate's");
         eprintln!("{budget} {dtype}: Accelerate's device map {ours}");
     }
-    // A tied head (Qwen2 with tie_word_embeddings): it goes where the embedding goes, and
-    // generating by the map (part on the disk) gives the tokens of the model loaded whole.
-    let tied = dir.join("qwen2-tied");
-    hf_families(&["make", "--variant", "qwen2-tied", "--out", tied.to_str().unwrap()]);
+    // Generating by the map of the tied model (part on the disk) gives the tokens of the
+    // model loaded whole.
     let whole_tied = generate_with(&tied, &[]).0;
-    for budget in ["200000", "400000", "500000", "10000000"] {
-        let output = Command::new(root().join(".venv/bin/python"))
-            .arg(root().join("python/reference/hf_families.py"))
-            .args(["device-map", "--model", tied.to_str().unwrap(), "--max-memory", budget])
-            .output()
-            .unwrap();
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
-        let theirs: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    for (budget, theirs) in tied_budgets.into_iter().zip(&maps[untied_budgets.len()..]) {
         let ours = generate_with(&tied, &["--max-memory", budget, "--print-map"]).2.unwrap();
-        assert_eq!(ours, theirs, "tied, {budget} bytes: the device map differs from Accelerate's");
+        assert_eq!(&ours, theirs, "tied, {budget} bytes: the device map differs from Accelerate's");
         eprintln!("tied, {budget} bytes: Accelerate's device map {ours}");
         let tokens = generate_with(&tied, &["--max-memory", budget]).0;
         assert_eq!(tokens, whole_tied, "tied, {budget} bytes: other tokens than the whole model's");
@@ -1954,53 +2016,45 @@ fn a_model_larger_than_its_budget_generates_by_a_device_map() {
 fn families_fine_tune_under_zero3_as_transformers_and_accelerate_do() {
     let dir = scratch("families-fine-tune");
     let tokens = dir.join("tokens.safetensors");
-    hf_families(&[
-        "tokens",
-        "--out",
-        tokens.to_str().unwrap(),
-        "--vocab",
-        "128",
-        "--batch",
-        "12",
-        "--seq",
-        "12",
-    ]);
-    for variant in ["qwen2-sliding", "qwen2-tied", "qwen3", "mistral", "llama3"] {
-        let model = dir.join(variant);
-        hf_families(&["make", "--variant", variant, "--out", model.to_str().unwrap()]);
-        let common = |out: &Path, losses: &Path| -> Vec<String> {
-            ["--model", model.to_str().unwrap(), "--data", tokens.to_str().unwrap()]
-                .iter()
-                .map(|s| s.to_string())
-                .chain(["--steps", "4", "--batch-size", "2", "--lr", "1e-2"].map(String::from))
-                .chain(["--weight-decay", "0.01"].map(String::from))
-                .chain([
-                    "--out".into(),
-                    out.display().to_string(),
-                    "--losses".into(),
-                    losses.display().to_string(),
-                ])
-                .collect()
-        };
-        let (py_out, py_losses) =
-            (dir.join(format!("{variant}-py")), dir.join(format!("{variant}-py.jsonl")));
-        let port = accel_core::comm::free_port("127.0.0.1").unwrap();
-        let output = Command::new(root().join(".venv/bin/torchrun"))
-            .args(["--nproc-per-node=2".to_string(), format!("--master-port={port}")])
-            .arg(root().join("python/reference/llama_reference.py"))
-            .arg("train")
-            .args(common(&py_out, &py_losses))
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "{variant}: Accelerate: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let (rs_out, rs_losses) =
-            (dir.join(format!("{variant}-rs")), dir.join(format!("{variant}-rs.jsonl")));
+    let variants = ["qwen2-sliding", "qwen2-tied", "qwen3", "mistral", "llama3"];
+    let t = tokens.to_str().unwrap();
+    let mut made = vec![command(&["tokens", "--out", t, "--vocab", "128", "--batch", "12"])];
+    made[0].extend(["--seq".into(), "12".into()]);
+    for variant in variants {
+        made.push(command(&[
+            "make",
+            "--variant",
+            variant,
+            "--out",
+            &dir.join(variant).display().to_string(),
+        ]));
+    }
+    reference_batch("hf_families.py", &made);
+    let out = |variant: &str, side: &str| dir.join(format!("{variant}-{side}"));
+    let losses = |variant: &str, side: &str| dir.join(format!("{variant}-{side}.jsonl"));
+    let common = |variant: &str, side: &str| -> Vec<String> {
+        let model = dir.join(variant).display().to_string();
+        command(&["--model", &model, "--data", t, "--steps", "4", "--batch-size", "2"])
+            .into_iter()
+            .chain(command(&["--lr", "1e-2", "--weight-decay", "0.01"]))
+            .chain(["--out".into(), out(variant, side).display().to_string()])
+            .chain(["--losses".into(), losses(variant, side).display().to_string()])
+            .collect()
+    };
+    // Accelerate's fine-tunes, one after the other in one torchrun.
+    let trains: Vec<Vec<String>> =
+        variants.iter().map(|v| [vec!["train".to_string()], common(v, "py")].concat()).collect();
+    let port = accel_core::comm::free_port("127.0.0.1").unwrap();
+    let output = Command::new(root().join(".venv/bin/torchrun"))
+        .args(["--nproc-per-node=2".to_string(), format!("--master-port={port}")])
+        .arg(root().join("python/reference/llama_reference.py"))
+        .args(trains.join(&";".to_string()))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "Accelerate: {}", String::from_utf8_lossy(&output.stderr));
+    for variant in variants {
         let mut program = vec![example("llama")];
-        program.extend(common(&rs_out, &rs_losses));
+        program.extend(common(variant, "rs"));
         // The logits computed whole, as transformers computes them: the head fused and
         // computed on its shards sums the vocabulary in halves, and AdamW's first steps,
         // g / (|g| + 1e-8), turn that rounding into up to 3e-3 on a weight whose gradient is
@@ -2009,7 +2063,8 @@ fn families_fine_tune_under_zero3_as_transformers_and_accelerate_do() {
         program.extend(["--loss", "logits"].map(String::from));
         program.extend(["--strategy", "zero3", "--activation-checkpointing"].map(String::from));
         launch(2, program);
-        let (reference, ours) = (read_losses(&py_losses), read_losses(&rs_losses));
+        let (reference, ours) =
+            (read_losses(&losses(variant, "py")), read_losses(&losses(variant, "rs")));
         assert_eq!(reference.len(), 4);
         for (step, (a, b)) in reference.iter().zip(&ours).enumerate() {
             assert!(
@@ -2017,7 +2072,8 @@ fn families_fine_tune_under_zero3_as_transformers_and_accelerate_do() {
                 "{variant} step {step}: Accelerate's loss {a}, accel's {b}"
             );
         }
-        let (theirs, mine) = (read_hf_folder(&py_out), read_hf_folder(&rs_out));
+        let (theirs, mine) =
+            (read_hf_folder(&out(variant, "py")), read_hf_folder(&out(variant, "rs")));
         assert_eq!(theirs.keys().collect::<Vec<_>>(), mine.keys().collect::<Vec<_>>(), "{variant}");
         for (name, t) in &theirs {
             let diff = max_abs_difference(t, &mine[name]);
@@ -2027,11 +2083,16 @@ fn families_fine_tune_under_zero3_as_transformers_and_accelerate_do() {
             );
         }
         let config: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(rs_out.join("config.json")).unwrap()).unwrap();
+            serde_json::from_slice(&std::fs::read(out(variant, "rs").join("config.json")).unwrap())
+                .unwrap();
         assert_eq!(config["dtype"], "float32", "{variant}");
-        // from_pretrained of accel's folder: nothing missing or unexpected (the reference
-        // refuses otherwise), and the logits of the weights it holds.
-        let diff = from_pretrained_logits_diff(&dir, &rs_out, &tokens, variant);
+    }
+    // from_pretrained of accel's folders: nothing missing or unexpected (the reference
+    // refuses otherwise), and the logits of the weights they hold.
+    let folders: Vec<(PathBuf, &str)> = variants.iter().map(|v| (out(v, "rs"), *v)).collect();
+    let folders: Vec<(&Path, &str)> = folders.iter().map(|(f, v)| (f.as_path(), *v)).collect();
+    let diffs = from_pretrained_logits_diffs(&dir, &tokens, &folders);
+    for (variant, diff) in variants.iter().zip(diffs) {
         assert!(
             diff <= 1e-4,
             "{variant}: from_pretrained of accel's folder gives other logits ({diff})"
@@ -2052,50 +2113,41 @@ fn lora_adapters_load_train_save_and_merge_as_peft_does() {
     let (model, tokens, adapter) =
         (dir.join("base"), dir.join("tokens.safetensors"), dir.join("adapter"));
     let s = |p: &Path| p.to_str().unwrap().to_owned();
-    hf_families(&["make", "--variant", "llama", "--out", &s(&model)]);
-    hf_families(&[
-        "tokens",
-        "--out",
-        &s(&tokens),
-        "--vocab",
-        "128",
-        "--batch",
-        "12",
-        "--seq",
-        "12",
-    ]);
-    hf_families(&[
-        "adapter",
-        "--model",
-        &s(&model),
-        "--out",
-        &s(&adapter),
-        "--r",
-        "4",
-        "--alpha",
-        "8",
-    ]);
     let ours = |adapter: &Path, out: &Path| {
         let output = llama_eval(&model, &tokens, out, &["--lora-adapter", &s(adapter)]);
         assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
         read_tensor(out, "logits")
     };
+    // peft's logits of the base with `adapter`, written to `out`.
     let peft = |adapter: &Path, out: &Path| {
-        hf_families(&[
-            "logits",
-            "--model",
-            &s(&model),
-            "--adapter",
-            &s(adapter),
-            "--tokens",
-            &s(&tokens),
-            "--out",
-            &s(out),
-        ]);
-        read_tensor(out, "logits")
+        let (model, tokens) = (s(&model), s(&tokens));
+        command(&["logits", "--model", &model, "--adapter", &s(adapter), "--tokens", &tokens])
+            .into_iter()
+            .chain(["--out".into(), s(out)])
+            .collect::<Vec<String>>()
     };
+    let tokens_command = ["tokens", "--out", &s(&tokens), "--vocab", "128", "--batch", "12"];
+    reference_batch(
+        "hf_families.py",
+        &[
+            command(&["make", "--variant", "llama", "--out", &s(&model)]),
+            command(&[&tokens_command[..], &["--seq", "12"]].concat()),
+            command(&[
+                "adapter",
+                "--model",
+                &s(&model),
+                "--out",
+                &s(&adapter),
+                "--r",
+                "4",
+                "--alpha",
+                "8",
+            ]),
+            peft(&adapter, &dir.join("a-py.safetensors")),
+        ],
+    );
     let diff = max_abs_difference(
-        &peft(&adapter, &dir.join("a-py.safetensors")),
+        &read_tensor(&dir.join("a-py.safetensors"), "logits"),
         &ours(&adapter, &dir.join("a-rs.safetensors")),
     );
     assert!(diff <= 1e-4, "peft's adapter: logits differ from peft's by {diff}");
@@ -2159,12 +2211,6 @@ fn lora_adapters_load_train_save_and_merge_as_peft_does() {
         ) > 1e-4,
         "nothing trained"
     );
-    let diff = max_abs_difference(
-        &peft(&rs_out, &dir.join("t-py.safetensors")),
-        &ours(&rs_out, &dir.join("t-rs.safetensors")),
-    );
-    assert!(diff <= 1e-4, "peft loads accel's adapter to other logits ({diff})");
-
     // Fresh adapters: PEFT's initialisation (B = 0), saved in PEFT's format.
     let fresh = dir.join("fresh");
     let mut program = vec![example("llama")];
@@ -2177,8 +2223,16 @@ fn lora_adapters_load_train_save_and_merge_as_peft_does() {
             .map(String::from),
     );
     launch(2, program);
+    // peft loads both adapters accel wrote, in one process.
+    let (trained_py, fresh_py) = (dir.join("t-py.safetensors"), dir.join("f-py.safetensors"));
+    reference_batch("hf_families.py", &[peft(&rs_out, &trained_py), peft(&fresh, &fresh_py)]);
     let diff = max_abs_difference(
-        &peft(&fresh, &dir.join("f-py.safetensors")),
+        &read_tensor(&trained_py, "logits"),
+        &ours(&rs_out, &dir.join("t-rs.safetensors")),
+    );
+    assert!(diff <= 1e-4, "peft loads accel's adapter to other logits ({diff})");
+    let diff = max_abs_difference(
+        &read_tensor(&fresh_py, "logits"),
         &ours(&fresh, &dir.join("f-rs.safetensors")),
     );
     assert!(diff <= 1e-4, "peft loads accel's fresh adapter to other logits ({diff})");

@@ -24,6 +24,9 @@ model classes, and their reference logits. python/reference/MODELS.md has the ma
     verify  --work DIR   makes every variant and checks that its options change the logits,
             and that an independent implementation of the spec (`spec_logits`) matches
 
+Several commands may run in one process, separated by a lone `;` argument (`\;` in a shell):
+    make --variant llama --out M \; logits --model M --tokens T --out O
+
 Variants: llama, llama-linear, llama-dynamic, llama3, llama-yarn, qwen2, qwen2-sliding, qwen3,
 mistral, mistral-nowindow, qwen2-tied. Every one: vocab 128, hidden 64, intermediate 128,
 4 heads, 2 key/value heads, initializer_range 0.1 (so attention is far from uniform and RoPE
@@ -38,6 +41,7 @@ import os
 import shutil
 import sys
 
+import commands
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -553,17 +557,19 @@ p.add_argument("--alpha", type=lambda s: int(s) if float(s).is_integer() else fl
 p.add_argument("--target", default="q_proj,v_proj")
 p.add_argument("--rslora", action="store_true")
 p.add_argument("--work")
-args = p.parse_args()
+modes = {"make": make, "tokens": tokens, "logits": logits, "adapter": adapter, "verify": verify,
+         "generate": generate, "device-map": device_map}
 required = {
     "make": ["variant", "out"], "tokens": ["out"], "logits": ["model", "tokens", "out"],
     "adapter": ["model", "out"], "verify": ["work"],
     "generate": ["model", "prompt_ids", "max_new_tokens"], "device-map": ["model"],
 }
-missing = [f"--{k}" for k in required[args.mode] if getattr(args, k) is None]
-if missing:
-    p.error(f"{args.mode} needs {' '.join(missing)}")
-if args.seed is None and args.mode not in ("generate", "device-map"):
-    args.seed = 0
-modes = {"make": make, "tokens": tokens, "logits": logits, "adapter": adapter, "verify": verify,
-         "generate": generate, "device-map": device_map}
-modes[args.mode](args)
+for argv in commands.split(sys.argv[1:]):
+    args = p.parse_args(argv)
+    missing = [f"--{k}" for k in required[args.mode] if getattr(args, k) is None]
+    if missing:
+        p.error(f"{args.mode} needs {' '.join(missing)}")
+    if args.seed is None and args.mode not in ("generate", "device-map"):
+        args.seed = 0
+    modes[args.mode](args)
+    sys.stdout.flush()

@@ -20,6 +20,7 @@ Every mode loads the model with --attention (sdpa, transformers' default, or eag
            prepared by Accelerate (DDP on CPU) with --lora-r; one JSON line per rank with the
            llama example's memory keys.
     make --size 100m: the ~100M-parameter Llama of `cargo xtask bench memory`.
+Several commands may run in one process, separated by a lone `;` (commands.py).
 
 `train` is what the example does: AdamW (betas 0.9/0.999, eps 1e-8) on the rows in order,
 dealt by Accelerate's prepared DataLoader, epochs repeating until K steps, loss with
@@ -27,7 +28,9 @@ labels=input_ids; rank 0 logs its own loss per step; the main process saves the 
 """
 import argparse
 import json
+import sys
 
+import commands
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -288,7 +291,9 @@ p.add_argument("--losses")
 p.add_argument("--lora-adapter", help="train: a PEFT adapter folder trained on the frozen base")
 p.add_argument("--save-state", help="memory: save the model and optimizer state here (DCP)")
 p.add_argument("--resume", help="memory: load the state saved there (DCP) before training")
-args = p.parse_args()
-ATTENTION = args.attention
 modes = {"make": make, "tokens": tokens, "logits": logits, "train": train, "load": logits, "memory": memory}
-modes[args.mode](args)
+for argv in commands.split(sys.argv[1:]):
+    args = p.parse_args(argv)
+    ATTENTION = args.attention
+    modes[args.mode](args)
+    sys.stdout.flush()
