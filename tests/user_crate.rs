@@ -172,8 +172,9 @@ fn main() -> Result<()> {
 /// docs/your-crate.md followed as written, from an empty folder outside this repository
 /// (so that none of its cargo configuration applies): the libtorch of a Python environment
 /// (this repository's `.venv`, which holds torch 2.11.0, stands in for the user's), the
-/// `accel` command installed from the repository by git URL (a `file://` clone stands in for
-/// the public one), `cargo new`, `cargo add` from the registry (no lock file borrowed),
+/// `accel` command installed from the repository by git URL with its lock file (a `file://`
+/// clone stands in for the public one; the lock also lets it share the compiled torch-sys of
+/// the other tests' crates, whose C++ takes minutes to build), `cargo new`, `cargo add` from the registry (no lock file borrowed),
 /// `accel setup`, `cargo build`, the one line on the user's function — run on 2 processes it
 /// ends with the weights of 1 process with twice the batch. Beyond the page: `--debug` and one
 /// shared target folder, so that the builds share their compiled dependencies.
@@ -225,6 +226,7 @@ fn the_documented_route_from_an_empty_folder_trains_on_2_processes_as_on_1() {
         &[
             "install",
             "--quiet",
+            "--locked",
             "--git",
             &url,
             "accel-core",
