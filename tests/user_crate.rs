@@ -19,8 +19,11 @@ edition = "2024"
 accel-core = { path = "ACCEL_CORE" }
 tch = "=0.24.0"
 
-# Its own workspace: the test writes it inside this repository's target/.
+# Its own workspace: the test writes it inside this repository's target/. Edition 2024's
+# feature resolver for every edition: under 2021's (resolver 1), torch-sys's build script
+# would get other features, so another build of its C++ (minutes) for the tch-rs examples.
 [workspace]
+resolver = "3"
 "#;
 
 /// The README's build script, verbatim (what `accel setup` writes).

@@ -1814,7 +1814,6 @@ fn generation_gives_transformers_tokens() {
     let dir = scratch("generate");
     let s = |p: &Path| p.to_str().unwrap().to_owned();
     let prompt = vec!["--prompt-ids", "5,17,99,3,42", "--max-new-tokens", "12"];
-    // Stop tokens: the checkpoint's (config.json's eos_token_id), on both sides.
     let variants = ["llama", "llama-dynamic", "qwen2-sliding", "qwen3", "mistral"];
     let models: Vec<PathBuf> = variants.iter().map(|v| dir.join(v)).collect();
     let adapter = dir.join("adapter");
@@ -1827,6 +1826,7 @@ fn generation_gives_transformers_tokens() {
     made.last_mut().unwrap().extend(["--seed".into(), "3".into()]);
     reference_batch("hf_families.py", &made);
     let (llama, mistral) = (&models[0], &models[4]);
+    // No --eos-ids: both sides stop at the checkpoint's stop token (config.json's eos_token_id).
     let greedy =
         Generation { dir: &dir, model: llama, flags: prompt.clone(), theirs: vec![], ours: vec![] };
     let mut cases: Vec<(String, Generation, f64)> = variants
