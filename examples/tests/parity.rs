@@ -1344,14 +1344,18 @@ fn from_pretrained_logits_diff(dir: &Path, folder: &Path, tokens: &Path, tag: &s
 }
 
 /// from_pretrained_logits_diff of each (folder, tag), transformers' side in one process.
-fn from_pretrained_logits_diffs(dir: &Path, tokens: &Path, folders: &[(&Path, &str)]) -> Vec<f64> {
+fn from_pretrained_logits_diffs(
+    dir: &Path,
+    tokens: &Path,
+    folders: &[(impl AsRef<Path>, &str)],
+) -> Vec<f64> {
     let logits = |tag: &str, side: &str| dir.join(format!("{tag}-{side}.safetensors"));
     let t = tokens.to_str().unwrap();
     let commands: Vec<Vec<String>> = folders
         .iter()
         .map(|(folder, tag)| {
             let out = logits(tag, "load");
-            command(&["load", "--model", folder.to_str().unwrap(), "--eval", t])
+            command(&["load", "--model", folder.as_ref().to_str().unwrap(), "--eval", t])
                 .into_iter()
                 .chain(["--logits-out".into(), out.display().to_string()])
                 .collect()
@@ -1362,7 +1366,7 @@ fn from_pretrained_logits_diffs(dir: &Path, tokens: &Path, folders: &[(&Path, &s
         .iter()
         .map(|(folder, tag)| {
             let (py_logits, rs_logits) = (logits(tag, "load"), logits(tag, "ours"));
-            let output = llama_eval(folder, tokens, &rs_logits, &[]);
+            let output = llama_eval(folder.as_ref(), tokens, &rs_logits, &[]);
             assert!(output.status.success(), "{tag}: {}", String::from_utf8_lossy(&output.stderr));
             let (a, b) = (read_tensor(&py_logits, "logits"), read_tensor(&rs_logits, "logits"));
             max_abs_difference(&a, &b)
@@ -1822,8 +1826,8 @@ fn generation_gives_transformers_tokens() {
         .zip(&models)
         .map(|(v, model)| command(&["make", "--variant", v, "--out", &s(model)]))
         .collect();
-    made.push(command(&["adapter", "--model", &s(&models[0]), "--out", &s(&adapter)]));
-    made.last_mut().unwrap().extend(["--seed".into(), "3".into()]);
+    let llama_dir = s(&models[0]);
+    made.push(command(&["adapter", "--model", &llama_dir, "--out", &s(&adapter), "--seed", "3"]));
     reference_batch("hf_families.py", &made);
     let (llama, mistral) = (&models[0], &models[4]);
     // No --eos-ids: both sides stop at the checkpoint's stop token (config.json's eos_token_id).
@@ -2018,8 +2022,8 @@ fn families_fine_tune_under_zero3_as_transformers_and_accelerate_do() {
     let tokens = dir.join("tokens.safetensors");
     let variants = ["qwen2-sliding", "qwen2-tied", "qwen3", "mistral", "llama3"];
     let t = tokens.to_str().unwrap();
-    let mut made = vec![command(&["tokens", "--out", t, "--vocab", "128", "--batch", "12"])];
-    made[0].extend(["--seq".into(), "12".into()]);
+    let mut made =
+        vec![command(&["tokens", "--out", t, "--vocab", "128", "--batch", "12", "--seq", "12"])];
     for variant in variants {
         made.push(command(&[
             "make",
@@ -2090,7 +2094,6 @@ fn families_fine_tune_under_zero3_as_transformers_and_accelerate_do() {
     // from_pretrained of accel's folders: nothing missing or unexpected (the reference
     // refuses otherwise), and the logits of the weights they hold.
     let folders: Vec<(PathBuf, &str)> = variants.iter().map(|v| (out(v, "rs"), *v)).collect();
-    let folders: Vec<(&Path, &str)> = folders.iter().map(|(f, v)| (f.as_path(), *v)).collect();
     let diffs = from_pretrained_logits_diffs(&dir, &tokens, &folders);
     for (variant, diff) in variants.iter().zip(diffs) {
         assert!(
@@ -2126,12 +2129,21 @@ fn lora_adapters_load_train_save_and_merge_as_peft_does() {
             .chain(["--out".into(), s(out)])
             .collect::<Vec<String>>()
     };
-    let tokens_command = ["tokens", "--out", &s(&tokens), "--vocab", "128", "--batch", "12"];
     reference_batch(
         "hf_families.py",
         &[
             command(&["make", "--variant", "llama", "--out", &s(&model)]),
-            command(&[&tokens_command[..], &["--seq", "12"]].concat()),
+            command(&[
+                "tokens",
+                "--out",
+                &s(&tokens),
+                "--vocab",
+                "128",
+                "--batch",
+                "12",
+                "--seq",
+                "12",
+            ]),
             command(&[
                 "adapter",
                 "--model",

@@ -564,12 +564,14 @@ required = {
     "adapter": ["model", "out"], "verify": ["work"],
     "generate": ["model", "prompt_ids", "max_new_tokens"], "device-map": ["model"],
 }
-for argv in commands.split(sys.argv[1:]):
-    args = p.parse_args(argv)
+# Every command checked before the first runs: a mistake in the last one costs nothing.
+parsed = [p.parse_args(argv) for argv in commands.split(sys.argv[1:])]
+for args in parsed:
     missing = [f"--{k}" for k in required[args.mode] if getattr(args, k) is None]
     if missing:
         p.error(f"{args.mode} needs {' '.join(missing)}")
     if args.seed is None and args.mode not in ("generate", "device-map"):
         args.seed = 0
+for args in parsed:
     modes[args.mode](args)
     sys.stdout.flush()

@@ -292,8 +292,8 @@ p.add_argument("--lora-adapter", help="train: a PEFT adapter folder trained on t
 p.add_argument("--save-state", help="memory: save the model and optimizer state here (DCP)")
 p.add_argument("--resume", help="memory: load the state saved there (DCP) before training")
 modes = {"make": make, "tokens": tokens, "logits": logits, "train": train, "load": logits, "memory": memory}
-for argv in commands.split(sys.argv[1:]):
-    args = p.parse_args(argv)
+# Every command parsed before the first runs: a mistake in the last one costs nothing.
+for args in [p.parse_args(argv) for argv in commands.split(sys.argv[1:])]:
     ATTENTION = args.attention
     modes[args.mode](args)
     sys.stdout.flush()
