@@ -7,16 +7,14 @@
 #     cargo xtask bench llama                          # once: the model, tokens, binaries
 #     ROW=zero3 LEN=1024 R=4 S=4 bash scripts/llama-rounds.sh    # zero3 beside FSDP2
 #     ROW=lora R=6 S=6 LIMIT=1 bash scripts/llama-rounds.sh      # DDP + LoRA r8 beside peft
+#     OWN_ALLOCATOR=1 ROW=zero3-ac LEN=1024 R=4 S=4 bash scripts/llama-rounds.sh
 #
-# The bench's setting: 2 processes, batch 2 rows, AdamW at 1e-4, sdpa, the bench's
-# MALLOC_MMAP_THRESHOLD_ (scripts/llama-rows.sh). Seconds per step are each program's own
-# (steps 2..S).
+# The bench's setting: 2 processes (N=4 for 4), batch 2 rows, AdamW at 1e-4, sdpa, the
+# bench's MALLOC_MMAP_THRESHOLD_ (scripts/llama-rows.sh; OWN_ALLOCATOR=1 leaves it out, as
+# users run). Seconds per step are each program's own (steps 2..S).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/llama-rows.sh
-# What the compute allows, PyTorch's side: its DDP at world size 1 for zero3's work.
-limit_extra=(--ddp)
-[ ${#theirs_extra[@]} -gt 0 ] && limit_extra=("${theirs_extra[@]}")
 rounds=${R:-4} steps=${S:-5} out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 step_s() { grep -ho '"step_s": *[0-9.]*' "$1" | head -1 | sed 's/.*: *//'; }
@@ -36,23 +34,24 @@ for r in $(seq "$rounds"); do
     ( export OMP_NUM_THREADS=1
       ours 1 a --strategy ddp ${extra[@]+"${extra[@]}"} & first=$!
       ours 1 b --strategy ddp ${extra[@]+"${extra[@]}"}; wait $first
-      theirs 1 29806 c "${limit_extra[@]}" & first=$!
-      theirs 1 29807 d "${limit_extra[@]}"; wait $first )
+      theirs 1 29806 c "${limit_theirs[@]}" & first=$!
+      theirs 1 29807 d "${limit_theirs[@]}"; wait $first )
     echo "round $r, 1 process each, two at once: accel $(step_s "$out/a.log") $(step_s "$out/b.log") s," \
       "PyTorch $(step_s "$out/c.log") $(step_s "$out/d.log") s"
   fi
-  ours 2 row --strategy "$strategy" ${extra[@]+"${extra[@]}"}
-  theirs 2 29805 ref ${theirs_extra[@]+"${theirs_extra[@]}"}
+  ours "${N:-2}" row --strategy "$strategy" ${extra[@]+"${extra[@]}"}
+  theirs "${N:-2}" 29805 ref ${theirs_extra[@]+"${theirs_extra[@]}"}
   a=$(step_s "$out/row.log") t=$(step_s "$out/ref.log")
   echo "$a $t" >>"$out/rounds"
-  echo "round $r, 2 processes: accel $a s, reference $t s"
+  echo "round $r, ${N:-2} processes: accel $a s, reference $t s"
 done
-.venv/bin/python - "$out/rounds" "${ROW:-zero3}" "${LEN:-128}" <<'SUMMARY'
+.venv/bin/python - "$out/rounds" "${ROW:-zero3}" "${LEN:-128}" "${N:-2}" <<'SUMMARY'
 import statistics as st, sys
 rows = [tuple(map(float, line.split())) for line in open(sys.argv[1])]
 a, t = [r[0] for r in rows], [r[1] for r in rows]
 q = [y / x for x, y in rows]
-print(f"{sys.argv[2]}, {sys.argv[3]} tokens, {len(rows)} rounds: accel {min(a):.2f}-{max(a):.2f} s "
+print(f"{sys.argv[2]}, {sys.argv[3]} tokens, {sys.argv[4]} processes, {len(rows)} rounds: "
+      f"accel {min(a):.2f}-{max(a):.2f} s "
       f"(median {st.median(a):.2f}), reference {min(t):.2f}-{max(t):.2f} s (median {st.median(t):.2f}); "
       f"ratio of the medians {st.median(t) / st.median(a):.2f}x, per round {min(q):.2f}-{max(q):.2f}x")
 SUMMARY
