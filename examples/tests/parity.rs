@@ -142,74 +142,76 @@ fn parity_example_matches_pytorch_and_accelerate() {
         (3, "adamw", "3"),
         (2, "sgd", "3"),
     ];
-    for &(n, optimizer, accumulate) in cases {
-        let common: Vec<String> = [
-            "--init",
-            w.to_str().unwrap(),
-            "--data",
-            d.to_str().unwrap(),
-            "--hidden",
-            "16,16",
-            "--optimizer",
-            optimizer,
-            "--lr",
-            "1e-2",
-            "--weight-decay",
-            "0.01",
-            "--batch-size",
-            "4",
-            "--accumulate",
-            accumulate,
-            "--epochs",
-            "2",
-            "--precision",
-            "no",
-            "--clip-grad-norm",
-            "1.0",
-        ]
+    let runs: Vec<(usize, String, Vec<String>)> = cases
         .iter()
-        .map(|s| s.to_string())
+        .map(|&(n, optimizer, accumulate)| {
+            let args = [
+                "--init",
+                w.to_str().unwrap(),
+                "--data",
+                d.to_str().unwrap(),
+                "--hidden",
+                "16,16",
+                "--optimizer",
+                optimizer,
+                "--lr",
+                "1e-2",
+                "--weight-decay",
+                "0.01",
+                "--batch-size",
+                "4",
+                "--accumulate",
+                accumulate,
+                "--epochs",
+                "2",
+                "--precision",
+                "no",
+                "--clip-grad-norm",
+                "1.0",
+            ];
+            (n, format!("{n}-{optimizer}-{accumulate}"), command(&args))
+        })
         .collect();
-        compare_with_accelerate(&dir, &format!("{n}-{optimizer}-{accumulate}"), n, common);
+    // One torchrun per process count, its runs one after the other.
+    for n in 1..=3 {
+        let same_n: Vec<(&str, &[String])> = runs
+            .iter()
+            .filter(|r| r.0 == n)
+            .map(|(_, tag, args)| (tag.as_str(), &args[..]))
+            .collect();
+        accelerate_runs(&dir, n, &same_n);
+    }
+    for (n, tag, args) in &runs {
+        equals_accelerate(&dir, tag, tag, *n, args, &[]);
     }
 }
 
-/// Runs `args` through PyTorch + Accelerate (torchrun) and through the `parity` example
-/// (accel launch) on `n` processes, and checks every logged loss and final weight (1e-5).
-fn compare_with_accelerate(dir: &Path, tag: &str, n: usize, common: Vec<String>) {
-    compare_with_accelerate_as(dir, tag, n, common, n, &[]);
-}
-
-/// `compare_with_accelerate` with accel on `accel_n` processes given `accel_extra` too
-/// (say, 4 processes as 2 data-parallel replicas of 2 tensor-parallel ranks).
-fn compare_with_accelerate_as(
-    dir: &Path,
-    tag: &str,
-    n: usize,
-    common: Vec<String>,
-    accel_n: usize,
-    accel_extra: &[&str],
-) {
+/// Runs the reference, PyTorch + Accelerate (`python/reference/parity_accelerate.py`), on `n`
+/// processes for each `(tag, args)`, the runs one after the other in one torchrun: each
+/// writes `py-{tag}.safetensors` (the final weights) and `py-{tag}.jsonl` (rank 0's losses)
+/// in `dir`.
+fn accelerate_runs(dir: &Path, n: usize, runs: &[(&str, &[String])]) {
     let torchrun = root().join(".venv/bin/torchrun");
     assert!(torchrun.exists(), "{} is missing: run `cargo xtask setup`", torchrun.display());
     let script = root().join("python/reference/parity_accelerate.py");
-    let (py_out, py_losses) =
-        (dir.join(format!("py-{tag}.safetensors")), dir.join(format!("py-{tag}.jsonl")));
-    let (rs_out, rs_losses) =
-        (dir.join(format!("rs-{tag}.safetensors")), dir.join(format!("rs-{tag}.jsonl")));
+    let commands: Vec<Vec<String>> = runs
+        .iter()
+        .map(|(tag, args)| {
+            let out = dir.join(format!("py-{tag}.safetensors")).display().to_string();
+            let losses = dir.join(format!("py-{tag}.jsonl")).display().to_string();
+            [&args[..], &command(&["--out", &out, "--losses", &losses])].concat()
+        })
+        .collect();
     let reference = || {
         let port = accel_core::comm::free_port("127.0.0.1").unwrap();
         Command::new(&torchrun)
             .args([format!("--nproc-per-node={n}"), format!("--master-port={port}")])
             .arg(&script)
-            .args(&common)
-            .arg("--out")
-            .arg(&py_out)
-            .arg("--losses")
-            .arg(&py_losses)
+            .args(commands.join(&";".to_string()))
             .output()
             .unwrap()
     };
+    let tags: Vec<&str> = runs.iter().map(|r| r.0).collect();
     let mut output = reference();
     // The reference side's own flake: with torch 2.11's gloo, a rank of the Local SGD run
     // aborts in about one run in ten ("terminate called without an active exception", or only
@@ -222,16 +224,36 @@ fn compare_with_accelerate_as(
         {
             break;
         }
-        eprintln!("{tag}: the PyTorch reference aborted inside torch; running it again");
+        eprintln!("{tags:?}: the PyTorch reference aborted inside torch; running it again");
         output = reference();
     }
     assert!(
         output.status.success(),
-        "Accelerate run {tag} failed: {}",
+        "Accelerate runs {tags:?} failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
+}
+
+/// Runs the `parity` example with `args` and `accel_extra` on `accel_n` processes (accel
+/// launch), writing `rs-{tag}.*`, and checks every logged loss and final weight against the
+/// reference run `reference` of [`accelerate_runs`] (1e-5). `accel_extra` can make the same
+/// run another way: 4 processes as 2 data-parallel replicas of 2 tensor-parallel ranks, say.
+fn equals_accelerate(
+    dir: &Path,
+    reference: &str,
+    tag: &str,
+    accel_n: usize,
+    args: &[String],
+    accel_extra: &[&str],
+) {
+    let (py_out, py_losses) = (
+        dir.join(format!("py-{reference}.safetensors")),
+        dir.join(format!("py-{reference}.jsonl")),
+    );
+    let (rs_out, rs_losses) =
+        (dir.join(format!("rs-{tag}.safetensors")), dir.join(format!("rs-{tag}.jsonl")));
     let mut program = vec![example("parity")];
-    program.extend(common);
+    program.extend_from_slice(args);
     program.extend(accel_extra.iter().map(|s| s.to_string()));
     program.extend([
         "--out".into(),
@@ -285,7 +307,9 @@ fn local_sgd_written_outside_accel_core_matches_accelerates() {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        compare_with_accelerate(&dir, &format!("local-sgd-{n}-{accumulate}-{every}"), n, common);
+        let tag = format!("local-sgd-{n}-{accumulate}-{every}");
+        accelerate_runs(&dir, n, &[(&tag, &common)]);
+        equals_accelerate(&dir, &tag, &tag, n, &common, &[]);
     }
 }
 
@@ -963,9 +987,11 @@ fn the_pipeline_steps_a_short_last_window_as_accelerate_does() {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    // Accelerate's one process is the reference for both schedules.
+    accelerate_runs(&dir, 1, &[("pp-reference", &common)]);
     for schedule in ["1f1b", "gpipe"] {
         let extra = ["--pipeline-parallel", "2", "--schedule", schedule];
-        compare_with_accelerate_as(&dir, &format!("pp2-{schedule}"), 1, common.clone(), 2, &extra);
+        equals_accelerate(&dir, "pp-reference", &format!("pp2-{schedule}"), 2, &common, &extra);
     }
 }
 
@@ -1001,30 +1027,28 @@ fn tensor_and_pipeline_parallel_train_like_one_process_and_like_accelerate() {
 
     // 2 data-parallel replicas of 2 tensor-parallel ranks = Accelerate's DDP on 2, under
     // each strategy that shards across the replicas too.
+    let common = command(&[
+        "--init",
+        w.to_str().unwrap(),
+        "--data",
+        d.to_str().unwrap(),
+        "--hidden",
+        "16,16",
+        "--lr",
+        "1e-2",
+        "--batch-size",
+        "4",
+        "--accumulate",
+        "2",
+        "--epochs",
+        "2",
+        "--clip-grad-norm",
+        "1.0",
+    ]);
+    accelerate_runs(&dir, 2, &[("dp2", &common)]);
     for strategy in ["ddp", "zero3"] {
-        let common: Vec<String> = [
-            "--init",
-            w.to_str().unwrap(),
-            "--data",
-            d.to_str().unwrap(),
-            "--hidden",
-            "16,16",
-            "--lr",
-            "1e-2",
-            "--batch-size",
-            "4",
-            "--accumulate",
-            "2",
-            "--epochs",
-            "2",
-            "--clip-grad-norm",
-            "1.0",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
         let extra = ["--tensor-parallel", "2", "--strategy", strategy];
-        compare_with_accelerate_as(&dir, &format!("tp2-dp2-{strategy}"), 2, common, 4, &extra);
+        equals_accelerate(&dir, "dp2", &format!("tp2-dp2-{strategy}"), 4, &common, &extra);
     }
 
     // A checkpoint written by 2 stages of 2 tensor-parallel ranks continues on one process
@@ -1088,17 +1112,13 @@ fn fp8_trains_like_accelerate_with_torchao() {
         .map(|s| s.to_string())
         .collect()
     };
-    compare_with_accelerate(&dir, "fp8-1", 1, args("fp8", "tensorwise"));
-    compare_with_accelerate(&dir, "fp8-2-ddp", 2, args("fp8", "tensorwise"));
-    compare_with_accelerate_as(
-        &dir,
-        "fp8-2-zero3",
-        2,
-        args("fp8", "tensorwise"),
-        2,
-        &["--strategy", "zero3"],
-    );
-    compare_with_accelerate(&dir, "fp8-rowwise", 1, args("fp8", "rowwise"));
+    let (tensorwise, rowwise) = (args("fp8", "tensorwise"), args("fp8", "rowwise"));
+    accelerate_runs(&dir, 1, &[("fp8-1", &tensorwise), ("fp8-rowwise", &rowwise)]);
+    accelerate_runs(&dir, 2, &[("fp8-2", &tensorwise)]);
+    equals_accelerate(&dir, "fp8-1", "fp8-1", 1, &tensorwise, &[]);
+    equals_accelerate(&dir, "fp8-2", "fp8-2-ddp", 2, &tensorwise, &[]);
+    equals_accelerate(&dir, "fp8-2", "fp8-2-zero3", 2, &tensorwise, &["--strategy", "zero3"]);
+    equals_accelerate(&dir, "fp8-rowwise", "fp8-rowwise", 1, &rowwise, &[]);
 
     let mut program = vec![example("parity")];
     program.extend(args("no", "tensorwise"));

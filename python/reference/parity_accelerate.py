@@ -13,6 +13,9 @@ scales only).
 
 It can also write a fresh W and D: `parity_accelerate.py make W D --n 45 --d 10 --hidden
 16,16 --classes 3 --seed 0`.
+
+Several runs may share one torchrun, separated by a lone `;` argument (`\;` in a shell),
+each with its own `--out` and `--losses`; each builds its own Accelerator.
 """
 import argparse
 import json
@@ -21,6 +24,7 @@ import sys
 
 import torch
 
+import commands
 import cpu_fp8  # noqa: F401 (torch._scaled_mm on CPU without oneDNN; see the module)
 from safetensors.torch import load_file, save_file
 
@@ -145,8 +149,15 @@ p.add_argument("--n", type=int, default=45)
 p.add_argument("--d", type=int, default=10)
 p.add_argument("--classes", type=int, default=3)
 p.add_argument("--seed", type=int, default=0)
-args = p.parse_args()
-make(args) if args.mode == "make" else train(args)
+# Every run parsed before the first starts: a mistake in the last one costs nothing.
+for i, args in enumerate([p.parse_args(argv) for argv in commands.split(sys.argv[1:])]):
+    if i > 0:
+        # A fresh Accelerator per run, as in a process of its own; the process group stays.
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+    make(args) if args.mode == "make" else train(args)
 # Leave without the interpreter's teardown: torch 2.11's gloo threads can abort a rank at exit
 # ("terminate called without an active exception") after everything above was written.
 sys.stdout.flush()
