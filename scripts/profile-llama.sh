@@ -6,6 +6,8 @@
 #     bash scripts/profile-llama.sh [SHORT LONG]
 #     LEN=1024 bash scripts/profile-llama.sh 1 3     # rows of 1024 tokens instead of 128
 #     ROW=lora bash scripts/profile-llama.sh         # accel DDP + LoRA r8 beside peft's
+#     OWN_ALLOCATOR=1 ROW=zero3-ac LEN=1024 bash scripts/profile-llama.sh 1 3
+#                                # with activation checkpointing, each side's own allocator
 #
 # Each side runs twice under `perf record -g` (SHORT and LONG steps, 2 and 6 by default);
 # python/reference/perf_where.py puts every sample in a category (page faults, matrix
