@@ -631,27 +631,11 @@ fn run_parity_with(
     tag: &str,
     extra: &[&str],
 ) -> BTreeMap<String, Vec<f32>> {
-    let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
     let out = dir.join(format!("{tag}.safetensors"));
     let mut program = vec![example("parity")];
+    program.extend(run_args(dir));
     program.extend(
         [
-            "--init",
-            w.to_str().unwrap(),
-            "--data",
-            d.to_str().unwrap(),
-            "--hidden",
-            "16,16",
-            "--lr",
-            "1e-2",
-            "--batch-size",
-            "4",
-            "--accumulate",
-            "2",
-            "--epochs",
-            "2",
-            "--clip-grad-norm",
-            "1.0",
             "--strategy",
             strategy,
             "--out",
@@ -665,6 +649,30 @@ fn run_parity_with(
     );
     launch(program);
     read_weights(&out)
+}
+
+/// The arguments of [`run_parity`]'s runs (and their reference's), on `dir`'s W and D:
+/// AdamW at 1e-2, batch 4, accumulation 2, 2 epochs, clipping at 1.
+fn run_args(dir: &Path) -> Vec<String> {
+    let (w, d) = (dir.join("W.safetensors"), dir.join("D.safetensors"));
+    command(&[
+        "--init",
+        w.to_str().unwrap(),
+        "--data",
+        d.to_str().unwrap(),
+        "--hidden",
+        "16,16",
+        "--lr",
+        "1e-2",
+        "--batch-size",
+        "4",
+        "--accumulate",
+        "2",
+        "--epochs",
+        "2",
+        "--clip-grad-norm",
+        "1.0",
+    ])
 }
 
 fn max_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f32 {
@@ -1001,7 +1009,7 @@ fn the_pipeline_steps_a_short_last_window_as_accelerate_does() {
 #[test]
 fn tensor_and_pipeline_parallel_train_like_one_process_and_like_accelerate() {
     let dir = scratch("tp-pp");
-    let (w, d) = make_weights_and_data(&dir, 4);
+    make_weights_and_data(&dir, 4);
     let one = run_parity(&dir, 1, "ddp", "one", &[]);
     let one_losses = read_losses(&dir.join("one.jsonl"));
     let runs: [(&str, usize, &[&str]); 5] = [
@@ -1027,24 +1035,7 @@ fn tensor_and_pipeline_parallel_train_like_one_process_and_like_accelerate() {
 
     // 2 data-parallel replicas of 2 tensor-parallel ranks = Accelerate's DDP on 2, under
     // each strategy that shards across the replicas too.
-    let common = command(&[
-        "--init",
-        w.to_str().unwrap(),
-        "--data",
-        d.to_str().unwrap(),
-        "--hidden",
-        "16,16",
-        "--lr",
-        "1e-2",
-        "--batch-size",
-        "4",
-        "--accumulate",
-        "2",
-        "--epochs",
-        "2",
-        "--clip-grad-norm",
-        "1.0",
-    ]);
+    let common = run_args(&dir);
     accelerate_runs(&dir, 2, &[("dp2", &common)]);
     for strategy in ["ddp", "zero3"] {
         let extra = ["--tensor-parallel", "2", "--strategy", strategy];
