@@ -15,6 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/llama-rows.sh
+[ "${LIMIT:-0}" = 1 ] && [ "${N:-2}" != 2 ] &&
+  { echo "LIMIT=1 runs one process per core, beside rows of 2 processes (N=2), not $N"; exit 1; }
 rounds=${R:-4} steps=${S:-5} out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 step_s() { grep -ho '"step_s": *[0-9.]*' "$1" | head -1 | sed 's/.*: *//'; }

@@ -44,11 +44,12 @@ done
 "$py" - "$out/ours.json" "$out/theirs.json" "${names[@]}" <<'TABLE'
 import json, sys
 ours, theirs = (json.load(open(f)) for f in sys.argv[1:3])
+w = max(12, *map(len, sys.argv[3:5]))
 print("CPU seconds per step, both processes together (perf, 499 Hz)")
-print(f"{'':54} {sys.argv[3]:>12} {sys.argv[4]:>12}")
+print(f"{'':54} {sys.argv[3]:>{w}} {sys.argv[4]:>{w}}")
 for k in sorted(set(ours) | set(theirs), key=lambda k: -max(ours.get(k, 0), theirs.get(k, 0))):
-    print(f"{k:54} {ours.get(k, 0) / 499:>12.2f} {theirs.get(k, 0) / 499:>12.2f}")
-print(f"{'total':54} {sum(ours.values()) / 499:>12.2f} {sum(theirs.values()) / 499:>12.2f}")
+    print(f"{k:54} {ours.get(k, 0) / 499:>{w}.2f} {theirs.get(k, 0) / 499:>{w}.2f}")
+print(f"{'total':54} {sum(ours.values()) / 499:>{w}.2f} {sum(theirs.values()) / 499:>{w}.2f}")
 TABLE
 for side in ours theirs; do
   echo "$side, seconds per step (${long}-step run, each process): $(grep -ho '"step_s": *[0-9.]*' "$out/$side-$long.log" | sed 's/.*: *//' | tr '\n' ' ')"
