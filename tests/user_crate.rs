@@ -178,9 +178,10 @@ fn main() -> Result<()> {
 /// `accel` command installed from the repository by git URL with its lock file (a `file://`
 /// clone stands in for the public one; the lock also lets it share the compiled torch-sys of
 /// the other tests' crates, whose C++ takes minutes to build), `cargo new`, `cargo add` from
-/// the registry (no lock file borrowed), `accel setup`, `cargo build`, the one line on the user's function — run on 2 processes it
-/// ends with the weights of 1 process with twice the batch. Beyond the page: `--debug` and one
-/// shared target folder, so that the builds share their compiled dependencies.
+/// the registry (no lock file borrowed), `accel setup`, `cargo build`, the one line on the
+/// user's function — run on 2 processes it ends with the weights of 1 process with twice the
+/// batch. Beyond the page: `--debug` and one shared target folder, so that the builds share
+/// their compiled dependencies.
 #[test]
 fn the_documented_route_from_an_empty_folder_trains_on_2_processes_as_on_1() {
     let home = std::env::temp_dir().join(format!("accel-route-{}", std::process::id()));

@@ -1365,11 +1365,9 @@ fn from_pretrained_logits_diffs(
     let commands: Vec<Vec<String>> = folders
         .iter()
         .map(|(folder, tag)| {
-            let out = logits(tag, "load");
-            command(&["load", "--model", folder.as_ref().to_str().unwrap(), "--eval", t])
-                .into_iter()
-                .chain(["--logits-out".into(), out.display().to_string()])
-                .collect()
+            let out = logits(tag, "load").display().to_string();
+            let model = folder.as_ref().to_str().unwrap();
+            command(&["load", "--model", model, "--eval", t, "--logits-out", &out])
         })
         .collect();
     reference_batch("llama_reference.py", &commands);
