@@ -15,7 +15,7 @@ use std::process::Command;
 use tch::{Kind, Tensor};
 
 use super::tch_examples::{cargo_build, copy_dir, counter, write_data};
-use super::{build_dir, root, set_up_crate};
+use super::{Build, build_dir, root, set_up_crate};
 
 enum Outcome {
     /// 2 processes equal 1 process with twice the batch.
@@ -237,7 +237,8 @@ fn differ_by(a: &Path, ra: usize, b: &Path, rb: usize) -> Result<f64, String> {
     Ok(worst)
 }
 
-fn check(crate_: (&Path, &Path), name: &str, outcome: &Outcome) -> Result<(), String> {
+fn check(dir: &Path, build: &Build, name: &str, outcome: &Outcome) -> Result<(), String> {
+    let crate_ = (dir, build.target.as_path());
     let dir = crate_;
     let batch = |b: i64| vec![("BATCH_SIZE", b.to_string())];
     match outcome {
@@ -328,7 +329,7 @@ fn check(crate_: (&Path, &Path), name: &str, outcome: &Outcome) -> Result<(), St
             Ok(())
         }
         Refused { line, says } => {
-            let output = cargo_build(crate_.0, crate_.1, &[name]);
+            let output = cargo_build(crate_.0, build, &[name]);
             let text = String::from_utf8_lossy(&output.stderr);
             if output.status.success() {
                 return Err("built, but must be refused".into());
@@ -459,12 +460,14 @@ fn check_nanogpt_against_accelerate(crate_: (&Path, &Path)) -> Result<(), String
 
 #[test]
 fn ordinary_training_loops_equal_1_process_draw_their_own_batches_or_are_refused() {
-    let (dir, target, _) = set_up_crate("loops", "2024", &["anyhow = \"1\"", "rand = \"0.9\""]);
+    let (dir, _) = set_up_crate("loops", "2024", &["anyhow = \"1\"", "rand = \"0.9\""]);
+    let build = Build::for_programs();
+    let target = &build.target;
     write_crate(&dir);
     write_data(&dir);
     std::fs::copy(root().join("data/digits.safetensors"), dir.join("data/digits.safetensors"))
         .unwrap();
-    let built = cargo_build(&dir, &target, &["loops"]);
+    let built = cargo_build(&dir, &build, &["loops"]);
     assert!(
         built.status.success(),
         "the programs did not build:\n{}",
@@ -473,10 +476,10 @@ fn ordinary_training_loops_equal_1_process_draw_their_own_batches_or_are_refused
     let mut failures: Vec<String> = PROGRAMS
         .iter()
         .filter_map(|(name, outcome)| {
-            check((&dir, &target), name, outcome).err().map(|e| format!("{name}: {e}"))
+            check(&dir, &build, name, outcome).err().map(|e| format!("{name}: {e}"))
         })
         .collect();
-    if let Err(e) = check_nanogpt_against_accelerate((&dir, &target)) {
+    if let Err(e) = check_nanogpt_against_accelerate((&dir, target)) {
         failures.push(format!("nanogpt against PyTorch + Accelerate: {e}"));
     }
     assert!(

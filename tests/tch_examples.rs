@@ -11,7 +11,7 @@ use std::process::{Command, Output};
 
 use tch::{Device, Kind, Tensor};
 
-use super::{build_dir, root, set_up_crate};
+use super::{Build, build_dir, root, set_up_crate};
 
 /// A tch-rs example and what must happen to it.
 struct Example {
@@ -197,13 +197,12 @@ pub(super) fn write_data(dir: &Path) {
     std::fs::write(data.join("input.txt"), text).unwrap();
 }
 
-pub(super) fn cargo_build(dir: &Path, target: &Path, bins: &[&str]) -> Output {
-    let mut command = Command::new(env!("CARGO"));
-    command.current_dir(dir).args(["build", "--offline", "--quiet"]);
+pub(super) fn cargo_build(dir: &Path, build: &Build, bins: &[&str]) -> Output {
+    let mut command = build.cargo(dir);
+    command.args(["build", "--offline", "--quiet"]);
     for bin in bins {
         command.args(["--bin", bin]);
     }
-    command.env("CARGO_TARGET_DIR", target).env_remove("LIBTORCH").env_remove("RUSTFLAGS");
     command.output().unwrap()
 }
 
@@ -314,12 +313,13 @@ fn check_runs(dir: &Path, binary: &Path, e: &Example, args: &[&str], precision: 
 #[test]
 fn tch_rs_examples_run_on_1_and_2_processes_or_are_refused_at_the_right_line() {
     // tch-rs's examples are written for Rust 2021, as their crate is.
-    let (dir, target, _) =
-        set_up_crate("tch-examples", "2021", &["anyhow = \"1\"", "rand = \"0.9\""]);
+    let (dir, _) = set_up_crate("tch-examples", "2021", &["anyhow = \"1\"", "rand = \"0.9\""]);
+    let build = Build::for_programs();
+    let target = &build.target;
     write_crate(&dir);
     write_data(&dir);
     let runs: Vec<&str> = EXAMPLES.iter().map(|e| e.name).collect();
-    let built = cargo_build(&dir, &target, &runs);
+    let built = cargo_build(&dir, &build, &runs);
     assert!(
         built.status.success(),
         "the examples did not build:\n{}",

@@ -7,6 +7,7 @@
 mod corpus;
 mod tch_examples;
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -48,10 +49,47 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
-/// The folder every user crate of these tests builds into (shared, so that tch and
-/// accel-core are compiled once for all of them).
+/// The folder the user crates that check `accel setup`'s own LIBTORCH build into (shared, so
+/// that tch and accel-core are compiled once for all of them).
 fn shared_target() -> PathBuf {
     Path::new(env!("CARGO_TARGET_TMPDIR")).join("user-crates-target")
+}
+
+/// Where a user crate builds, and with which LIBTORCH.
+pub(crate) struct Build {
+    pub(crate) target: PathBuf,
+    /// None: the one `accel setup` wrote into the crate's `.cargo/config.toml`.
+    libtorch: Option<OsString>,
+}
+
+impl Build {
+    /// For the crates whose tests are about their programs, not about `accel setup`'s
+    /// LIBTORCH. Under `cargo test`, which hands this test the workspace's LIBTORCH: the
+    /// workspace's own target folder, that LIBTORCH and the workspace's debug level, so that
+    /// torch-sys's C++, tch and accel-core are the workspace's builds and not made again
+    /// (minutes on a fresh clone). Otherwise the shared folder.
+    pub(crate) fn for_programs() -> Build {
+        match std::env::var_os("LIBTORCH") {
+            Some(libtorch) => {
+                Build { target: build_dir().parent().unwrap().into(), libtorch: Some(libtorch) }
+            }
+            None => Build { target: shared_target(), libtorch: None },
+        }
+    }
+
+    /// `cargo` in `dir`, building into this folder with this LIBTORCH.
+    pub(crate) fn cargo(&self, dir: &Path) -> Command {
+        let mut command = Command::new(env!("CARGO"));
+        command.current_dir(dir).env("CARGO_TARGET_DIR", &self.target).env_remove("RUSTFLAGS");
+        match &self.libtorch {
+            // The workspace's `[profile.dev]`, which a crate outside it does not read.
+            Some(libtorch) => {
+                command.env("LIBTORCH", libtorch).env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only")
+            }
+            None => command.env_remove("LIBTORCH"),
+        };
+        command
+    }
 }
 
 /// `accel setup` in `dir`, as a user runs the installed binary: no LIBTORCH anywhere; the
@@ -75,9 +113,8 @@ fn accel_setup(dir: &Path) -> String {
 
 /// A user's crate named `name` of Rust `edition` in a fresh folder, with accel-core, tch and `extra`
 /// dependency lines, the workspace's lock file (same versions, no network) and `accel
-/// setup` run in it. Returns the folder, the target folder to build into, and what `accel
-/// setup` said.
-fn set_up_crate(name: &str, edition: &str, extra: &[&str]) -> (PathBuf, PathBuf, String) {
+/// setup` run in it. Returns the folder and what `accel setup` said.
+fn set_up_crate(name: &str, edition: &str, extra: &[&str]) -> (PathBuf, String) {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("src")).unwrap();
@@ -98,12 +135,12 @@ fn set_up_crate(name: &str, edition: &str, extra: &[&str]) -> (PathBuf, PathBuf,
         .unwrap();
     assert!(built.success());
     let said = accel_setup(&dir);
-    (dir, shared_target(), said)
+    (dir, said)
 }
 
 #[test]
 fn a_crate_outside_the_workspace_is_set_up_by_accel_setup_and_runs_without_ld_library_path() {
-    let (dir, target, said) = set_up_crate("user-crate", "2024", &[]);
+    let (dir, said) = set_up_crate("user-crate", "2024", &[]);
     std::fs::write(dir.join("src/main.rs"), MAIN_RS).unwrap();
     assert!(said.contains("found torch 2.11.0"), "{said}");
     assert_eq!(std::fs::read_to_string(dir.join("build.rs")).unwrap(), BUILD_RS);
@@ -114,14 +151,9 @@ fn a_crate_outside_the_workspace_is_set_up_by_accel_setup_and_runs_without_ld_li
     assert!(said.contains("already sets LIBTORCH") && said.contains("already passes"), "{said}");
 
     let lib_dir = accel_core::cuda::libtorch_lib_dir();
-    let status = Command::new(env!("CARGO"))
-        .current_dir(&dir)
-        .args(["build", "--offline", "--quiet"])
-        .env_remove("LIBTORCH")
-        .env("CARGO_TARGET_DIR", &target)
-        .env_remove("RUSTFLAGS")
-        .status()
-        .unwrap();
+    let target = shared_target();
+    let setup = Build { target: target.clone(), libtorch: None };
+    let status = setup.cargo(&dir).args(["build", "--offline", "--quiet"]).status().unwrap();
     assert!(status.success(), "the user crate did not build");
 
     let binary = target.join("debug/user-crate");
