@@ -113,7 +113,10 @@ fn install(python: &Path, requirements: &Path) -> Result<(), String> {
     if run(&mut pip(&[UV])).is_ok() {
         let mut uv = Command::new(python);
         let cache = root().join(VENV).join(".uv-cache");
-        uv.args(["-m", "uv", "pip", "install", "-q", "--link-mode", "hardlink", "--cache-dir"]);
+        // Compiled as pip does: with PYTHONDONTWRITEBYTECODE set (as on CI machines), every
+        // Python process would otherwise compile torch and transformers again.
+        uv.args(["-m", "uv", "pip", "install", "-q", "--compile-bytecode", "--link-mode"]);
+        uv.args(["hardlink", "--cache-dir"]);
         uv.arg(&cache);
         // pip's mirror setting, which uv does not read by itself.
         if let Some(index) = std::env::var_os("PIP_INDEX_URL") {
