@@ -66,8 +66,9 @@ impl Build {
     /// For the crates whose tests are about their programs, not about `accel setup`'s
     /// LIBTORCH. Under `cargo test`, which hands this test the workspace's LIBTORCH: the
     /// workspace's own target folder, that LIBTORCH and the workspace's debug level, so that
-    /// torch-sys's C++, tch and accel-core are the workspace's builds and not made again
-    /// (minutes on a fresh clone). Otherwise the shared folder.
+    /// torch-sys's C++ and tch are the workspace's builds and not made again (minutes on a
+    /// fresh clone; accel-core, a path dependency here, is built anew). Otherwise the shared
+    /// folder.
     pub(crate) fn for_programs() -> Build {
         match std::env::var_os("LIBTORCH") {
             Some(libtorch) => {
