@@ -237,12 +237,11 @@ fn differ_by(a: &Path, ra: usize, b: &Path, rb: usize) -> Result<f64, String> {
     Ok(worst)
 }
 
-fn check(dir: &Path, build: &Build, name: &str, outcome: &Outcome) -> Result<(), String> {
-    let crate_ = (dir, build.target.as_path());
-    let dir = crate_;
+fn check(folder: &Path, build: &Build, name: &str, outcome: &Outcome) -> Result<(), String> {
+    let dir = (folder, build.target.as_path());
     let batch = |b: i64| vec![("BATCH_SIZE", b.to_string())];
     match outcome {
-        Resumes => check_resume(crate_),
+        Resumes => check_resume(dir),
         Equal => {
             let (one, ok1, said1) = run(dir, name, "1", 1, &batch(64));
             let (two, ok2, said2) = run(dir, name, "2", 2, &batch(32));
@@ -329,7 +328,7 @@ fn check(dir: &Path, build: &Build, name: &str, outcome: &Outcome) -> Result<(),
             Ok(())
         }
         Refused { line, says } => {
-            let output = cargo_build(crate_.0, build, &[name]);
+            let output = cargo_build(folder, build, &[name]);
             let text = String::from_utf8_lossy(&output.stderr);
             if output.status.success() {
                 return Err("built, but must be refused".into());

@@ -69,7 +69,7 @@ pub(crate) fn setup() -> Result<PathBuf, String> {
          is about 4.7 GB)",
         requirements.lines().filter(|l| !l.trim().is_empty() && !l.starts_with('#')).count()
     );
-    install(&venv_python, &root.join(REQUIREMENTS)).map_err(|e| {
+    install(&venv, &root.join(REQUIREMENTS)).map_err(|e| {
         format!(
             "{e}\ncould not install {REQUIREMENTS}: its message above says why (PyPI \
              not reachable, or no space left). Ways out: make PyPI reachable (or set \
@@ -100,11 +100,12 @@ pub(crate) fn setup() -> Result<PathBuf, String> {
 /// cannot be had.
 const UV: &str = "uv==0.13.9";
 
-/// Installs `requirements` into the venv of `python`. Neither installer keeps a cache: it would
+/// Installs `requirements` into `venv`. Neither installer keeps a cache: it would
 /// hold a second copy of the ~3 GB of wheels for nothing. uv's, while it works, is a folder in
 /// the venv, so that its files are hard-linked into place rather than copied (and the
 /// temporary space is taken from this disk, not from /tmp).
-fn install(python: &Path, requirements: &Path) -> Result<(), String> {
+fn install(venv: &Path, requirements: &Path) -> Result<(), String> {
+    let python = &venv.join("bin/python");
     let pip = |args: &[&str]| {
         let mut command = Command::new(python);
         command.args(["-m", "pip", "install", "--disable-pip-version-check", "--no-cache-dir"]);
@@ -113,7 +114,7 @@ fn install(python: &Path, requirements: &Path) -> Result<(), String> {
     };
     if run(&mut pip(&[UV])).is_ok() {
         let mut uv = Command::new(python);
-        let cache = root().join(VENV).join(".uv-cache");
+        let cache = venv.join(".uv-cache");
         // Compiled as pip does: with PYTHONDONTWRITEBYTECODE set (as on CI machines), every
         // Python process would otherwise compile torch and transformers again.
         uv.args(["-m", "uv", "pip", "install", "-q", "--compile-bytecode", "--link-mode"]);
