@@ -28,6 +28,7 @@ use std::path::PathBuf;
 
 use accel_core::data::{DataLoader, LoaderOptions, TensorDataset};
 use accel_core::optim::{AdamConfig, AdamW};
+use accel_core::profile::ProfileOptions;
 use accel_core::{Accelerator, Precision, Strategy};
 use accel_models::llama::{Attention, Llama};
 use accel_models::lora::{self, LoraConfig, LoraInit};
@@ -129,6 +130,10 @@ struct Args {
     /// (`resume_peak_bytes`).
     #[arg(long, requires = "data")]
     resume: Option<PathBuf>,
+    /// Profile the steps after the first into DIR/trace_rank{r}.json (`accel profile summary`
+    /// reads it); the time per step then includes writing the trace.
+    #[arg(long, requires = "data")]
+    profile: Option<PathBuf>,
 }
 
 /// The tensor `name` of safetensors file `path`.
@@ -335,6 +340,7 @@ fn fine_tune(
     };
     let mut step = 0;
     let mut started = None;
+    let mut profiler = None;
     'training: loop {
         for batch in loader.iter() {
             let batch = batch?;
@@ -359,11 +365,18 @@ fn fine_tune(
                 acc.wait_for_everyone()?;
                 let _ = std::fs::write("/proc/self/clear_refs", "5");
                 started = Some(std::time::Instant::now());
+                if let Some(dir) = &args.profile {
+                    let options = ProfileOptions { dir: dir.clone(), ..Default::default() };
+                    profiler = Some(acc.profile(options)?);
+                }
             }
             if step == args.steps {
                 break 'training;
             }
         }
+    }
+    if let Some(profiler) = profiler {
+        profiler.finish()?;
     }
     if let Some(dir) = &args.save_state {
         acc.save_state(dir)?;
