@@ -11,7 +11,7 @@
 //!                 --data TOKENS.safetensors --steps 10 --batch-size 2 --lr 1e-3 \
 //!                 --weight-decay 0.01 --out DIR2 --losses losses.jsonl --strategy zero3 \
 //!                 [--precision bf16] [--activation-checkpointing] [--optimizer-in-backward]
-//!                 [--loss fused|logits]
+//!                 [--loss fused|logits] [--profile TRACES]
 //!
 //! `TOKENS.safetensors` holds `input_ids` (int64 [N, T]). The fine-tune uses AdamW (betas
 //! 0.9/0.999, eps 1e-8) on the rows in order, dealt as Accelerate's prepared DataLoader deals
