@@ -130,9 +130,9 @@ struct Args {
     /// (`resume_peak_bytes`).
     #[arg(long, requires = "data")]
     resume: Option<PathBuf>,
-    /// Profile the steps after the first into DIR/trace_rank{r}.json (`accel profile summary`
-    /// reads it); the time per step then includes writing the trace.
-    #[arg(long, requires = "data")]
+    /// Profile the steps after the first into TRACES/trace_rank{r}.json (`accel profile
+    /// summary` reads it); the time per step then includes writing the trace.
+    #[arg(long, requires = "data", value_name = "TRACES")]
     profile: Option<PathBuf>,
 }
 
