@@ -497,13 +497,65 @@ char* accel_storage_nbytes(at::Tensor* tensor, uint64_t* nbytes) {
   ACCEL_TRY(*nbytes = tensor->storage().nbytes())
 }
 
-// Releases the memory behind the tensor's storage; every view of it stays valid as
-// an object but must not be read until accel_storage_allocate.
+// A released storage keeps its StorageImpl (autograd's saved views of a parameter share it
+// and must see the memory a later gather gives it) but holds no memory; its data pointer
+// is NULL, which ATen's untyped accessors (TensorIterator's) do not check: a kernel would
+// read address 0. So a released storage is also *guarded*: StorageImpl's own
+// throw_on_immutable_data_ptr_ (what PyTorch sets on storages that must not be read) makes
+// every data access, const or mutable, throw a c10::Error with the storage's message, which
+// tch returns as an error. Giving the storage memory again lifts the guard. The flag has a
+// public setter only; this reaches it through a pointer to member made by explicit
+// instantiation, where C++ does not check access ([temp.spec.general]).
+
+}  // extern "C"
+
+namespace {
+
+struct ThrowOnRead {
+  using type = bool c10::StorageImpl::*;
+  friend type member(ThrowOnRead);
+};
+
+template <typename Tag, typename Tag::type M>
+struct Reach {
+  friend typename Tag::type member(Tag) { return M; }
+};
+
+template struct Reach<ThrowOnRead, &c10::StorageImpl::throw_on_immutable_data_ptr_>;
+
+const char* const kReleasedMessage =
+    "accel: this tensor's memory is released (a zero3 parameter between its unit's uses, or "
+    "an offloaded weight outside its module's forward): it holds no values here. Read a "
+    "sharded model after its training loop (where #[accelerate] gathers it whole), or call "
+    "`accelerator.summon_full_params()?` or `accelerator.full_state_dict(&vs)?` on every "
+    "process";
+
+// Makes every read or write of the storage's data throw, with its message (set by
+// accel_storage_set_message, or the general one). Storages of no element are left as they
+// are: nothing reads them, and ATen asks empty tensors for their pointer.
+void guard(c10::StorageImpl* storage, bool has_elements) {
+  if (!has_elements) return;
+  std::optional<std::string> message = storage->get_extra_meta().custom_data_ptr_error_msg_;
+  if (!message) message = std::string(kReleasedMessage);
+  storage->release_data_and_set_meta_custom_data_ptr_error_msg_(std::move(message));
+}
+
+// Lifts the guard; the caller then sets a data pointer (set_data_ptr_noswap recomputes the
+// storage's has-a-check bit from its flags).
+void unguard(c10::StorageImpl* storage) { storage->*member(ThrowOnRead()) = false; }
+
+}  // namespace
+
+extern "C" {
+
+// Releases the memory behind the tensor's storage; every view of it stays valid as an
+// object, and any read of its data throws (see guard) until accel_storage_allocate.
 char* accel_storage_free(at::Tensor* tensor) {
   ACCEL_TRY({
     c10::StorageImpl* storage = tensor->storage().unsafeGetStorageImpl();
     storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
     storage->set_nbytes(0);
+    guard(storage, tensor->numel() > 0);
   })
 }
 
@@ -518,9 +570,27 @@ char* accel_storage_move(at::Tensor* from, at::Tensor* to) {
     TORCH_CHECK(src->device() == dst->device(), "accel_storage_move: from ", src->device(),
                 " to ", dst->device());
     size_t nbytes = src->nbytes();
+    unguard(dst);
     dst->set_data_ptr_noswap(src->set_data_ptr(at::DataPtr(nullptr, src->device())));
     dst->set_nbytes(nbytes);
     src->set_nbytes(0);
+    guard(src, from->numel() > 0);
+  })
+}
+
+// Sets the message a read of the tensor's storage throws while it is released.
+char* accel_storage_set_message(at::Tensor* tensor, const char* message) {
+  ACCEL_TRY({
+    c10::StorageImpl* storage = tensor->storage().unsafeGetStorageImpl();
+    storage->get_extra_meta().custom_data_ptr_error_msg_ = std::string(message);
+  })
+}
+
+// Whether a read of the tensor's data would throw: its storage is released (guarded).
+char* accel_storage_guarded(at::Tensor* tensor, bool* guarded) {
+  ACCEL_TRY({
+    c10::StorageImpl* storage = tensor->storage().unsafeGetStorageImpl();
+    *guarded = storage->*member(ThrowOnRead());
   })
 }
 
@@ -537,6 +607,7 @@ char* accel_released(at::Tensor* device_like, at::Tensor* shape_like, at::Tensor
   ACCEL_TRY({
     at::Tensor t = at::empty({0}, device_like->options());
     t.unsafeGetTensorImpl()->set_sizes_contiguous(shape_like->sizes());
+    guard(t.storage().unsafeGetStorageImpl(), t.numel() > 0);
     *out = new at::Tensor(t);
   })
 }
@@ -550,6 +621,7 @@ char* accel_storage_allocate(at::Tensor* tensor, uint64_t nbytes) {
     c10::OptionalDeviceGuard guard(storage->device());
     at::Allocator* allocator = storage->allocator();
     if (allocator == nullptr) allocator = c10::GetAllocator(storage->device_type());
+    unguard(storage);
     storage->set_data_ptr_noswap(allocator->allocate(nbytes));
     storage->set_nbytes(nbytes);
   })

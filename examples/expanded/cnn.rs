@@ -49,6 +49,7 @@ fn train(data: &Digits, epochs: usize) -> Result<f64> {
                 opt.step()?;
             }
         }
+        accelerator.attribute_summon()?;
         let logits = tch::no_grad(|| {
             net.forward_t(&data.test_x.to_device(device), false)
         });

@@ -79,6 +79,7 @@ fn train(
             accelerator.save_varstore(&vs, out)?;
         }
         let peak = first_peak.unwrap_or(0.0).max(train_peak);
+        accelerator.attribute_summon()?;
         let parameters: i64 = vs
             .trainable_variables()
             .iter()
@@ -93,7 +94,7 @@ fn train(
         )
     })();
     if __accel_result.is_ok() {
-        __accel_exit.finish()?;
+        accelerator.attribute_summon().and_then(|_| __accel_exit.finish())?;
     }
     __accel_result
 }

@@ -45,6 +45,7 @@ fn train(data: &Digits, path: &str, epochs: usize) -> Result<f64> {
             accelerator.save_varstore(&vs, path)?;
         }
         let mut saved = nn::VarStore::new(Device::Cpu);
+        accelerator.attribute_summon()?;
         let evaluated = net(&saved.root());
         accelerator.load_varstore(&mut saved, path)?;
         let trained = accelerator.variables(&vs);

@@ -3,7 +3,8 @@
 //! - `cargo xtask setup`  creates `.venv` (torch 2.11.0 from PyPI, accelerate, safetensors)
 //!   and links `.venv/libtorch` to the torch package, which `.cargo/config.toml` hands to
 //!   torch-sys as `LIBTORCH`. Runs once; later calls only check it.
-//! - `cargo xtask test [ARGS]`   setup, then `cargo test --workspace [ARGS]`.
+//! - `cargo xtask test [ARGS]`   setup, then `cargo test --workspace [ARGS]`; without ARGS
+//!   also the packages, the API docs, fmt and clippy: all CI checks, each phase timed.
 //! - `cargo xtask train [ARGS]`  setup, then the main job: the `train` example on 2 local
 //!   processes (`accel launch`), on CPU.
 //! - `cargo xtask bench`         setup, release build, then accel, a raw tch loop and PyTorch +
@@ -18,6 +19,7 @@
 //! repository's lint tests.
 
 mod bench;
+mod phases;
 mod results;
 mod setup;
 
@@ -40,7 +42,7 @@ fn main() -> ExitCode {
     let rest: Vec<OsString> = args.collect();
     let result = match command.as_str() {
         "setup" => setup().map(|_| ()),
-        "test" => setup().and_then(|_| test(&rest)),
+        "test" => test(&rest),
         "train" => setup().and_then(|_| train(&rest)),
         "bench" if rest.first().is_some_and(|a| a == "memory") => {
             setup().and_then(|_| memory_bench()).and_then(|_| llama_memory_bench())
@@ -107,29 +109,63 @@ pub(crate) fn run(command: &mut Command) -> Result<(), String> {
     if status.success() { Ok(()) } else { Err(format!("{command:?} failed ({status})")) }
 }
 
-/// `cargo test --workspace`. The builds the tests start themselves (trybuild's, the user
-/// crates') do not read this workspace's `[profile.dev]`; the environment gives them its
-/// debug level, which halves their size. Same value, so the workspace does not rebuild.
+/// Everything CI checks: setup, `cargo test --workspace` (built, then run), the packages,
+/// the API docs, fmt and clippy, each timed (phases.rs). The builds the tests start
+/// themselves (trybuild's, the user crates') do not read this workspace's `[profile.dev]`;
+/// the environment gives them its debug level, which halves their size. Same value, so the
+/// workspace does not rebuild.
 fn test(rest: &[OsString]) -> Result<(), String> {
-    run(cargo_command(&["test", "--workspace"], rest)
-        .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only"))?;
+    let started = std::time::Instant::now();
+    let fresh = fresh_clone();
+    let mut phases = phases::Phases::default();
+    let result = test_phases(rest, &mut phases);
+    if rest.is_empty() || result.is_err() {
+        phases.report(started.elapsed(), fresh);
+    }
+    result
+}
+
+/// Whether nothing of the workspace was built yet (xtask itself aside).
+fn fresh_clone() -> bool {
+    let fingerprints = root().join("target/debug/.fingerprint");
+    let Ok(entries) = std::fs::read_dir(fingerprints) else { return true };
+    !entries.flatten().any(|e| e.file_name().to_string_lossy().starts_with("accel-core-"))
+}
+
+fn test_phases(rest: &[OsString], phases: &mut phases::Phases) -> Result<(), String> {
+    phases.time("setup", setup).map(|_| ())?;
+    let debug = ("CARGO_PROFILE_DEV_DEBUG", "line-tables-only");
+    phases.time("build (workspace, tests, examples)", || {
+        run(cargo_command(&["test", "--workspace", "--no-run"], &[]).env(debug.0, debug.1))
+    })?;
+    phases.run_tests(cargo_command(&["test", "--workspace"], rest).env(debug.0, debug.1))?;
     if !rest.is_empty() {
         // A filtered run (`cargo xtask test NAME`) tests that, not the packages.
         return Ok(());
     }
     // The crates as crates.io would take them: packaged in dependency order (versions on the
     // path dependencies, the `include` lists), each then built from its package alone.
-    eprintln!("xtask: packaging accel-choices, accel-macros, accel-core and accel-models");
-    forget_unpacked_packages()?;
-    run(cargo_command(&["package", "--allow-dirty", "--quiet"], &[])
-        .args(["-p", "accel-choices", "-p", "accel-macros", "-p", "accel-core"])
-        .args(["-p", "accel-models"])
-        .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only"))?;
+    phases.time("package (4 crates, each built alone)", || {
+        eprintln!("xtask: packaging accel-choices, accel-macros, accel-core and accel-models");
+        forget_unpacked_packages()?;
+        run(cargo_command(&["package", "--allow-dirty", "--quiet"], &[])
+            .args(["-p", "accel-choices", "-p", "accel-macros", "-p", "accel-core"])
+            .args(["-p", "accel-models"])
+            .env(debug.0, debug.1))
+    })?;
     // The API docs as docs.rs builds them: no warning, every intra-doc link resolved.
-    eprintln!("xtask: cargo doc --no-deps, warnings denied");
-    run(cargo_command(&["doc", "--no-deps", "--workspace", "--quiet"], &[])
-        .env("RUSTDOCFLAGS", "-D warnings")
-        .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only"))
+    phases.time("doc (warnings denied)", || {
+        eprintln!("xtask: cargo doc --no-deps, warnings denied");
+        run(cargo_command(&["doc", "--no-deps", "--workspace", "--quiet"], &[])
+            .env("RUSTDOCFLAGS", "-D warnings")
+            .env(debug.0, debug.1))
+    })?;
+    phases
+        .time("fmt --check", || run(&mut cargo_command(&["fmt", "--all", "--", "--check"], &[])))?;
+    phases.time("clippy (warnings denied)", || {
+        run(cargo_command(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"], &[])
+            .env(debug.0, debug.1))
+    })
 }
 
 /// Removes what cargo kept of this workspace's packages from an earlier `cargo package`.

@@ -183,6 +183,35 @@ impl Accelerator {
         Ok(optimizer.adopt(self))
     }
 
+    /// What `#[accelerate]` calls after a training loop, before the first statement that
+    /// reaches the model, and before returning a model that leaves the function:
+    /// [`summon_full_params`](Self::summon_full_params). The main process says once what
+    /// it costs, and where.
+    #[doc(hidden)]
+    #[track_caller]
+    pub fn attribute_summon(&self) -> Result<()> {
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        let site = std::panic::Location::caller();
+        let bytes = self.summon_full_params()?;
+        if bytes > 0
+            && self.is_main_process()
+            && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            let size = match bytes {
+                b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+                b => format!("{:.1} KiB", b as f64 / 1024.0),
+            };
+            eprintln!(
+                "accel: the model is read after its training loop ({}:{}): zero3 gathers it \
+                 whole there, {size} on every process (FSDP's summon_full_params), until \
+                 training resumes",
+                site.file(),
+                site.line(),
+            );
+        }
+        Ok(())
+    }
+
     /// Ends the run when dropped: on the error or panic path it aborts the process group so
     /// that no other rank waits for this one; [`ExitGuard::finish`] is the success path.
     pub fn exit_guard(&self) -> ExitGuard {
@@ -230,8 +259,29 @@ impl Accelerator {
         std::fs::create_dir_all(dir)
             .map_err(|source| crate::Error::Io { path: dir.to_path_buf(), source })?;
         let models = self.registry().models.clone();
+        // Read as the program would read them after its loop: the variables themselves
+        // (gathered whole where zero3 released them), each checked against its shards.
+        self.summon_full_params()?;
         for (i, params) in models.into_iter().enumerate() {
-            let whole = self.full_state_of(params)?;
+            let tensors: Vec<tch::Tensor> =
+                params.iter().map(|p| p.tensor.shallow_clone()).collect();
+            let mut whole = self.full_state_of(params)?;
+            for ((name, value), tensor) in whole.iter_mut().zip(&tensors) {
+                if tensor.size() != value.size() {
+                    continue; // a tensor-parallel part: the program holds its own piece
+                }
+                let seen = tensor.f_detach()?.f_to_device(value.device())?;
+                let both_nan = seen.f_isnan()?.f_logical_and(&value.f_isnan()?)?;
+                let ne = seen.f_ne_tensor(value)?.f_logical_and(&both_nan.f_logical_not()?)?;
+                let differ = ne.f_any()?.f_int64_value(&[])? != 0;
+                if differ {
+                    return Err(crate::Error::Training(format!(
+                        "rank {rank}: `{name}` reads other values than its shards hold after \
+                         training"
+                    )));
+                }
+                *value = seen;
+            }
             let path = dir.join(format!("model{i}.rank{rank}.safetensors"));
             tch::Tensor::write_safetensors(&whole, &path)?;
         }

@@ -506,6 +506,20 @@ impl Accelerator {
         self.full_state_of(crate::optim::sorted_variables(vs))
     }
 
+    /// Makes every parameter of the prepared models whole on this process with its trained
+    /// values, so that code reading the model outside forward and backward (its own
+    /// evaluation, a weight norm, its own save) reads what one process would — FSDP's
+    /// `summon_full_params`. Only zero3 releases parameters between uses; elsewhere this does
+    /// nothing. A collective there: call it on every process. The parameters stay whole
+    /// (forwards without gradient use them as they are) until training resumes: the next
+    /// forward with gradient writes what the program changed in them back into the shards
+    /// and releases them again. Costs the zero3 units' parameters whole on every process;
+    /// `#[accelerate]` calls it after a training loop before the first statement that
+    /// reaches the model. Returns the bytes made whole.
+    pub fn summon_full_params(&self) -> Result<u64> {
+        self.inner.strategy.summon_full_params()
+    }
+
     /// [`full_state_dict`](Self::full_state_dict) of a prepared model's variables.
     pub(crate) fn full_state_of(&self, params: Vec<Param>) -> Result<Vec<(String, Tensor)>> {
         let values = self.inner.strategy.full_parameters(&params)?;

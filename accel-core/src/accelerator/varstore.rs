@@ -239,7 +239,9 @@ impl Accelerator {
             panic!(
                 "accel: `vs.variables()` on rank {}: {} parameter(s) (`{first}` first) are \
                  released between uses under zero3 and hold no values here; call \
-                 `accelerator.full_state_dict(&vs)?` on every process for the whole weights",
+                 `accelerator.summon_full_params()?` on every process first (the model whole \
+                 until training resumes), or call `accelerator.full_state_dict(&vs)?` on every \
+                 process for whole copies",
                 self.process_index(),
                 released.len()
             );

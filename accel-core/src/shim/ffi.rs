@@ -107,6 +107,11 @@ unsafe extern "C" {
     pub(crate) fn accel_storage_allocate(tensor: *mut C_tensor, nbytes: u64) -> *mut c_char;
     pub(crate) fn accel_storage_move(from: *mut C_tensor, to: *mut C_tensor) -> *mut c_char;
     pub(crate) fn accel_storage_sole_owner(tensor: *mut C_tensor, sole: *mut bool) -> *mut c_char;
+    pub(crate) fn accel_storage_set_message(
+        tensor: *mut C_tensor,
+        message: *const c_char,
+    ) -> *mut c_char;
+    pub(crate) fn accel_storage_guarded(tensor: *mut C_tensor, guarded: *mut bool) -> *mut c_char;
 
     pub(crate) fn accel_set_cuda_device(device_index: i32) -> *mut c_char;
 

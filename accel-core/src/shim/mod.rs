@@ -98,7 +98,7 @@ pub fn pin_memory(tensor: &Tensor) -> Result<Tensor> {
 
 /// A tensor of `shape_like`'s sizes, with `device_like`'s dtype and device, whose storage
 /// holds no memory (as after [`free_storage`]): a parameter placed on a device released,
-/// without ever being whole there. Nothing may read it before [`allocate_storage`].
+/// without ever being whole there. A read of it fails until [`allocate_storage`].
 pub fn released(device_like: &Tensor, shape_like: &Tensor) -> Result<Tensor> {
     let mut out = std::ptr::null_mut();
     // SAFETY: live tensors; out-pointer to a local, holding a fresh `new at::Tensor` on success.
@@ -126,11 +126,13 @@ pub fn tensor_id(tensor: &Tensor) -> Result<usize> {
 
 /// Releases the memory of the storage behind `tensor`. The tensor and every view of the
 /// same storage stay valid objects (autograd keeps seeing the same parameters), and
-/// [`allocate_storage`] gives them memory again.
+/// [`allocate_storage`] gives them memory again. In between, every read or write of the
+/// storage's data fails with an error (see [`set_released_message`]) instead of touching
+/// memory that is not there.
 ///
 /// # Safety
-/// Nothing may read or write the storage's data until [`allocate_storage`] has run: the
-/// data pointer is NULL in between, so a kernel touching it would dereference NULL.
+/// Other tensors on the same storage lose its values too: the caller must own it, or know
+/// that every holder of it expects the release.
 pub unsafe fn free_storage(tensor: &Tensor) -> Result<()> {
     // SAFETY: live tensor; the caller upholds the no-access contract above.
     check(unsafe { ffi::accel_storage_free(raw(tensor)) }, "free_storage")
@@ -218,11 +220,31 @@ pub fn allocate_storage(tensor: &Tensor, nbytes: u64) -> Result<()> {
 /// `from`'s storage holds none, as after [`free_storage`].
 ///
 /// # Safety
-/// As for [`free_storage`] of `from`: nothing may read or write `from`'s storage until it
-/// is given memory again.
+/// As for [`free_storage`] of `from`.
 pub unsafe fn move_storage(from: &Tensor, to: &Tensor) -> Result<()> {
     // SAFETY: live tensors; the caller upholds the no-access contract above.
     check(unsafe { ffi::accel_storage_move(raw(from), raw(to)) }, "move_storage")
+}
+
+/// Sets what a read of `tensor`'s storage says while it is released (after
+/// [`free_storage`], [`move_storage`] from it, or made by [`released`]): every such read
+/// fails with this message, instead of touching memory that is not there.
+pub fn set_released_message(tensor: &Tensor, message: &str) -> Result<()> {
+    let message = std::ffi::CString::new(message.replace('\0', " ")).expect("no NUL left");
+    // SAFETY: live tensor; the C string outlives the call (the shim copies it).
+    check(
+        unsafe { ffi::accel_storage_set_message(raw(tensor), message.as_ptr()) },
+        "set_released_message",
+    )
+}
+
+/// Whether `tensor`'s storage is released: a read of its data fails (with the message of
+/// [`set_released_message`]) until it is given memory again.
+pub fn is_released(tensor: &Tensor) -> Result<bool> {
+    let mut guarded = false;
+    // SAFETY: live tensor; out-pointer to a local.
+    check(unsafe { ffi::accel_storage_guarded(raw(tensor), &mut guarded) }, "is_released")?;
+    Ok(guarded)
 }
 
 /// Whether `tensor` is the only handle on its tensor and the only tensor on its storage: no

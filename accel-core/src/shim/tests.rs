@@ -181,13 +181,65 @@ fn set_grad_assigns_and_clears() {
     assert!(err.to_string().contains("shape"), "{err}");
 }
 
+/// Every way a kernel reaches a released storage's data — through TensorIterator (`abs`,
+/// `sum`, an in-place write), a typed accessor (`Vec::try_from`), a copy out — fails with the
+/// storage's message, on the tensor and on its views; giving it memory lifts that.
+#[test]
+fn a_released_storage_refuses_every_read_and_write_with_its_message() {
+    let flat = Tensor::arange(10, (Kind::Float, Device::Cpu));
+    let view = flat.narrow(0, 2, 4);
+    set_released_message(&flat, "`layers.0.weight` is released on rank 1").unwrap();
+    // SAFETY: the test owns `flat` and its view, and reads them only to see the refusals.
+    unsafe { free_storage(&flat).unwrap() };
+    assert!(is_released(&flat).unwrap() && is_released(&view).unwrap());
+    let refusals = [
+        flat.f_abs().map(|_| ()),
+        view.f_sum(Kind::Float).map(|_| ()),
+        flat.f_add(&flat).map(|_| ()),
+        flat.shallow_clone().f_mul_(&Tensor::ones([10], (Kind::Float, Device::Cpu))).map(|_| ()),
+        flat.f_detach_copy().map(|_| ()),
+        Vec::<f32>::try_from(&view).map(|_| ()),
+    ];
+    for (i, refused) in refusals.into_iter().enumerate() {
+        let err = refused.expect_err("a read of released memory must fail").to_string();
+        assert!(err.contains("`layers.0.weight` is released on rank 1"), "{i}: {err}");
+    }
+    allocate_storage(&flat, 40).unwrap();
+    assert!(!is_released(&flat).unwrap());
+    let _ = flat.shallow_clone().fill_(3.0);
+    assert_eq!(view.sum(Kind::Float).double_value(&[]), 12.0);
+
+    // Moved away (a spare block), then back: refused in between, readable after.
+    let block = Tensor::empty([0], (Kind::Uint8, Device::Cpu));
+    // SAFETY: as above.
+    unsafe { move_storage(&flat, &block).unwrap() };
+    let err = flat.f_sum(Kind::Float).map(|_| ()).unwrap_err().to_string();
+    assert!(err.contains("is released on rank 1"), "{err}");
+    // SAFETY: `block` is ours alone.
+    unsafe { move_storage(&block, &flat).unwrap() };
+    assert_eq!(flat.sum(Kind::Float).double_value(&[]), 30.0);
+
+    // Made released: the general message, which names the fix.
+    let like = Tensor::empty([0], (Kind::Float, Device::Cpu));
+    let born = released(&like, &Tensor::zeros([3, 4], (Kind::Float, Device::Cpu))).unwrap();
+    assert_eq!(born.size(), [3, 4]);
+    let err = born.f_abs().map(|_| ()).unwrap_err().to_string();
+    assert!(err.contains("summon_full_params"), "{err}");
+    // A write into it marks a new version; a released tensor of no element reads as empty.
+    let v = tensor_version(&flat).unwrap();
+    let _ = flat.shallow_clone().g_add_scalar_(1.0);
+    assert_eq!(tensor_version(&flat).unwrap(), v + 1);
+    let empty = released(&like, &Tensor::zeros([0, 4], (Kind::Float, Device::Cpu))).unwrap();
+    assert_eq!(empty.sum(Kind::Float).double_value(&[]), 0.0);
+}
+
 #[test]
 fn freed_storage_reports_zero_bytes_and_reallocated_views_see_new_data() {
     let flat = Tensor::arange(10, (Kind::Float, Device::Cpu));
     let (head, tail) = (flat.narrow(0, 0, 4), flat.narrow(0, 4, 6));
     let saved = flat.copy();
     assert_eq!(storage_nbytes(&flat).unwrap(), 40);
-    // SAFETY: nothing reads `flat`, `head` or `tail` until allocate_storage below.
+    // SAFETY: the test owns `flat` and its views.
     unsafe { free_storage(&flat).unwrap() };
     assert_eq!(storage_nbytes(&flat).unwrap(), 0);
     assert_eq!(storage_nbytes(&tail).unwrap(), 0, "views share the freed storage");

@@ -299,6 +299,10 @@ impl Strategy for Auto {
         self.chosen.get().map_or(Ok(()), |s| s.after_load())
     }
 
+    fn summon_full_params(&self) -> Result<u64> {
+        self.chosen.get().map_or(Ok(0), |s| s.summon_full_params())
+    }
+
     fn full_parameters(&self, params: &[Param]) -> Result<Vec<Tensor>> {
         match self.chosen.get() {
             Some(s) => s.full_parameters(params),

@@ -357,6 +357,14 @@ pub trait Strategy: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Makes every parameter of the prepared models whole on this process, with its trained
+    /// values, until training resumes (a collective where parameters are released between
+    /// uses: zero3); returns the bytes it made whole. Nothing to do by default: the
+    /// parameters are whole already.
+    fn summon_full_params(&self) -> Result<u64> {
+        Ok(0)
+    }
+
     /// The whole values of `params` (a collective under sharding: every process calls it);
     /// copies of the local values by default.
     fn full_parameters(&self, params: &[Param]) -> Result<Vec<Tensor>> {

@@ -759,6 +759,11 @@ pub(crate) fn function(
     if driven {
         rewriter.prepare_model_before_training(&mut body);
     }
+    // Before the loops are wrapped, which would hide them from the search for the statements
+    // after them.
+    let model_names = super::summon::model_names(&f);
+    super::summon::insert(&mut body, &model_names, &cx.name);
+    let summon_at_return = super::summon::leaves_function(&f, &model_names);
     let prepared = super::loops::prepare(&mut body, cx.mode, &cx.name);
     (rewriter.loops, rewriter.drawn) = (prepared.loops, prepared.drawn);
     rewriter.errors.extend(prepared.errors);
@@ -796,6 +801,12 @@ pub(crate) fn function(
     let build = builder(raw, krate, (rewriter.loops, rewriter.drawn), &f.sig.ident);
     let error = runtime(krate, "Error");
     let stmts = &body.stmts;
+    // The model leaves the function: the caller reads it whole.
+    let finish = if summon_at_return {
+        quote!(#name.attribute_summon().and_then(|_| __accel_exit.finish()))
+    } else {
+        quote!(__accel_exit.finish())
+    };
     let new_body: Block = match returns {
         Returns::Result(ty) => parse_quote!({
             let #name = #build?;
@@ -804,7 +815,7 @@ pub(crate) fn function(
             // here: success waits for the other processes; failure or panic aborts the group.
             let __accel_result: #ty = (|| { #(#stmts)* })();
             if __accel_result.is_ok() {
-                __accel_exit.finish()?;
+                #finish?;
             }
             __accel_result
         }),
@@ -831,7 +842,7 @@ pub(crate) fn function(
                     #(#stmts)*
                     ::core::result::Result::Ok(())
                 })();
-                if let Err(e) = __accel_result.and_then(|()| __accel_exit.finish()) {
+                if let Err(e) = __accel_result.and_then(|()| #finish) {
                     panic!("accel: {e}");
                 }
             })

@@ -72,7 +72,7 @@ fn loop_body_mut(expr: &mut Expr) -> Option<&mut Block> {
 }
 
 /// A loop whose body runs backward.
-fn is_training_loop(expr: &Expr) -> bool {
+pub(super) fn is_training_loop(expr: &Expr) -> bool {
     loop_body(expr).is_some_and(block_has_backward)
 }
 

@@ -12,6 +12,7 @@ mod expand;
 mod index;
 mod lint;
 mod loops;
+mod summon;
 
 use proc_macro2::TokenStream;
 use quote::{ToTokens, quote};

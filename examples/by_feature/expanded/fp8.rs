@@ -71,6 +71,7 @@ fn train(x: &Tensor, y: &Tensor) -> Result<()> {
             }
             losses.push(sum / batches as f64);
         }
+        accelerator.attribute_summon()?;
         let fp8: Vec<bool> = layers.iter().map(|l| l.fp8_recipe().is_some()).collect();
         ensure!(fp8 == [false, true, true, false], "fp8 layers: {fp8:?}");
         ensure!(losses[2] < 0.5 * losses[0], "the loss did not fall: {losses:?}");

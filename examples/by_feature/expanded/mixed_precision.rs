@@ -31,6 +31,7 @@ fn train(x: &Tensor, y: &Tensor) -> Result<Kind> {
             accelerator.backward(&loss)?;
             opt.step()?;
         }
+        accelerator.attribute_summon()?;
         let weight = accelerator.variables(&vs)["classifier.weight"].kind();
         accelerator
             .print(

@@ -45,6 +45,7 @@ fn train(x: &Tensor, y: &Tensor, test_x: &Tensor, test_y: &Tensor) -> Result<()>
                 opt.zero_grad()?;
             }
         }
+        accelerator.attribute_summon()?;
         let accuracy = tch::no_grad(|| net.forward(test_x).accuracy_for_logits(test_y));
         let accuracy = accuracy.double_value(&[]);
         let dir = std::path::PathBuf::from("target/by-feature-sharding");

@@ -68,6 +68,7 @@ fn train(data: &Digits, init: &nn::VarStore) -> Result<Vec<(String, Tensor)>> {
                 opt.step()?;
             }
         }
+        acc.attribute_summon()?;
         acc.print(
             format!(
                 "rank {} held {} of the hidden features", acc.process_index(), up.weight
@@ -77,7 +78,7 @@ fn train(data: &Digits, init: &nn::VarStore) -> Result<Vec<(String, Tensor)>> {
         Ok(acc.full_state_dict(&vs)?)
     })();
     if __accel_result.is_ok() {
-        __accel_exit.finish()?;
+        acc.attribute_summon().and_then(|_| __accel_exit.finish())?;
     }
     __accel_result
 }

@@ -64,10 +64,11 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
                 opt.step()?;
             }
         }
+        accelerator.attribute_summon()?;
         Ok(weights(&vs, ""))
     })();
     if __accel_result.is_ok() {
-        __accel_exit.finish()?;
+        accelerator.attribute_summon().and_then(|_| __accel_exit.finish())?;
     }
     __accel_result
 }

@@ -40,13 +40,15 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
             } else if epochs > 1000 {
                 break 'run 0;
             }
+            accelerator.attribute_summon()?;
             steps
         };
+        accelerator.attribute_summon()?;
         anyhow::ensure!(steps > 0 || data.epochs == 0);
         Ok(weights(&vs, ""))
     })();
     if __accel_result.is_ok() {
-        __accel_exit.finish()?;
+        accelerator.attribute_summon().and_then(|_| __accel_exit.finish())?;
     }
     __accel_result
 }

@@ -95,12 +95,13 @@ fn train(data: &Data) -> anyhow::Result<Vec<(String, Tensor)>> {
                 gen_opt.step()?;
             }
         }
+        accelerator.attribute_summon()?;
         let mut all = weights(&gen_vs, "generator.");
         all.extend(weights(&disc_vs, "discriminator."));
         Ok(all)
     })();
     if __accel_result.is_ok() {
-        __accel_exit.finish()?;
+        accelerator.attribute_summon().and_then(|_| __accel_exit.finish())?;
     }
     __accel_result
 }

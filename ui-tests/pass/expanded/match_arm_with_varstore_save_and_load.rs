@@ -35,6 +35,7 @@ fn train(data: &Data, mode: &str) -> anyhow::Result<Vec<(String, Tensor)>> {
                     }
                 }
                 anyhow::ensure!(idx > 0 || data.epochs == 0);
+                accelerator.attribute_summon()?;
                 let trained = weights(&vs, "");
                 accelerator.wait_for_everyone()?;
                 if idx > 0 {
@@ -50,10 +51,11 @@ fn train(data: &Data, mode: &str) -> anyhow::Result<Vec<(String, Tensor)>> {
             "predict" => accelerator.load_varstore(&mut vs, &path)?,
             _ => anyhow::bail!("usage: train | predict"),
         };
+        accelerator.attribute_summon()?;
         Ok(weights(&vs, ""))
     })();
     if __accel_result.is_ok() {
-        __accel_exit.finish()?;
+        accelerator.attribute_summon().and_then(|_| __accel_exit.finish())?;
     }
     __accel_result
 }

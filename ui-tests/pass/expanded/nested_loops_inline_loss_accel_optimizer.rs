@@ -32,10 +32,11 @@ fn train(data: &Data) -> anyhow::Result<(u64, Vec<(String, Tensor)>)> {
                 opt.zero_grad()?;
             }
         }
+        acc.attribute_summon()?;
         Ok((acc.counters().optimizer_steps, weights(&vs, "")))
     })();
     if __accel_result.is_ok() {
-        __accel_exit.finish()?;
+        acc.attribute_summon().and_then(|_| __accel_exit.finish())?;
     }
     __accel_result
 }

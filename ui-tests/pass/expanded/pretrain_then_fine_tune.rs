@@ -25,7 +25,7 @@ fn pretrain(vs: &nn::VarStore, net: &nn::Sequential, data: &Data) -> anyhow::Res
         Ok(())
     })();
     if __accel_result.is_ok() {
-        __accel_exit.finish()?;
+        accelerator.attribute_summon().and_then(|_| __accel_exit.finish())?;
     }
     __accel_result
 }
@@ -64,7 +64,7 @@ fn fine_tune(
         Ok(())
     })();
     if __accel_result.is_ok() {
-        __accel_exit.finish()?;
+        accelerator.attribute_summon().and_then(|_| __accel_exit.finish())?;
     }
     __accel_result
 }

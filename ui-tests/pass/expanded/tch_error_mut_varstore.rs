@@ -28,7 +28,7 @@ fn train(vs: &mut nn::VarStore, data: &Data) -> Result<(), TchError> {
         Ok(())
     })();
     if __accel_result.is_ok() {
-        __accel_exit.finish()?;
+        accelerator.attribute_summon().and_then(|_| __accel_exit.finish())?;
     }
     __accel_result
 }

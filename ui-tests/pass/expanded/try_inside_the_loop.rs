@@ -36,7 +36,7 @@ fn train(data: &Data) -> Result<Weights, Box<dyn std::error::Error>> {
         }
     })();
     if __accel_result.is_ok() {
-        __accel_exit.finish()?;
+        accelerator.attribute_summon().and_then(|_| __accel_exit.finish())?;
     }
     __accel_result
 }

@@ -41,7 +41,11 @@ fn train(vs: &nn::VarStore, data: &Data) {
         );
         ::core::result::Result::Ok(())
     })();
-    if let Err(e) = __accel_result.and_then(|()| __accel_exit.finish()) {
+    if let Err(e) = __accel_result
+        .and_then(|()| {
+            accelerator.attribute_summon().and_then(|_| __accel_exit.finish())
+        })
+    {
         panic!("accel: {e}");
     }
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Device, Kind, Tensor};
 
-use super::flat::{Engine, Frozen, Shard, UnitState};
+use super::flat::{Engine, Frozen, Shard, UnitState, released_message};
 use super::layout::{chunk_of, size_based_units, unit_of};
 use super::spare::Spare;
 use super::{ShardOptions, Stage};
@@ -79,14 +79,15 @@ fn whole_notice(params: &[Param], engine: &Engine) -> Option<String> {
 }
 
 /// Makes `param` a parameter of `kind` on `device` whose memory is released (zero3's state
-/// at rest), never whole there. A parameter whose storage it shares with other tensors is
-/// refused: the others would keep the memory, and a tie would be silently broken.
-fn release_on(param: &Param, kind: Kind, device: Device) -> Result<()> {
+/// at rest), never whole there; a read of it fails, naming it, `rank` and the fix. A
+/// parameter whose storage it shares with other tensors is refused: the others would keep
+/// the memory, and a tie would be silently broken.
+fn release_on(param: &Param, kind: Kind, device: Device, rank: usize) -> Result<()> {
     super::flat::own_storage(&param.tensor, &param.name)?;
     let like = Tensor::f_empty([0], (kind, device))?;
     let released = shim::released(&like, &param.tensor)?;
     tch::no_grad(|| param.tensor.shallow_clone().set_data(&released));
-    Ok(())
+    shim::set_released_message(&param.tensor, &released_message(&param.name, rank))
 }
 
 /// A model whose gradients (zero2) or gradients and parameters (zero3) are sharded.
@@ -318,7 +319,7 @@ impl ShardedModel {
                     continue;
                 }
                 let master = placing.frozen_share(&start)?;
-                release_on(p, kind, device)?;
+                release_on(p, kind, device, placing.rank as usize)?;
                 frozen.members.push(shards.len());
                 frozen.offsets.push(frozen.segment);
                 frozen.segment += chunk;
@@ -329,7 +330,7 @@ impl ShardedModel {
             if unit.managed {
                 // FSDP's MixedPrecision(param_dtype): the module computes (and its gradients
                 // come out) in `param_dtype`; the fp32 master above is what the optimizer steps.
-                release_on(p, options.param_dtype.unwrap_or(kind), device)?;
+                release_on(p, options.param_dtype.unwrap_or(kind), device, placing.rank as usize)?;
             }
             unit.members.push(shards.len());
             unit.offsets.push(unit.segment);
@@ -352,6 +353,7 @@ impl ShardedModel {
             update: None,
             update_due: false,
             spare: Spare::new(device),
+            summoned: None,
         };
         let engine = Arc::new(Mutex::new(engine));
         let hooks = reduce_when_ready(&engine)?;
@@ -404,6 +406,14 @@ impl ShardedModel {
         let mut engine = lock(&self.engine);
         engine.note_forward(unit);
         engine.units[unit].on_shards = false;
+        if engine.summoned.is_some() {
+            if !shim::grad_mode_enabled()? {
+                // Whole already (an evaluation after the loop): used as they are.
+                return Ok(());
+            }
+            // Training resumes.
+            engine.unsummon()?;
+        }
         if engine.failed {
             return engine.fill_locally(unit);
         }
@@ -434,7 +444,7 @@ impl ShardedModel {
     ) -> Result<Option<Tensor>> {
         let (value, grad_x, grad_w) = {
             let mut engine = lock(&self.engine);
-            if !engine.on_shards_fits(unit, w, x)? {
+            if engine.summoned.is_some() || !engine.on_shards_fits(unit, w, x)? {
                 return Ok(None);
             }
             engine.note_forward(unit);
@@ -509,7 +519,7 @@ impl ShardedModel {
         backward_reads_parameters: bool,
     ) -> Result<()> {
         let mut engine = lock(&self.engine);
-        if !engine.units[unit].managed {
+        if !engine.units[unit].managed || engine.summoned.is_some() {
             return Ok(());
         }
         engine.units[unit].backward_reads |= backward_reads_parameters && output.requires_grad();
@@ -663,6 +673,8 @@ impl ShardedModel {
     /// whole (zero2; zero3's root) from them. Zero3 units are gathered at their next use.
     pub(crate) fn after_step(&self) -> Result<()> {
         let mut engine = lock(&self.engine);
+        // Stepped without a forward since a summon: the whole values are the old ones.
+        engine.unsummon()?;
         for u in 0..engine.units.len() {
             // A gather launched before the step holds the old values.
             if let Some((work, _)) = engine.units[u].prefetched.take() {
@@ -676,10 +688,32 @@ impl ShardedModel {
         Ok(())
     }
 
+    /// Makes every zero3 parameter whole on this process until training resumes (see
+    /// `Engine::summon`; a collective).
+    pub(crate) fn summon(&self) -> Result<()> {
+        lock(&self.engine).summon()
+    }
+
+    /// Bytes that [`summon`](Self::summon) makes whole on this process: the zero3 units'
+    /// parameters in the dtypes the model made them.
+    pub(crate) fn summon_bytes(&self) -> u64 {
+        let engine = lock(&self.engine);
+        engine
+            .units
+            .iter()
+            .filter(|u| u.managed)
+            .flat_map(|u| u.members.iter().chain(u.frozen.iter().flat_map(|f| &f.members)))
+            .map(|&s| {
+                (engine.shards[s].numel as usize * engine.shards[s].kind.elt_size_in_bytes()) as u64
+            })
+            .sum()
+    }
+
     /// The full value of every sharded parameter by [`shim::tensor_id`], gathered from the
     /// master shards, in the dtype the model made it (a collective: every rank must call it).
     pub(crate) fn full_parameters(&self) -> Result<Vec<(usize, Tensor)>> {
         let mut engine = lock(&self.engine);
+        engine.write_back()?;
         let mut out = Vec::new();
         for u in 0..engine.units.len() {
             let full = engine.gathered(u)?;

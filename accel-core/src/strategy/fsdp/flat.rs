@@ -167,6 +167,20 @@ pub(super) struct Engine {
     pub(super) update_due: bool,
     /// Memory of released units and finished flat buffers, for the next unit (CPU only).
     pub(super) spare: Spare,
+    /// After [`summon`](Engine::summon): each zero3 parameter made whole for the program to
+    /// read (shard, its version then, the dtype it is released in), until training resumes.
+    pub(super) summoned: Option<Vec<(usize, i64, Kind)>>,
+}
+
+/// What a read of zero3 parameter `name` says while it is released on `rank`.
+pub(super) fn released_message(name: &str, rank: usize) -> String {
+    format!(
+        "accel: `{name}` is a zero3 parameter, released on rank {rank} between its unit's uses: \
+         it holds no values outside the unit's forward and backward. Read the model after its \
+         training loop (#[accelerate] gathers it whole there for code that reads it), or call \
+         `accelerator.summon_full_params()?` on every process before reading it (or \
+         `accelerator.full_state_dict(&vs)?` for whole copies)"
+    )
 }
 
 /// Checks that parameter `name` (`tensor`) has a storage of its own, which zero3 can
@@ -571,6 +585,90 @@ impl Engine {
         })?;
         self.units[u].gathered = true;
         Ok(())
+    }
+
+    /// Makes every zero3 parameter whole, in the dtype the model made it, with the values
+    /// of the master shards (a collective, unit by unit): what a program reads outside
+    /// forward and backward is then what one process would read. They stay whole, and
+    /// units use them as they are in forwards without gradient (an evaluation), until
+    /// [`unsummon`](Self::unsummon).
+    pub(super) fn summon(&mut self) -> Result<()> {
+        if self.summoned.is_some() || self.failed {
+            return Ok(());
+        }
+        let mut summoned = Vec::new();
+        for u in 0..self.units.len() {
+            if !self.units[u].managed {
+                continue;
+            }
+            // Gathered for a pass under way: released first, then made whole from the masters.
+            self.release(u)?;
+            let trainable = self.gathered(u)?;
+            let frozen = self.gathered_frozen(u)?;
+            let compute = self.compute_kind(u);
+            let unit = &self.units[u];
+            let wholes = unit.members.iter().copied().zip(trainable).map(|(s, w)| (s, w, compute));
+            let frozen = frozen.into_iter().map(|(s, w)| (s, w, self.shards[s].kind));
+            tch::no_grad(|| -> Result<()> {
+                for (s, whole, released_kind) in wholes.chain(frozen) {
+                    let shard = &self.shards[s];
+                    let whole = whole.f_to_kind(shard.kind)?;
+                    shard.param.shallow_clone().set_data(&whole);
+                    summoned.push((s, shim::tensor_version(&shard.param)?, released_kind));
+                }
+                Ok(())
+            })?;
+        }
+        self.spare.trim();
+        self.summoned = Some(summoned);
+        Ok(())
+    }
+
+    /// Ends [`summon`](Self::summon): a parameter the program wrote into meanwhile (its
+    /// version moved) gives its values to its master shard, as the parameter itself would
+    /// keep them in one process; then each is released again.
+    pub(super) fn unsummon(&mut self) -> Result<()> {
+        self.write_back()?;
+        let Some(summoned) = self.summoned.take() else { return Ok(()) };
+        let rank = self.group.rank();
+        tch::no_grad(|| -> Result<()> {
+            for (s, _, released_kind) in summoned {
+                let shard = &self.shards[s];
+                let param = &shard.param;
+                // Views the program kept of the whole values refuse reads from now on.
+                shim::set_released_message(param, &released_message(&shard.name, rank))?;
+                // SAFETY: the storage is the one `summon` made; its other holders are views
+                // the program took of it, whose reads now fail with the message above.
+                unsafe { shim::free_storage(param)? };
+                if param.kind() != released_kind {
+                    let like = Tensor::f_empty([0], (released_kind, self.device))?;
+                    param.shallow_clone().set_data(&shim::released(&like, param)?);
+                    shim::set_released_message(param, &released_message(&shard.name, rank))?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// While summoned: the values of each parameter the program wrote into since (its
+    /// version moved) become its master shard's, as the parameter itself would keep them in
+    /// one process.
+    pub(super) fn write_back(&mut self) -> Result<()> {
+        let Some(summoned) = &mut self.summoned else { return Ok(()) };
+        let (rank, world) = (self.group.rank(), self.group.size());
+        tch::no_grad(|| -> Result<()> {
+            for (s, version, _) in summoned.iter_mut() {
+                let shard = &self.shards[*s];
+                let now = shim::tensor_version(&shard.param)?;
+                if now != *version {
+                    let mine = super::layout::chunk_of(&shard.param.f_detach()?, rank, world)?;
+                    let master = shard.master.f_detach()?;
+                    master.shallow_clone().f_copy_(&mine.f_to_kind(master.kind())?)?;
+                    *version = now;
+                }
+            }
+            Ok(())
+        })
     }
 
     /// Releases the memory of a zero3 unit's full parameters.

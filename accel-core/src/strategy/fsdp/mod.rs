@@ -246,6 +246,15 @@ impl Strategy for Sharded {
         Ok(())
     }
 
+    fn summon_full_params(&self) -> Result<u64> {
+        let mut bytes = 0;
+        for model in self.models().clone() {
+            model.summon()?;
+            bytes += model.summon_bytes();
+        }
+        Ok(bytes)
+    }
+
     fn full_parameters(&self, params: &[Param]) -> Result<Vec<Tensor>> {
         let ids: Vec<usize> =
             params.iter().map(|p| crate::shim::tensor_id(&p.tensor)).collect::<Result<_>>()?;
