@@ -15,6 +15,7 @@ set -euo pipefail
 BRIDGE=accelbr0
 NET=10.77.0
 PREFIX=accel-h
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 
@@ -42,17 +43,44 @@ kill_on() {
     echo "killed $n processes on h$i"
 }
 
+# What `up` started, for `down`: the cluster's folder (whose pid files name slurmctld) and,
+# when `up` had to start munged, munged's pid.
+STATE=/run/accel-cluster.dir
+MUNGED_PID=/run/accel-cluster.munged
+
+# Ends only what `up` started, by process id: slurmctld (its pid file), every process of each
+# host (slurmd, slurmstepd and the jobs: the processes in the host's UTS namespace, then the
+# host's anchor), munged if `up` started it; then the namespaces, links and /etc/hosts lines
+# it made. A slurmd or slurmctld of the machine itself (a Slurm compute node) is left alone.
 down() {
-    # Everything this script starts (its daemons are started as `slurmctld -f ...` and
-    # `slurmd -f ...`), whatever folder they were started with.
-    pkill -f "^slurmd -f " 2>/dev/null || true
-    pkill -f "^slurmctld -f " 2>/dev/null || true
-    pkill -f "^slurmstepd" 2>/dev/null || true
+    local dir pids=""
+    dir=$(cat "$STATE" 2>/dev/null || true)
+    if [ -n "$dir" ] && [ -f "$dir/slurmctld.pid" ]; then
+        local ctld; ctld=$(cat "$dir/slurmctld.pid" 2>/dev/null || true)
+        # Only if it is the slurmctld of this cluster's configuration.
+        if [ -n "$ctld" ] && tr '\0' ' ' < "/proc/$ctld/cmdline" 2>/dev/null | grep -q -- "-f $dir/slurm.conf"; then
+            kill "$ctld" 2>/dev/null && pids="$pids $ctld"
+        fi
+    fi
     for pidfile in /run/$PREFIX*.pid; do
         [ -e "$pidfile" ] || continue
-        kill "$(cat "$pidfile")" 2>/dev/null || true
+        local anchor; anchor=$(cat "$pidfile")
+        local ns; ns=$(readlink "/proc/$anchor/ns/uts" 2>/dev/null || true)
+        if [ -n "$ns" ] && [ "$ns" != "$(readlink /proc/$$/ns/uts)" ]; then
+            for p in $(ls /proc | grep -E '^[0-9]+$'); do
+                [ "$p" = "$anchor" ] && continue
+                [ "$(readlink "/proc/$p/ns/uts" 2>/dev/null)" = "$ns" ] || continue
+                kill -9 "$p" 2>/dev/null && pids="$pids $p"
+            done
+            kill -9 "$anchor" 2>/dev/null && pids="$pids $anchor"
+        fi
         rm -f "$pidfile"
     done
+    if [ -f "$MUNGED_PID" ]; then
+        local munged; munged=$(cat "$MUNGED_PID")
+        kill "$munged" 2>/dev/null && pids="$pids $munged"
+        rm -f "$MUNGED_PID"
+    fi
     for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^$PREFIX" || true); do
         ip netns del "$ns" 2>/dev/null || true
     done
@@ -63,9 +91,12 @@ down() {
     ip link del "$BRIDGE" 2>/dev/null || true
     rm -rf /etc/netns/$PREFIX* 2>/dev/null || true
     sed -i "/^$NET\./d" /etc/hosts 2>/dev/null || true
+    rm -f "$STATE"
     # Daemons take a moment to let go of their ports.
     for _ in $(seq 1 50); do
-        pgrep -f "^slurm(ctld|d) -f " >/dev/null || break
+        local alive=0
+        for p in $pids; do [ -d "/proc/$p" ] && alive=1; done
+        [ "$alive" = 0 ] && break
         sleep 0.1
     done
 }
@@ -79,6 +110,15 @@ up() {
     down >/dev/null 2>&1 || true
     mkdir -p "$dir"
     dir=$(cd "$dir" && pwd)
+    echo "$dir" > "$STATE"
+    # A failed start leaves nothing running.
+    trap 'status=$?; if [ "$status" != 0 ]; then down >/dev/null 2>&1; fi' EXIT
+    # Each host gets a /tmp of its own; what the cluster needs that lies under the machine's
+    # /tmp (a checkout there, the cluster's folder) is bound back in at its own path.
+    local keep=""
+    for path in "$ROOT" "$dir"; do
+        case "$path/" in /tmp/*) keep="$keep $path" ;; esac
+    done
 
     ip link add "$BRIDGE" type bridge || die "the kernel refused a bridge (no CAP_NET_ADMIN?)"
     ip addr add "$NET.1/24" dev "$BRIDGE"
@@ -102,10 +142,14 @@ $NET.$((10 + i)) h$i"; done
         # The anchor: a process that holds the host's name and mounts; everything of the host
         # enters its namespaces.
         # (nsenter, not `ip netns exec`, which would mount a fresh /sys without cgroups.)
+        local rebind=""
+        for path in $keep; do
+            rebind="$rebind mkdir -p '$dir/h$i/tmp/${path#/tmp/}' && mount --bind '$path' '$dir/h$i/tmp/${path#/tmp/}' &&"
+        done
         nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private sh -c "
             hostname h$i
             mount --bind /etc/netns/$ns/hosts /etc/hosts
-            mount --bind '$dir/h$i/tmp' /tmp
+            $rebind mount --bind '$dir/h$i/tmp' /tmp
             exec sleep infinity" </dev/null >/dev/null 2>&1 &
         echo $! > "/run/$ns.pid"
     done
@@ -155,6 +199,8 @@ EOF
         su -s /bin/sh munge -c munged 2>/dev/null || munged --force
         for _ in $(seq 1 50); do munge -n </dev/null >/dev/null 2>&1 && break; sleep 0.1; done
         munge -n </dev/null >/dev/null 2>&1 || die "munged did not start (/var/log/munge/munged.log)"
+        # Ours to end at `down`: munged's pid file, where Debian's build puts it.
+        cat /run/munge/munged.pid > "$MUNGED_PID" 2>/dev/null || true
     fi
     export SLURM_CONF=$dir/slurm.conf
     slurmctld -f "$dir/slurm.conf" -i

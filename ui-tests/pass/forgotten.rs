@@ -15,7 +15,13 @@ pub fn run(name: &str, data: &Data) -> anyhow::Result<()> {
     let acc = match name {
         "tensor_parallel_of_ordinary_layers" => builder.tensor_parallel(2),
         "backward_outside_the_pipeline" => builder.pipeline_parallel(2),
-        "variables_released_by_zero3" => builder.strategy(accel_core::Strategy::Zero3),
+        "variables_released_by_zero3" | "gradients_read_by_hand_zero3" => {
+            builder.strategy(accel_core::Strategy::Zero3)
+        }
+        "gradients_read_by_hand_zero2" => builder.strategy(accel_core::Strategy::Zero2),
+        "gradients_read_by_hand_accumulating" => {
+            builder.strategy(accel_core::Strategy::Zero2).accumulate(2)
+        }
         _ => builder,
     }
     .build()?;
@@ -84,6 +90,31 @@ pub fn run(name: &str, data: &Data) -> anyhow::Result<()> {
                 opt.step()?;
             }
             let _ = acc.variables(&wrapped);
+        }
+        // Gradients clipped by hand between backward and step: under zero2/zero3 they live in
+        // the shards, and reading one from the parameter is refused, naming the fix (never a
+        // silent skip at `grad.defined()`).
+        "gradients_read_by_hand_zero2"
+        | "gradients_read_by_hand_zero3"
+        | "gradients_read_by_hand_accumulating" => {
+            let wrapped = nn::VarStore::new(Device::Cpu);
+            let p = wrapped.root() / "layers" / 0;
+            let layer = accel_core::Unit::new(&acc, &p, nn::linear(&p, 6, 3, Default::default()));
+            acc.prepare_model(&wrapped)?;
+            let mut opt = acc.prepare_optimizer(AdamW::new(named_params(&wrapped), config)?);
+            for (x, y) in acc.prepare_iter(data.batches()) {
+                acc.backward(&layer.forward(&x).cross_entropy_for_logits(&y))?;
+                let mut total = 0.0;
+                for v in wrapped.trainable_variables() {
+                    let g = v.grad();
+                    if g.defined() {
+                        total += g.f_square()?.f_sum(tch::Kind::Float)?.f_double_value(&[])?;
+                    }
+                }
+                anyhow::ensure!(total > 0.0, "the gradients read nothing ({total})");
+                opt.step()?;
+                opt.zero_grad()?;
+            }
         }
         other => anyhow::bail!("no case {other}"),
     }

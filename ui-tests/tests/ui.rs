@@ -11,10 +11,30 @@ use std::process::Command;
 use accel_core::launch::{LaunchPlan, run};
 use tch::Tensor;
 
+/// Set in the process [`ui`] starts to run trybuild.
+const TRYBUILD_CHILD: &str = "ACCEL_UI_TRYBUILD_CHILD";
+
+/// trybuild checks its dependencies with one set of rustflags, then the cases with another
+/// (it adds `--diagnostic-width=140`): every dependency, and the C++ of torch-sys and
+/// accel-core, was built twice. The same flags for both, through `CARGO_ENCODED_RUSTFLAGS`
+/// (which takes precedence over the `--config` flags trybuild passes), build them once; the
+/// flags are trybuild's own. Set in a child process of this test binary, so that no thread
+/// of this process changes the environment while others read it.
 #[test]
 fn ui() {
-    let t = trybuild::TestCases::new();
-    t.compile_fail("fail/*/*.rs");
+    if std::env::var_os(TRYBUILD_CHILD).is_some() {
+        let t = trybuild::TestCases::new();
+        t.compile_fail("fail/*/*.rs");
+        return;
+    }
+    let flags = ["--cfg", "trybuild", "--verbose", "-A", "dead_code", "--diagnostic-width=140"];
+    let status = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "ui", "--nocapture", "--test-threads", "1"])
+        .env(TRYBUILD_CHILD, "1")
+        .env("CARGO_ENCODED_RUSTFLAGS", flags.join("\x1f"))
+        .status()
+        .unwrap();
+    assert!(status.success(), "trybuild's compile-fail cases failed (their report is above)");
 }
 
 fn shapes_program() -> PathBuf {
@@ -157,6 +177,12 @@ fn the_explicit_api_refuses_to_train_one_model_per_process() {
         ("backward_outside_the_pipeline", "only a pipeline step passes activations"),
         ("prepare_data", "did not come through a prepared data loader"),
         ("variables_released_by_zero3", "call `accelerator.full_state_dict(&vs)?`"),
+        ("gradients_read_by_hand_zero2", "Clip with the optimizer's `opt.clip_grad_norm(max)`"),
+        ("gradients_read_by_hand_zero3", "Clip with the optimizer's `opt.clip_grad_norm(max)`"),
+        (
+            "gradients_read_by_hand_accumulating",
+            "Clip with the optimizer's `opt.clip_grad_norm(max)`",
+        ),
     ];
     for (case, expected) in cases {
         let port = free_port().to_string();

@@ -475,8 +475,15 @@ impl Accelerator {
         options: ModelOptions,
     ) -> Result<()> {
         let first = vs.variables().into_values().next();
-        let prepared = first.is_some_and(|t| {
-            self.registry().models.iter().flatten().any(|p| p.tensor.data_ptr() == t.data_ptr())
+        // By identity: a released zero3 parameter has no data pointer to compare.
+        let id = first.and_then(|t| crate::shim::tensor_id(&t).ok());
+        let prepared = id.is_some_and(|id| {
+            let registry = self.registry();
+            registry
+                .models
+                .iter()
+                .flatten()
+                .any(|p| crate::shim::tensor_id(&p.tensor).ok() == Some(id))
         });
         if prepared { Ok(()) } else { self.prepare_model_with(vs, options) }
     }

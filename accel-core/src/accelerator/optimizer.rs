@@ -430,11 +430,12 @@ fn grown_since_built(variables: &tch::nn::Variables, built: usize) -> Result<()>
     let mut names: Vec<&str> = later[built..]
         .iter()
         .filter_map(|v| {
-            let ptr = v.tensor.data_ptr();
+            // By identity: a released zero3 parameter has no data pointer to compare.
+            let id = crate::shim::tensor_id(&v.tensor).ok()?;
             variables
                 .named_variables
                 .iter()
-                .find(|(_, t)| t.data_ptr() == ptr)
+                .find(|(_, t)| crate::shim::tensor_id(t).ok() == Some(id))
                 .map(|(n, _)| n.as_str())
         })
         .collect();

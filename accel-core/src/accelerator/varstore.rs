@@ -68,17 +68,13 @@ impl Accelerator {
     /// The prepared model whose variables `vs` holds, if it was prepared.
     pub(crate) fn prepared_params(&self, vs: &VarStore) -> Option<Vec<Param>> {
         let first = vs.variables().into_values().next()?;
-        let registry = self.registry();
-        registry
+        // By identity: a released zero3 parameter has no data to compare, and refuses reads.
+        let id = crate::shim::tensor_id(&first).ok()?;
+        self.registry()
             .models
             .iter()
-            .find(|params| params.iter().any(|p| p.tensor.data_ptr() == first.data_ptr()))
-            .or_else(|| {
-                // Released zero3 parameters have no storage to compare: match by identity.
-                let id = crate::shim::tensor_id(&first).ok()?;
-                registry.models.iter().find(|params| {
-                    params.iter().any(|p| crate::shim::tensor_id(&p.tensor).ok() == Some(id))
-                })
+            .find(|params| {
+                params.iter().any(|p| crate::shim::tensor_id(&p.tensor).ok() == Some(id))
             })
             .cloned()
     }

@@ -646,6 +646,7 @@ impl ShardedModel {
             unit.backward_reads = false;
             unit.gets_gradient = false;
         }
+        engine.guard_gradients()?;
         let due = engine.due_update();
         drop(guard);
         due.map_or(Ok(()), |update| update())
@@ -686,6 +687,12 @@ impl ShardedModel {
         }
         engine.spare.trim();
         Ok(())
+    }
+
+    /// Before a backward pass: the parameters' gradients go back to none (see
+    /// `Engine::guard_gradients`).
+    pub(crate) fn before_backward_pass(&self) -> Result<()> {
+        lock(&self.engine).unguard_gradients()
     }
 
     /// Makes every zero3 parameter whole on this process until training resumes (see

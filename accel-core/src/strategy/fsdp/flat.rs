@@ -671,6 +671,58 @@ impl Engine {
         })
     }
 
+    /// After a backward pass whose gradients went into the master shards: each trainable
+    /// parameter's `.grad` becomes a tensor of its shape that holds no memory and refuses to
+    /// be read, naming the fix — where it held nothing before, so that code reading it
+    /// between backward and step (clipping or logging by hand) stopped silently at
+    /// `grad.defined()` or on an undefined tensor. [`unguard_gradients`](Self::unguard_gradients)
+    /// takes them away before the next backward.
+    pub(super) fn guard_gradients(&self) -> Result<()> {
+        let rank = self.group.rank();
+        let stage = if self.units.iter().any(|u| u.managed) { "zero3" } else { "zero2" };
+        for unit in &self.units {
+            for &s in &unit.members {
+                let shard = &self.shards[s];
+                let param = &shard.param;
+                if param.grad().defined() {
+                    continue;
+                }
+                let like = Tensor::f_empty([0], (param.kind(), param.device()))?;
+                let guarded = shim::released(&like, param)?;
+                shim::set_released_message(
+                    &guarded,
+                    &format!(
+                        "accel: the gradient of `{}` on rank {rank} was reduced into shards \
+                         after backward under {stage} (each process keeps its averaged share in \
+                         the optimizer's master shard), so the parameter holds none to read. \
+                         Clip with the optimizer's `opt.clip_grad_norm(max)` (or \
+                         `clip_grad_value`), which works over every shard, as FSDP's \
+                         `clip_grad_norm_` does; or use strategy = \"ddp\" or \"zero1\", \
+                         where each process holds the whole averaged gradient",
+                        shard.name
+                    ),
+                )?;
+                shim::set_grad(param, Some(&guarded))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes away the gradients [`guard_gradients`](Self::guard_gradients) set, before the
+    /// next backward accumulates into them.
+    pub(super) fn unguard_gradients(&self) -> Result<()> {
+        for unit in &self.units {
+            for &s in &unit.members {
+                let param = &self.shards[s].param;
+                let grad = param.grad();
+                if grad.defined() && shim::is_released(&grad)? {
+                    shim::set_grad(param, None)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Releases the memory of a zero3 unit's full parameters.
     pub(super) fn release(&mut self, u: usize) -> Result<()> {
         if self.failed {
