@@ -33,6 +33,10 @@ const BUILD_RS: &str = r#"fn main() {
 }
 "#;
 
+/// The linker `cargo xtask test` may choose for the workspace's binaries (xtask/src/main.rs);
+/// the crates built as a user builds them do without it.
+const LINKER_ENV: &str = "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER";
+
 /// target/debug (where this test binary's deps/ folder sits).
 fn build_dir() -> PathBuf {
     std::env::current_exe().unwrap().parent().unwrap().parent().unwrap().to_path_buf()
@@ -87,7 +91,9 @@ impl Build {
             Some(libtorch) => {
                 command.env("LIBTORCH", libtorch).env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only")
             }
-            None => command.env_remove("LIBTORCH"),
+            // As a user builds: `accel setup`'s LIBTORCH, and the system's linker (not the
+            // faster one `cargo xtask test` may choose for its own binaries).
+            None => command.env_remove("LIBTORCH").env_remove(LINKER_ENV),
         };
         command
     }
@@ -223,6 +229,7 @@ fn the_documented_route_from_an_empty_folder_trains_on_2_processes_as_on_1() {
     let run = |dir: &Path, program: &Path, args: &[&str], env: &[(&str, &Path)]| -> String {
         let mut command = Command::new(program);
         command.current_dir(dir).args(args).env_remove("LIBTORCH").env_remove("RUSTFLAGS");
+        command.env_remove(LINKER_ENV);
         command.env("CARGO_TARGET_DIR", shared_target());
         for (k, v) in env {
             command.env(k, v);
