@@ -15,7 +15,7 @@ use std::process::Command;
 use tch::{Kind, Tensor};
 
 use super::tch_examples::{cargo_build, copy_dir, counter, write_data};
-use super::{Build, build_dir, root, set_up_crate};
+use super::{AS_THE_WORKSPACE, Build, build_dir, root, set_up_crate};
 
 enum Outcome {
     /// 2 processes equal 1 process with twice the batch.
@@ -64,6 +64,8 @@ const PROGRAMS: &[(&str, Outcome)] = &[
     ("regression_mse", Equal),
     ("unit_return", Equal),
     ("sharded_zero3", Equal),
+    ("fsdp_seq_reads_after_loop", Equal),
+    ("zero3_evaluates_each_epoch", Equal),
     ("labeled_break", Equal),
     ("moe_unused", Equal),
     ("resume_mid_epoch", Resumes),
@@ -459,7 +461,8 @@ fn check_nanogpt_against_accelerate(crate_: (&Path, &Path)) -> Result<(), String
 
 #[test]
 fn ordinary_training_loops_equal_1_process_draw_their_own_batches_or_are_refused() {
-    let (dir, _) = set_up_crate("loops", "2024", &["anyhow = \"1\"", "rand = \"0.9\""]);
+    let extra = ["anyhow = \"1\"", "rand = \"0.9\"", AS_THE_WORKSPACE];
+    let (dir, _) = set_up_crate("loops", "2024", &extra);
     let build = Build::for_programs();
     let target = &build.target;
     write_crate(&dir);

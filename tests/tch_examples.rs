@@ -11,7 +11,7 @@ use std::process::{Command, Output};
 
 use tch::{Device, Kind, Tensor};
 
-use super::{Build, build_dir, root, set_up_crate};
+use super::{AS_THE_WORKSPACE, Build, build_dir, root, set_up_crate};
 
 /// A tch-rs example and what must happen to it.
 struct Example {
@@ -313,7 +313,8 @@ fn check_runs(dir: &Path, binary: &Path, e: &Example, args: &[&str], precision: 
 #[test]
 fn tch_rs_examples_run_on_1_and_2_processes_or_are_refused_at_the_right_line() {
     // tch-rs's examples are written for Rust 2021, as their crate is.
-    let (dir, _) = set_up_crate("tch-examples", "2021", &["anyhow = \"1\"", "rand = \"0.9\""]);
+    let extra = ["anyhow = \"1\"", "rand = \"0.9\"", AS_THE_WORKSPACE];
+    let (dir, _) = set_up_crate("tch-examples", "2021", &extra);
     let build = Build::for_programs();
     let target = &build.target;
     write_crate(&dir);

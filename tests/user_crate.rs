@@ -27,14 +27,23 @@ tch = "=0.24.0"
 resolver = "3"
 "#;
 
+/// For the crates built into the workspace's target (`Build::for_programs`): a dependency
+/// line that gives serde its features as `cargo test --workspace` unifies them (trybuild, a
+/// dev-dependency of the UI tests, brings `serde_core/alloc` through `toml`). With other
+/// features serde, and so accel-core above it, would be another build: minutes on a fresh
+/// clone, for no other difference.
+pub(crate) const AS_THE_WORKSPACE: &str =
+    "serde_core = { version = \"1\", features = [\"alloc\"] }";
+
 /// The README's build script, verbatim (what `accel setup` writes).
 const BUILD_RS: &str = r#"fn main() {
     println!("cargo::rustc-link-arg={}", std::env::var("DEP_ACCEL_LINK_ARG").unwrap());
 }
 "#;
 
-/// The linker `cargo xtask test` may choose for the workspace's binaries (xtask/src/main.rs);
-/// the crates built as a user builds them do without it.
+/// The linker of this target. The workspace's `.cargo/config.toml`, which crates inside
+/// target/ read too, names scripts/linker.sh; a crate built as a user builds it links with
+/// the system's default, `cc`.
 const LINKER_ENV: &str = "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER";
 
 /// target/debug (where this test binary's deps/ folder sits).
@@ -92,8 +101,8 @@ impl Build {
                 command.env("LIBTORCH", libtorch).env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only")
             }
             // As a user builds: `accel setup`'s LIBTORCH, and the system's linker (not the
-            // faster one `cargo xtask test` may choose for its own binaries).
-            None => command.env_remove("LIBTORCH").env_remove(LINKER_ENV),
+            // workspace's, whose configuration a crate inside target/ reads too).
+            None => command.env_remove("LIBTORCH").env(LINKER_ENV, "cc"),
         };
         command
     }
@@ -229,6 +238,7 @@ fn the_documented_route_from_an_empty_folder_trains_on_2_processes_as_on_1() {
     let run = |dir: &Path, program: &Path, args: &[&str], env: &[(&str, &Path)]| -> String {
         let mut command = Command::new(program);
         command.current_dir(dir).args(args).env_remove("LIBTORCH").env_remove("RUSTFLAGS");
+        // Outside this repository: the system's linker, as a user's (unless one is set).
         command.env_remove(LINKER_ENV);
         command.env("CARGO_TARGET_DIR", shared_target());
         for (k, v) in env {

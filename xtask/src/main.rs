@@ -125,33 +125,6 @@ fn test(rest: &[OsString]) -> Result<(), String> {
     result
 }
 
-/// The variable naming the linker of this target (cargo's `target.<triple>.linker`).
-const LINKER_ENV: &str = "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_LINKER";
-
-/// The test binaries and examples link libtorch's many symbols, each in about 3.5 s with the
-/// system's `ld` against 0.2 s with LLVM's `ld.lld`: where `ld.lld` is installed (Debian's
-/// `lld`) and no linker is chosen, the tests link with it, through a `cc -fuse-ld=lld`
-/// wrapper in target/ (cargo's linker setting names one program). Only linked units see the
-/// setting; the crates' builds are shared with plain `cargo build`. The user crates built
-/// as a user would (tests/user_crate.rs) keep the default linker.
-fn fast_linker() -> Option<PathBuf> {
-    if std::env::var_os(LINKER_ENV).is_some() {
-        return None;
-    }
-    let on_path = std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join("ld.lld").exists()));
-    if !on_path {
-        return None;
-    }
-    let wrapper = root().join("target/cc-lld");
-    std::fs::create_dir_all(root().join("target")).ok()?;
-    std::fs::write(&wrapper, "#!/bin/sh\nexec cc -fuse-ld=lld \"$@\"\n").ok()?;
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).ok()?;
-    eprintln!("xtask: linking with ld.lld ({})", wrapper.display());
-    Some(wrapper)
-}
-
 /// Whether nothing of the workspace was built yet (xtask itself aside).
 fn fresh_clone() -> bool {
     let fingerprints = root().join("target/debug/.fingerprint");
@@ -162,14 +135,6 @@ fn fresh_clone() -> bool {
 fn test_phases(rest: &[OsString], phases: &mut phases::Phases) -> Result<(), String> {
     phases.time("setup", setup).map(|_| ())?;
     let debug = ("CARGO_PROFILE_DEV_DEBUG", "line-tables-only");
-    let linker = fast_linker();
-    let cargo_command = |args: &[&str], rest: &[OsString]| {
-        let mut command = cargo_command(args, rest);
-        if let Some(linker) = &linker {
-            command.env(LINKER_ENV, linker);
-        }
-        command
-    };
     phases.time("build (workspace, tests, examples)", || {
         run(cargo_command(&["test", "--workspace", "--no-run"], &[]).env(debug.0, debug.1))
     })?;

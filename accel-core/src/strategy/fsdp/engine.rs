@@ -16,7 +16,9 @@ use super::{ShardOptions, Stage};
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::optim::Param;
-use crate::shim::{self, PostAccumulateGradHook, add_grad_hook, add_post_accumulate_grad_hook};
+use crate::shim::{
+    self, GradHook, PostAccumulateGradHook, add_grad_hook, add_post_accumulate_grad_hook,
+};
 use crate::strategy::UpdateInBackward;
 use crate::sync::Locked;
 
@@ -97,6 +99,42 @@ pub(crate) struct ShardedModel {
     /// when the run starts.
     pub(crate) whole_notice: Option<String>,
     _hooks: Mutex<Vec<PostAccumulateGradHook>>,
+    /// See [`unguard_before_accumulating`]; taken off when the model is dropped (each holds
+    /// its parameter).
+    unguards: Mutex<Vec<GradHook>>,
+}
+
+impl Drop for ShardedModel {
+    fn drop(&mut self) {
+        for hook in self.unguards.get_mut().map(std::mem::take).unwrap_or_default() {
+            let _ = hook.remove();
+        }
+    }
+}
+
+/// A gradient hook on each trainable shard's parameter that takes away the guarded gradient
+/// a backward pass left (`Engine::guard_gradients`) just before autograd accumulates the
+/// next one into it, whichever way that backward is started.
+fn unguard_before_accumulating(engine: &Mutex<Engine>) -> Result<Vec<GradHook>> {
+    let params: Vec<Tensor> = {
+        let engine = lock(engine);
+        let members = engine.units.iter().flat_map(|u| u.members.iter());
+        members.map(|&s| engine.shards[s].param.shallow_clone()).collect()
+    };
+    params
+        .into_iter()
+        .map(|param| {
+            let target = Mutex::new(param.shallow_clone());
+            add_grad_hook(&param, move |_| {
+                let target = target.locked();
+                let grad = target.grad();
+                if grad.defined() && shim::is_released(&grad).unwrap_or(false) {
+                    let _ = shim::set_grad(&target, None);
+                }
+                None
+            })
+        })
+        .collect()
 }
 
 impl std::fmt::Debug for ShardedModel {
@@ -357,12 +395,14 @@ impl ShardedModel {
         };
         let engine = Arc::new(Mutex::new(engine));
         let hooks = reduce_when_ready(&engine)?;
+        let unguards = unguard_before_accumulating(&engine)?;
         let whole_notice =
             (stage == Stage::Parameters).then(|| whole_notice(params, &lock(&engine)));
         let model = Arc::new(Self {
             engine,
             whole_notice: whole_notice.flatten(),
             _hooks: Mutex::new(hooks),
+            unguards: Mutex::new(unguards),
         });
         Ok(model)
     }
