@@ -116,9 +116,8 @@ up() {
     # Each host gets a /tmp of its own; what the cluster needs that lies under the machine's
     # /tmp (a checkout there, the cluster's folder) is bound back in at its own path.
     local keep=""
-    for path in "$ROOT" "$dir"; do
-        case "$path/" in /tmp/*) keep="$keep $path" ;; esac
-    done
+    case "$ROOT/" in /tmp/*) keep="$ROOT" ;; esac
+    case "$dir/" in "$ROOT"/*) ;; /tmp/*) keep="$keep $dir" ;; esac
 
     ip link add "$BRIDGE" type bridge || die "the kernel refused a bridge (no CAP_NET_ADMIN?)"
     ip addr add "$NET.1/24" dev "$BRIDGE"
@@ -149,7 +148,7 @@ $NET.$((10 + i)) h$i"; done
         nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private sh -c "
             hostname h$i
             mount --bind /etc/netns/$ns/hosts /etc/hosts
-            $rebind mount --bind '$dir/h$i/tmp' /tmp
+            $rebind mount --rbind '$dir/h$i/tmp' /tmp
             exec sleep infinity" </dev/null >/dev/null 2>&1 &
         echo $! > "/run/$ns.pid"
     done
