@@ -29,7 +29,9 @@ shapes!(
     pretrain_then_fine_tune, reborrowed_varstore, sync_batchnorm, teacher_and_student,
     tch_error_mut_varstore, try_inside_the_loop, unit_return_backward_step,
     vec_iter_enumerate_accumulate_by_hand, zero1_sgd_nesterov, zero2_clip_and_set_lr,
-    zero3_optimizer_in_backward_sgd, zip_of_two_iterators,
+    zero3_evaluates_between_epochs, zero3_optimizer_in_backward_sgd,
+    zero3_reads_its_weights_after_the_loop, zero3_writes_its_weights_between_epochs,
+    zip_of_two_iterators,
 );
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
