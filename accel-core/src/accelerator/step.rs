@@ -104,7 +104,6 @@ impl Accelerator {
             None => loss,
         };
         let range = crate::shim::range("accel::backward");
-        self.inner.strategy.before_backward()?;
         if let Err(e) = loss.f_backward() {
             self.inner.strategy.take_error()?;
             return Err(Error::Training(format!(
@@ -357,7 +356,6 @@ impl Accelerator {
     /// [`backward`]: Self::backward
     pub(crate) fn backward_with_grad(&self, output: &Tensor, grad: &Tensor) -> Result<()> {
         self.inner.state.begin_micro_step();
-        self.inner.strategy.before_backward()?;
         let surrogate = output.f_mul(grad)?.f_sum(tch::Kind::Float)?;
         surrogate.f_backward().map_err(|e| {
             Error::Training(format!("backward failed: {}", crate::error::torch_text(&e)))

@@ -257,10 +257,6 @@ impl Strategy for Auto {
         self.inner()?.prepare_optimizer(cx, optimizer)
     }
 
-    fn before_backward(&self) -> Result<()> {
-        self.chosen.get().map_or(Ok(()), |s| s.before_backward())
-    }
-
     fn after_backward(&self, cx: &Context<'_>, sync: bool) -> Result<()> {
         match self.chosen.get() {
             Some(s) => s.after_backward(cx, sync),

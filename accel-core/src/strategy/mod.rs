@@ -280,12 +280,6 @@ pub trait Strategy: Send + Sync + 'static {
         Ok(Box::new(Replicated))
     }
 
-    /// Before every backward pass (the accelerator's `backward`), once autograd is about to
-    /// accumulate into the parameters' gradients.
-    fn before_backward(&self) -> Result<()> {
-        Ok(())
-    }
-
     /// After every backward pass; `sync` when it ends an accumulation window (the step
     /// that follows updates the parameters).
     fn after_backward(&self, cx: &Context<'_>, sync: bool) -> Result<()> {

@@ -143,30 +143,13 @@ impl<'a> Visit<'a> for Finder<'_> {
     fn visit_item(&mut self, _: &'a syn::Item) {}
 }
 
-/// Whether `node` reaches the model through one of `names` (a path of one segment, or an
+/// Whether `stmt` reaches the model through one of `names` (a path of one segment, or an
 /// identifier inside a macro's tokens: `println!("{}", vs.variables().len())`), forwards
 /// included; the VarStore's `save`/`load`, which the accelerator handles, are not.
-fn mentions<'a, T: Visitable<'a>>(node: &'a T, names: &BTreeSet<String>) -> bool {
+fn mentions(stmt: &Stmt, names: &BTreeSet<String>) -> bool {
     let mut finder = Finder { names, found: false, skip_data: false };
-    node.visit_with(&mut finder);
+    finder.visit_stmt(stmt);
     finder.found
-}
-
-/// What [`mentions`] can look into.
-trait Visitable<'a> {
-    fn visit_with<V: Visit<'a>>(&'a self, v: &mut V);
-}
-
-impl<'a> Visitable<'a> for Expr {
-    fn visit_with<V: Visit<'a>>(&'a self, v: &mut V) {
-        v.visit_expr(self);
-    }
-}
-
-impl<'a> Visitable<'a> for Stmt {
-    fn visit_with<V: Visit<'a>>(&'a self, v: &mut V) {
-        v.visit_stmt(self);
-    }
 }
 
 /// Whether the statement is, or holds, a loop whose body runs backward.

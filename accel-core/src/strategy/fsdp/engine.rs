@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tch::{Device, Kind, Tensor};
 
-use super::flat::{Engine, Frozen, Shard, UnitState, released_message};
+use super::flat::{Engine, Frozen, Shard, UnitState};
 use super::layout::{chunk_of, size_based_units, unit_of};
 use super::spare::Spare;
 use super::{ShardOptions, Stage};
@@ -85,11 +85,7 @@ fn whole_notice(params: &[Param], engine: &Engine) -> Option<String> {
 /// parameter whose storage it shares with other tensors is refused: the others would keep
 /// the memory, and a tie would be silently broken.
 fn release_on(param: &Param, kind: Kind, device: Device, rank: usize) -> Result<()> {
-    super::flat::own_storage(&param.tensor, &param.name)?;
-    let like = Tensor::f_empty([0], (kind, device))?;
-    let released = shim::released(&like, &param.tensor)?;
-    tch::no_grad(|| param.tensor.shallow_clone().set_data(&released));
-    shim::set_released_message(&param.tensor, &released_message(&param.name, rank))
+    super::flat::release_as(&param.tensor, &param.name, kind, device, rank)
 }
 
 /// A model whose gradients (zero2) or gradients and parameters (zero3) are sharded.
@@ -727,12 +723,6 @@ impl ShardedModel {
         }
         engine.spare.trim();
         Ok(())
-    }
-
-    /// Before a backward pass: the parameters' gradients go back to none (see
-    /// `Engine::guard_gradients`).
-    pub(crate) fn before_backward_pass(&self) -> Result<()> {
-        lock(&self.engine).unguard_gradients()
     }
 
     /// Makes every zero3 parameter whole on this process until training resumes (see

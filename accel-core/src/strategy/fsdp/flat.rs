@@ -172,6 +172,22 @@ pub(super) struct Engine {
     pub(super) summoned: Option<Vec<(usize, i64, Kind)>>,
 }
 
+/// Makes `param` (named `name`) a parameter of `kind` on `device` whose storage holds no
+/// memory and refuses reads with [`released_message`]; its other handles follow it.
+pub(super) fn release_as(
+    param: &Tensor,
+    name: &str,
+    kind: Kind,
+    device: Device,
+    rank: usize,
+) -> Result<()> {
+    own_storage(param, name)?;
+    let like = Tensor::f_empty([0], (kind, device))?;
+    let released = shim::released(&like, param)?;
+    tch::no_grad(|| param.shallow_clone().set_data(&released));
+    shim::set_released_message(param, &released_message(name, rank))
+}
+
 /// What a read of zero3 parameter `name` says while it is released on `rank`.
 pub(super) fn released_message(name: &str, rank: usize) -> String {
     format!(
@@ -641,9 +657,7 @@ impl Engine {
                 // the program took of it, whose reads now fail with the message above.
                 unsafe { shim::free_storage(param)? };
                 if param.kind() != released_kind {
-                    let like = Tensor::f_empty([0], (released_kind, self.device))?;
-                    param.shallow_clone().set_data(&shim::released(&like, param)?);
-                    shim::set_released_message(param, &released_message(&shard.name, rank))?;
+                    release_as(param, &shard.name, released_kind, self.device, rank)?;
                 }
             }
             Ok(())
@@ -675,8 +689,8 @@ impl Engine {
     /// parameter's `.grad` becomes a tensor of its shape that holds no memory and refuses to
     /// be read, naming the fix — where it held nothing before, so that code reading it
     /// between backward and step (clipping or logging by hand) stopped silently at
-    /// `grad.defined()` or on an undefined tensor. [`unguard_gradients`](Self::unguard_gradients)
-    /// takes them away before the next backward.
+    /// `grad.defined()` or on an undefined tensor. A hook on each parameter takes them away
+    /// before the next backward accumulates (engine.rs, `unguard_before_accumulating`).
     pub(super) fn guard_gradients(&self) -> Result<()> {
         let rank = self.group.rank();
         let stage = if self.units.iter().any(|u| u.managed) { "zero3" } else { "zero2" };
@@ -703,21 +717,6 @@ impl Engine {
                     ),
                 )?;
                 shim::set_grad(param, Some(&guarded))?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Takes away the gradients [`guard_gradients`](Self::guard_gradients) set, before the
-    /// next backward accumulates into them.
-    pub(super) fn unguard_gradients(&self) -> Result<()> {
-        for unit in &self.units {
-            for &s in &unit.members {
-                let param = &self.shards[s].param;
-                let grad = param.grad();
-                if grad.defined() && shim::is_released(&grad)? {
-                    shim::set_grad(param, None)?;
-                }
             }
         }
         Ok(())

@@ -187,13 +187,6 @@ impl Strategy for Sharded {
         false
     }
 
-    fn before_backward(&self) -> Result<()> {
-        for model in self.models().iter() {
-            model.before_backward_pass()?;
-        }
-        Ok(())
-    }
-
     fn after_backward(&self, _: &Context<'_>, _sync: bool) -> Result<()> {
         // Reduce-scattered every micro-step (as DeepSpeed's ZeRO-2), so that no rank ever
         // holds a whole accumulated gradient.
