@@ -44,6 +44,7 @@ fn main() -> ExitCode {
         "setup" => setup().map(|_| ()),
         "test" => test(&rest),
         "train" => setup().and_then(|_| train(&rest)),
+        "package" => setup().and_then(|_| package_and_check()),
         "bench" if rest.first().is_some_and(|a| a == "memory") => {
             setup().and_then(|_| memory_bench()).and_then(|_| llama_memory_bench())
         }
@@ -79,6 +80,7 @@ fn main() -> ExitCode {
              cargo xtask setup         install libtorch into .venv (once)\n  \
              cargo xtask test [ARGS]   every test (cargo test --workspace ARGS)\n  \
              cargo xtask train [ARGS]  the main job\n  \
+             cargo xtask package       the published crates packaged, each checked alone\n  \
              cargo xtask bench         accel vs a raw tch loop and PyTorch + Accelerate, same run\n  \
              cargo xtask bench speed   the same without the memory benchmarks\n  \
              cargo xtask bench readme  docs/performance.md's readings, from bench/results.json\n  \
@@ -143,16 +145,6 @@ fn test_phases(rest: &[OsString], phases: &mut phases::Phases) -> Result<(), Str
         // A filtered run (`cargo xtask test NAME`) tests that, not the packages.
         return Ok(());
     }
-    // The crates as crates.io would take them: packaged in dependency order (versions on the
-    // path dependencies, the `include` lists), each then built from its package alone.
-    phases.time("package (4 crates, each built alone)", || {
-        eprintln!("xtask: packaging accel-choices, accel-macros, accel-core and accel-models");
-        forget_unpacked_packages()?;
-        run(cargo_command(&["package", "--allow-dirty", "--quiet"], &[])
-            .args(["-p", "accel-choices", "-p", "accel-macros", "-p", "accel-core"])
-            .args(["-p", "accel-models"])
-            .env(debug.0, debug.1))
-    })?;
     // The API docs as docs.rs builds them: no warning, every intra-doc link resolved.
     phases.time("doc (warnings denied)", || {
         eprintln!("xtask: cargo doc --no-deps, warnings denied");
@@ -165,58 +157,68 @@ fn test_phases(rest: &[OsString], phases: &mut phases::Phases) -> Result<(), Str
     phases.time("clippy (warnings denied)", || {
         run(cargo_command(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"], &[])
             .env(debug.0, debug.1))
+    })?;
+    // The crates as crates.io would take them: packaged in dependency order (versions on the
+    // path dependencies, the `include` lists), each then checked from its package alone. Last:
+    // doc and clippy have checked most of their dependencies by then.
+    phases.time("package (4 crates, each checked alone)", || {
+        eprintln!("xtask: packaging {}, each checked alone", PUBLISHED.join(", "));
+        package_and_check()
     })
 }
 
-/// Removes what cargo kept of this workspace's packages from an earlier `cargo package`.
-/// Verifying a package takes its workspace dependencies from a local registry of the packages
-/// just made, and cargo treats a registry crate of a given version as never changing: it
-/// unpacks it under `$CARGO_HOME/registry/src/-<hash>/NAME-VERSION` once, and its build in
-/// `target/` (a fingerprint listing no source files) stays fresh for ever. A later run with
-/// the same version would build accel-models against the old accel-core and fail for no fault
-/// of the code.
-fn forget_unpacked_packages() -> Result<(), String> {
-    let ours = ["accel-choices-", "accel-macros-", "accel-core-", "accel-models-"];
-    for profile in ["debug", "release"] {
-        let Ok(dirs) = std::fs::read_dir(root().join("target").join(profile).join(".fingerprint"))
-        else {
-            continue;
-        };
-        for dir in dirs.flatten() {
-            let name = dir.file_name().to_string_lossy().into_owned();
-            if !ours.iter().any(|p| name.starts_with(p)) {
-                continue;
-            }
-            // A build from a path lists its source files; one from a registry lists none.
-            let from_registry =
-                std::fs::read_dir(dir.path()).into_iter().flatten().flatten().any(|f| {
-                    f.file_name().to_string_lossy().starts_with("dep-lib-")
-                        && f.metadata().is_ok_and(|m| m.len() <= 16)
-                });
-            if from_registry {
-                std::fs::remove_dir_all(dir.path())
-                    .map_err(|e| format!("removing {}: {e}", dir.path().display()))?;
-            }
+/// The published crates, in dependency order.
+const PUBLISHED: [&str; 4] = ["accel-choices", "accel-macros", "accel-core", "accel-models"];
+
+/// `cargo package` without its own verification, then each package unpacked and checked on
+/// its own, as cargo's verification builds it: its own feature resolution, its workspace
+/// dependencies taken from the packages just made, not from this checkout. A check, not a
+/// build: what a package can lose (a file outside `include`, a path dependency without a
+/// version, a feature its manifest forgot) fails at the check as at the build, build scripts
+/// included; codegen and linking are those of the test build, from the same sources. On a
+/// fresh clone cargo's own verification took 108 s, this 56 (docs/performance.md).
+fn package_and_check() -> Result<(), String> {
+    let mut package = cargo_command(&["package", "--allow-dirty", "--no-verify", "--quiet"], &[]);
+    for name in PUBLISHED {
+        package.args(["-p", name]);
+    }
+    run(&mut package)?;
+    let root = root();
+    let version = env!("CARGO_PKG_VERSION");
+    let unpacked = root.join("target/package-check");
+    let _ = std::fs::remove_dir_all(&unpacked);
+    std::fs::create_dir_all(&unpacked)
+        .map_err(|e| format!("creating {}: {e}", unpacked.display()))?;
+    let dir = |name: &str| unpacked.join(format!("{name}-{version}"));
+    for name in PUBLISHED {
+        let file = root.join(format!("target/package/{name}-{version}.crate"));
+        run(Command::new("tar").arg("-xzf").arg(&file).arg("-C").arg(&unpacked))?;
+        let manifest = dir(name).join("Cargo.toml");
+        let mut text = std::fs::read_to_string(&manifest)
+            .map_err(|e| format!("reading {}: {e}", manifest.display()))?;
+        // Its own workspace, with the packages just made for its siblings (all of them
+        // below it: a patch applies to the whole graph, those the crate reaches only through
+        // another included).
+        let below = PUBLISHED.iter().take_while(|s| **s != name);
+        text.push_str("\n[workspace]\n\n[patch.crates-io]\n");
+        for sibling in below {
+            text.push_str(&format!("{sibling} = {{ path = \"../{sibling}-{version}\" }}\n"));
+        }
+        std::fs::write(&manifest, text)
+            .map_err(|e| format!("writing {}: {e}", manifest.display()))?;
+        // The versions this workspace is tested with (the package's own lock, where it has
+        // one, is made from the same).
+        if !dir(name).join("Cargo.lock").exists() {
+            std::fs::copy(root.join("Cargo.lock"), dir(name).join("Cargo.lock"))
+                .map_err(|e| format!("copying Cargo.lock: {e}"))?;
         }
     }
-    let home = std::env::var_os("CARGO_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")));
-    let Some(src) = home.map(|h| h.join("registry/src")) else { return Ok(()) };
-    let Ok(registries) = std::fs::read_dir(&src) else { return Ok(()) };
-    for registry in registries.flatten() {
-        // Local registries' folders are named `-<hash>`; crates.io's is `index.crates.io-..`.
-        if !registry.file_name().to_string_lossy().starts_with('-') {
-            continue;
-        }
-        let Ok(packages) = std::fs::read_dir(registry.path()) else { continue };
-        for package in packages.flatten() {
-            let name = package.file_name().to_string_lossy().into_owned();
-            if ours.iter().any(|p| name.starts_with(p)) {
-                std::fs::remove_dir_all(package.path())
-                    .map_err(|e| format!("removing {}: {e}", package.path().display()))?;
-            }
-        }
+    for name in PUBLISHED {
+        eprintln!("xtask: checking the package {name} {version}");
+        run(cargo_command(&["check", "--quiet", "--offline", "--manifest-path"], &[])
+            .arg(dir(name).join("Cargo.toml"))
+            .arg("--target-dir")
+            .arg(root.join("target")))?;
     }
     Ok(())
 }
