@@ -72,6 +72,7 @@ const PROGRAMS: &[(&str, Outcome)] = &[
     ("nanogpt", Draws),
     ("nanogpt_while", Draws),
     ("gan_latent", Draws),
+    ("wgan_critic_loop", RanksEqual),
     ("while_let_drawn", Draws),
     ("full_batch", FailsOnTwo { says: "computed the same loss", line: None }),
     ("seeded_rng_batches", FailsOnTwo { says: "computed the same loss", line: None }),

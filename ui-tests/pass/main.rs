@@ -63,6 +63,7 @@ shapes!(
     zero3_optimizer_in_backward_sgd,
     zero3_reads_its_weights_after_the_loop,
     zero3_writes_its_weights_between_epochs,
+    wgan_critic_steps,
     zip_of_two_iterators,
 );
 

@@ -133,17 +133,15 @@ fn accel_cores_modules_import_each_other_in_no_cycle() {
         for file in files.iter().filter(|f| !f.ends_with("tests.rs")) {
             let code = code_of(&std::fs::read_to_string(file).unwrap());
             for (i, _) in code.match_indices("crate::") {
-                let word: String = code[i + 7..]
-                    .chars()
-                    .take_while(|c| c.is_alphanumeric() || *c == '_')
-                    .collect();
-                let target = if modules.contains_key(&word) {
-                    Some(word)
-                } else {
-                    reexported.get(&word).cloned()
-                };
-                if let Some(target) = target.filter(|t| t != module) {
-                    edges.entry(module.clone()).or_default().insert(target);
+                for word in names_at(&code[i + 7..]) {
+                    let target = if modules.contains_key(&word) {
+                        Some(word)
+                    } else {
+                        reexported.get(&word).cloned()
+                    };
+                    if let Some(target) = target.filter(|t| t != module) {
+                        edges.entry(module.clone()).or_default().insert(target);
+                    }
                 }
             }
         }
@@ -169,6 +167,41 @@ fn accel_cores_modules_import_each_other_in_no_cycle() {
         }
     }
     assert!(edges.len() > 10, "the modules were found: {edges:?}");
+}
+
+/// The names a path continues with at the start of `rest` (what follows `crate::` or
+/// `super::`): `x` of `x::..`, or each first segment of a group, `x` and `y` of `{x, y::z}`.
+fn names_at(rest: &str) -> Vec<String> {
+    let word = |s: &str| -> String {
+        s.trim_start().chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect()
+    };
+    let Some(group) = rest.strip_prefix('{') else { return vec![word(rest)] };
+    // The group's items: split at its top-level commas, up to its closing brace.
+    let (mut names, mut depth, mut start) = (Vec::new(), 0, 0);
+    for (i, c) in group.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => {
+                names.push(word(&group[start..i]));
+                break;
+            }
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                names.push(word(&group[start..i]));
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    names.retain(|n| !n.is_empty());
+    names
+}
+
+#[test]
+fn grouped_imports_are_edges_too() {
+    assert_eq!(names_at("ffi::Stream;"), ["ffi"]);
+    assert_eq!(names_at("{check, ffi::{a, b}, raw};"), ["check", "ffi", "raw"]);
+    assert_eq!(names_at("{\n    a,\n    b::C,\n};"), ["a", "b"]);
 }
 
 /// Within each folder of the crates' sources, the files (siblings under one `mod.rs`)
@@ -210,12 +243,10 @@ fn sibling_files_import_each_other_in_no_cycle() {
                     if i >= 7 && &code[i - 7..i] == "super::" {
                         continue;
                     }
-                    let word: String = code[i + prefix.len()..]
-                        .chars()
-                        .take_while(|c| c.is_alphanumeric() || *c == '_')
-                        .collect();
-                    if siblings.contains(&word) && word != from {
-                        edges.entry(from.clone()).or_default().insert(word);
+                    for word in names_at(&code[i + prefix.len()..]) {
+                        if siblings.contains(&word) && word != from {
+                            edges.entry(from.clone()).or_default().insert(word);
+                        }
                     }
                 }
             }

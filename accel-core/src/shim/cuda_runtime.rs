@@ -6,24 +6,9 @@ use std::ffi::c_void;
 
 use tch::Tensor;
 
+pub use super::ffi::Stream;
 use super::{check, ffi, raw};
 use crate::error::{Error, Result};
-
-/// c10's packed stream (`c10::Stream::pack3`) plus its native `cudaStream_t`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stream {
-    id: i64,
-    device_index: i64,
-    device_type: i64,
-    native: *mut c_void,
-}
-
-// SAFETY: a stream is a handle that CUDA lets any host thread use; c10::Stream is a value
-// type, and the native pointer is only handed to NCCL, which takes streams from any thread.
-unsafe impl Send for Stream {}
-// SAFETY: as above; nothing mutates through a shared `Stream`.
-unsafe impl Sync for Stream {}
 
 fn index(device_index: usize) -> Result<i32> {
     i32::try_from(device_index).map_err(|_| Error::Libtorch {

@@ -6,7 +6,22 @@
 use std::ffi::{c_char, c_void};
 use torch_sys::C_tensor;
 
-use super::cuda_runtime::Stream;
+/// c10's packed stream (`c10::Stream::pack3`) plus its native `cudaStream_t`, as the shim's
+/// stream functions take and fill it (its methods are in `cuda_runtime`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream {
+    pub(super) id: i64,
+    pub(super) device_index: i64,
+    pub(super) device_type: i64,
+    pub(super) native: *mut c_void,
+}
+
+// SAFETY: a stream is a handle that CUDA lets any host thread use; c10::Stream is a value
+// type, and the native pointer is only handed to NCCL, which takes streams from any thread.
+unsafe impl Send for Stream {}
+// SAFETY: as above; nothing mutates through a shared `Stream`.
+unsafe impl Sync for Stream {}
 
 /// A post-accumulate-grad callback: receives an owned `at::Tensor*` (the parameter).
 pub(crate) type PostAccFn = unsafe extern "C" fn(*mut c_void, *mut C_tensor) -> *mut c_char;

@@ -76,6 +76,53 @@ pub(super) fn is_training_loop(expr: &Expr) -> bool {
     loop_body(expr).is_some_and(block_has_backward)
 }
 
+/// Whether `body` runs a backward outside its inner training loops (and outside closures
+/// and items).
+fn runs_own_backward(body: &Block) -> bool {
+    struct Own(bool);
+    impl<'a> Visit<'a> for Own {
+        fn visit_expr(&mut self, e: &'a Expr) {
+            if !is_training_loop(e) {
+                syn::visit::visit_expr(self, e);
+            }
+        }
+        fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
+            self.0 |= body::is_backward(m);
+            syn::visit::visit_expr_method_call(self, m);
+        }
+        fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
+            body::visit_call(self, c);
+        }
+        fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
+        fn visit_item(&mut self, _: &'a syn::Item) {}
+    }
+    let mut own = Own(false);
+    own.visit_block(body);
+    own.0
+}
+
+/// The iterator the training loops inside `body` take their batches from: the receiver of
+/// the first `it.next()` in one of them (`let Some(real) = batches.next() else { .. }` in a
+/// critic loop).
+fn inner_next_receiver(body: &Block) -> Option<syn::Ident> {
+    struct Inner(Option<syn::Ident>);
+    impl<'a> Visit<'a> for Inner {
+        fn visit_expr(&mut self, e: &'a Expr) {
+            match loop_body(e) {
+                Some(inner) if self.0.is_none() && is_training_loop(e) => {
+                    self.0 = inner.stmts.iter().find_map(|s| first_next(|f| f.visit_stmt(s)));
+                }
+                _ => syn::visit::visit_expr(self, e),
+            }
+        }
+        fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
+        fn visit_item(&mut self, _: &'a syn::Item) {}
+    }
+    let mut inner = Inner(None);
+    inner.visit_block(body);
+    inner.0
+}
+
 /// Where a training loop takes its batches from, as far as the attribute can see.
 enum Data {
     /// `for batch in data` (any iterable but a counting range): the iterable is dealt.
@@ -285,27 +332,29 @@ fn holds_loop(body: &Block, pick: &dyn Fn(&Expr) -> bool) -> bool {
 /// The iterator a loop takes its data from: `while let .. = it.next()`, or the first
 /// `it.next()` in its body (`let Some(b) = it.next() else { break };`).
 fn next_receiver(cond: Option<&Expr>, body: &Block) -> Option<syn::Ident> {
-    struct Finder(Option<syn::Ident>);
-    impl<'a> Visit<'a> for Finder {
-        fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
-            if self.0.is_none() && m.method == "next" && m.args.is_empty() {
-                if let Expr::Path(p) = &*m.receiver {
-                    self.0 = p.path.get_ident().cloned();
-                }
+    cond.and_then(|c| first_next(|f| f.visit_expr(c)))
+        .or_else(|| body.stmts.first().and_then(|s| first_next(|f| f.visit_stmt(s))))
+}
+
+/// Finds the first `it.next()` (outside closures) in what `visit` visits.
+struct NextFinder(Option<syn::Ident>);
+
+impl<'a> Visit<'a> for NextFinder {
+    fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
+        if self.0.is_none() && m.method == "next" && m.args.is_empty() {
+            if let Expr::Path(p) = &*m.receiver {
+                self.0 = p.path.get_ident().cloned();
             }
-            syn::visit::visit_expr_method_call(self, m);
         }
-        fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
+        syn::visit::visit_expr_method_call(self, m);
     }
-    let mut f = Finder(None);
-    if let Some(cond) = cond {
-        f.visit_expr(cond);
-    }
-    if f.0.is_none() {
-        if let Some(first) = body.stmts.first() {
-            f.visit_stmt(first);
-        }
-    }
+    fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
+}
+
+/// The receiver of the first `it.next()` that `visit` finds.
+fn first_next(visit: impl FnOnce(&mut NextFinder)) -> Option<syn::Ident> {
+    let mut f = NextFinder(None);
+    visit(&mut f);
     f.0
 }
 
@@ -419,15 +468,27 @@ impl Loops<'_> {
     /// The loop prepared is the innermost one that deals data; failing that, the innermost
     /// training loop, which counts (its body draws its own batches). A counting loop inside
     /// a data loop (`for _ in 0..n_critic`) only repeats the step on the batch dealt around it.
+    ///
+    /// A loop that runs a backward of its own besides its inner training loops (WGAN's
+    /// generator step after `n_critic` critic steps) is the step itself when nothing inside
+    /// it deals data: it is prepared, its inner loops only repeat steps within it, and the
+    /// iterator they take their batches from (`it.next()`) is the data it deals.
     fn training_loop(&mut self, expr: &mut Expr, before: &mut [Stmt]) -> Option<Expr> {
         let mode = self.mode;
         let manual = mode == Mode::Manual;
-        let data = data_of(expr, mode);
+        let mut data = data_of(expr, mode);
         let body = loop_body_mut(expr).expect("a training loop");
-        let deals_inside = holds_loop(body, &|e| manual || data_of(e, mode).deals());
-        if deals_inside || (!data.deals() && holds_loop(body, &|_| true)) {
+        let deals_inside = !manual && holds_loop(body, &|e| data_of(e, mode).deals());
+        let own_step = !deals_inside && runs_own_backward(body);
+        let inner_step = !own_step && holds_loop(body, &|_| true);
+        if deals_inside || (inner_step && (manual || !data.deals())) {
             self.visit_block_mut(body);
             return None;
+        }
+        if own_step && matches!(data, Data::Counting) && mode != Mode::Drawn {
+            if let Some(it) = inner_next_receiver(body) {
+                data = Data::Next(it);
+            }
         }
         // Its body runs under autocast in every case: a refused loop is reported once, at
         // the loop, not again at each of its backward calls.
@@ -702,7 +763,9 @@ pub(super) fn coverage(body: &Block, manual: bool) -> Vec<syn::Error> {
                 None => Some(format!(
                     "this backward runs in a loop around the training loop #[accelerate] \
                      prepared, not inside it, so its batches are not dealt nor its forward \
-                     pass run under autocast; move it into that loop, or {fix}"
+                     pass run under autocast; move it into that loop (a step every k batches, \
+                     as a GAN's generator step: `if i % k == 0 {{ .. }}` in `for (i, batch) \
+                     in data.enumerate()`), or {fix}"
                 )),
             }
         }

@@ -31,7 +31,7 @@ shapes!(
     vec_iter_enumerate_accumulate_by_hand, zero1_sgd_nesterov, zero2_clip_and_set_lr,
     zero3_evaluates_between_epochs, zero3_optimizer_in_backward_sgd,
     zero3_reads_its_weights_after_the_loop, zero3_writes_its_weights_between_epochs,
-    zip_of_two_iterators,
+    wgan_critic_steps, zip_of_two_iterators,
 );
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
