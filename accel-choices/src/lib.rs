@@ -258,11 +258,31 @@ impl Strategy {
     pub fn can_offload(self) -> bool {
         self.shards() || self == Strategy::Auto
     }
+
+    /// The strategies `offload` goes with, for messages: `"zero2", "zero3", "fsdp",
+    /// "hybrid_shard" or "auto"` (the attribute's check and the run-time one name the same).
+    pub fn offload_choices() -> String {
+        let names: Vec<String> =
+            Strategy::ALL.iter().filter(|s| s.can_offload()).map(|s| format!("\"{s}\"")).collect();
+        match names.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+            _ => names.concat(),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn offload_names_every_strategy_it_goes_with() {
+        let named = Strategy::offload_choices();
+        for s in Strategy::ALL {
+            assert_eq!(named.contains(&format!("\"{s}\"")), s.can_offload(), "{s}: {named}");
+        }
+        assert!(named.ends_with(" or \"auto\""), "{named}");
+    }
 
     #[test]
     fn names_parse_back_and_typos_get_a_guess() {

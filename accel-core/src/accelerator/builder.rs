@@ -300,12 +300,7 @@ impl AcceleratorBuilder {
                 crate::config::Wrap::None => sharding.units = Some(Vec::new()),
             }
         }
-        if sharding.offload && !config.strategy.can_offload() {
-            return Err(Error::Config(format!(
-                "offload needs a sharded strategy (zero2, zero3 or fsdp); the strategy is {}",
-                config.strategy
-            )));
-        }
+        crate::config::check_offload(sharding.offload, config.strategy)?;
         // FSDP's MixedPrecision as Accelerate's plugin sets it for bf16: units gathered,
         // computed and reduced in bf16, masters in fp32.
         let gathers_units =

@@ -306,12 +306,7 @@ impl PartialConfig {
                     .into(),
             ));
         }
-        if config.offload && !config.strategy.can_offload() {
-            return Err(Error::Config(format!(
-                "offload needs a sharded strategy (zero2, zero3 or fsdp); the strategy is {}",
-                config.strategy
-            )));
-        }
+        check_offload(config.offload, config.strategy)?;
         if config.accumulate == 0 {
             return Err(Error::Config(
                 "accumulate = 0: the number of micro-batches per optimizer step must be >= 1"
@@ -435,6 +430,18 @@ impl Default for ScalerConfig {
 /// The config file named by `ACCEL_CONFIG_FILE`, if any.
 pub fn config_file_from_env() -> Option<PathBuf> {
     std::env::var_os(CONFIG_FILE_ENV).map(PathBuf::from)
+}
+
+/// Offloading moves sharded state to the CPU; without sharding there is nothing to offload.
+/// Checked where the setting is resolved, whichever source set it (code, file, DeepSpeed).
+pub(crate) fn check_offload(offload: bool, strategy: Strategy) -> Result<()> {
+    if offload && !strategy.can_offload() {
+        return Err(Error::Config(format!(
+            "offload needs a sharded strategy ({}); the strategy is {strategy}",
+            Strategy::offload_choices()
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -98,7 +98,10 @@ fn offload_needs_sharding(raw: &RawArgs, errors: &mut Vec<syn::Error>) {
         if o.value && !raw.written_strategy().is_some_and(|s| s.value.can_offload()) {
             errors.push(syn::Error::new(
                 o.span,
-                "`offload = true` needs a strategy that shards parameters or gradients: \"zero2\", \"zero3\" or \"fsdp\"",
+                format!(
+                    "`offload = true` needs a strategy that shards parameters or gradients: {}",
+                    Strategy::offload_choices()
+                ),
             ));
         }
     }
