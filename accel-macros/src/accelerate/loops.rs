@@ -30,11 +30,20 @@ use super::index;
 /// loops by it.
 const AUTOCAST: &str = "__accel_autocast";
 
-struct BackwardFinder(bool);
+/// Finds a backward call; with `own_only`, outside the training loops inside what it visits.
+struct BackwardFinder {
+    found: bool,
+    own_only: bool,
+}
 
 impl<'a> Visit<'a> for BackwardFinder {
+    fn visit_expr(&mut self, e: &'a Expr) {
+        if !(self.own_only && is_training_loop(e)) {
+            syn::visit::visit_expr(self, e);
+        }
+    }
     fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
-        self.0 |= body::is_backward(m);
+        self.found |= body::is_backward(m);
         syn::visit::visit_expr_method_call(self, m);
     }
     fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
@@ -47,9 +56,9 @@ impl<'a> Visit<'a> for BackwardFinder {
 }
 
 fn block_has_backward(block: &Block) -> bool {
-    let mut f = BackwardFinder(false);
+    let mut f = BackwardFinder { found: false, own_only: false };
     f.visit_block(block);
-    f.0
+    f.found
 }
 
 /// A loop's body, if `expr` is a loop.
@@ -79,26 +88,9 @@ pub(super) fn is_training_loop(expr: &Expr) -> bool {
 /// Whether `body` runs a backward outside its inner training loops (and outside closures
 /// and items).
 fn runs_own_backward(body: &Block) -> bool {
-    struct Own(bool);
-    impl<'a> Visit<'a> for Own {
-        fn visit_expr(&mut self, e: &'a Expr) {
-            if !is_training_loop(e) {
-                syn::visit::visit_expr(self, e);
-            }
-        }
-        fn visit_expr_method_call(&mut self, m: &'a ExprMethodCall) {
-            self.0 |= body::is_backward(m);
-            syn::visit::visit_expr_method_call(self, m);
-        }
-        fn visit_expr_call(&mut self, c: &'a syn::ExprCall) {
-            body::visit_call(self, c);
-        }
-        fn visit_expr_closure(&mut self, _: &'a syn::ExprClosure) {}
-        fn visit_item(&mut self, _: &'a syn::Item) {}
-    }
-    let mut own = Own(false);
-    own.visit_block(body);
-    own.0
+    let mut f = BackwardFinder { found: false, own_only: true };
+    f.visit_block(body);
+    f.found
 }
 
 /// The iterator the training loops inside `body` take their batches from: the receiver of
@@ -110,7 +102,7 @@ fn inner_next_receiver(body: &Block) -> Option<syn::Ident> {
         fn visit_expr(&mut self, e: &'a Expr) {
             match loop_body(e) {
                 Some(inner) if self.0.is_none() && is_training_loop(e) => {
-                    self.0 = inner.stmts.iter().find_map(|s| first_next(|f| f.visit_stmt(s)));
+                    self.0 = first_next(|f| f.visit_block(inner));
                 }
                 _ => syn::visit::visit_expr(self, e),
             }
@@ -399,9 +391,9 @@ pub(super) fn prepare(block: &mut Block, mode: Mode, name: &syn::Ident) -> Prepa
 
 /// Whether `stmt` calls `.backward()` anywhere.
 pub(super) fn runs_backward(stmt: &Stmt) -> bool {
-    let mut f = BackwardFinder(false);
+    let mut f = BackwardFinder { found: false, own_only: false };
     f.visit_stmt(stmt);
-    f.0
+    f.found
 }
 
 /// The search for training loops, over every expression position of the body.
